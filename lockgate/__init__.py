@@ -1,0 +1,22 @@
+"""lockgate: an LLM serving engine with a token-granular KV pool and peak-usage admission.
+
+Public offline API: ``LLM`` and ``SamplingParams``. ``LLM`` is imported lazily so that
+importing ``lockgate`` (for example from the API process) never pulls in torch.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from lockgate.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from lockgate.offline import LLM
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from lockgate.offline import LLM
+
+        return LLM
+    raise AttributeError(name)

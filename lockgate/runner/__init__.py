@@ -1,0 +1,30 @@
+"""Runners turn a ForwardPlan into a ForwardResult: the real torch model or the simulator."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from lockgate.config import CacheConfig, ModelConfig
+from lockgate.plan import ForwardPlan, ForwardResult
+
+
+class Runner(Protocol):
+    capacity: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def warmup(self) -> None: ...
+
+    def execute(self, plan: ForwardPlan) -> ForwardResult: ...
+
+
+def make_runner(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> Runner:
+    """The sim runner for ``--model sim``, else the torch ModelRunner (imported lazily)."""
+    if model_cfg.model == "sim":
+        from lockgate.runner.sim_runner import SimRunner
+
+        return SimRunner(model_cfg, cache_cfg)
+    from lockgate.runner.model_runner import ModelRunner
+
+    return ModelRunner(model_cfg, cache_cfg)

@@ -1,0 +1,63 @@
+"""SimRunner: a model-free runner that honours the ForwardPlan/ForwardResult contract.
+
+Used by ``--model sim`` so the scheduler, the server and the gateway can be tested and
+benchmarked in seconds. It checks each plan's invariants, "computes" for a time given by a
+small cost model (``sim_step_ms + sim_token_ms * tokens in the step``, spent in
+``time.sleep`` so it frees the CPU like a GIL-releasing kernel would), and returns
+deterministic tokens: the next token is a hash of the row's last input token and its
+position, never an EOS id, so a request runs to max_tokens unless stopped otherwise and
+the same prompt always gives the same output whatever the batch.
+
+No torch; the KV "pool" is only a capacity number.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from lockgate.config import CacheConfig, ModelConfig
+from lockgate.plan import ForwardPlan, ForwardResult
+
+SIM_VOCAB = 32000
+SIM_EOS = 2
+SIM_CONTEXT = 32768
+SIM_BYTES_PER_TOKEN = 4096  # pretend KV footprint, to turn --kv-cache-memory into a capacity
+
+
+class SimRunner:
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
+        self.cfg = model_cfg
+        self.capacity = cache_cfg.max_total_tokens or max(1, cache_cfg.kv_cache_bytes // SIM_BYTES_PER_TOKEN)
+        self.max_model_len = min(SIM_CONTEXT, model_cfg.max_model_len or SIM_CONTEXT)
+        self.vocab_size = SIM_VOCAB
+        self.eos_token_ids: tuple[int, ...] = (SIM_EOS,)
+        self.model_dir = None
+        self.dtype = "sim"
+
+    def warmup(self) -> None:
+        pass
+
+    @staticmethod
+    def next_tokens(last_ids: np.ndarray, last_pos: np.ndarray) -> np.ndarray:
+        h = (last_ids.astype(np.uint64) * np.uint64(2654435761) + last_pos.astype(np.uint64) * np.uint64(40503)
+             + np.uint64(12345)) % np.uint64(SIM_VOCAB - 3)
+        return (h + np.uint64(3)).astype(np.int64)
+
+    def execute(self, plan: ForwardPlan) -> ForwardResult:
+        t0 = time.perf_counter()
+        if __debug__:
+            plan.validate()
+        ends = np.cumsum(plan.query_lens)[plan.sample_rows] - 1
+        tokens = self.next_tokens(plan.input_ids[ends], plan.positions[ends])
+        s = tokens.shape[0]
+        k = int(max(0, plan.sampling.num_logprobs.max(initial=0)))
+        top_ids = np.tile(np.arange(3, 3 + k, dtype=np.int64), (s, 1))
+        top_lp = np.tile(-np.arange(1, k + 1, dtype=np.float32), (s, 1))
+        delay = (self.cfg.sim_step_ms + self.cfg.sim_token_ms * plan.num_tokens) / 1000.0
+        remaining = delay - (time.perf_counter() - t0)
+        if remaining > 0:
+            time.sleep(remaining)
+        return ForwardResult(tokens=tokens, logprobs=np.full(s, -1.0, np.float32), top_ids=top_ids,
+                             top_logprobs=top_lp, step_seconds=time.perf_counter() - t0)

@@ -1,0 +1,75 @@
+"""SamplingParams: what a request asks of the sampler and the stop logic.
+
+Owns validation of every per-request generation knob. Construction fails with a
+``ValueError`` naming the field and the limit it broke, so the server can turn it into a
+4xx verbatim. Instances are frozen; ``temperature == 0`` means greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt + output tokens
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings, matched on detokenized text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; 0: chosen token only; N: chosen + top N
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        need(is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature!r}")
+        need(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(is_int(self.top_k) and self.top_k >= -1, f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        need(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        need(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        need(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        need(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        need(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+             f"seed must be an integer, got {self.seed!r}")
+        need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a tuple of non-empty strings")
+        need(len(self.stop) <= 16, f"at most 16 stop strings are allowed, got {len(self.stop)}")
+        need(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers")
+        need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -1,0 +1,143 @@
+"""Peak-usage admission (the Efficient Router): may a waiting request join the batch?
+
+Owns one pure computation, the future peak KV-slot usage of a batch, and the admission
+rule built on it. Numpy and ints only; the scheduler calls it with per-request arrays
+every time it considers moving requests from the waiting queue into the running batch.
+
+The model
+---------
+Describe every request ``i`` of the batch by two numbers:
+
+* ``resident_i``: tokens whose KV it holds, or will hold once its prompt is prefilled
+  (prompt + tokens generated so far);
+* ``left_i``: tokens it may still generate (``max_tokens - generated``).
+
+Each future decode step adds one slot to every request still running, and request ``i``
+leaves (freeing everything) after ``left_i`` more steps. So ``t`` steps from now
+
+    usage(t) = sum over {i : left_i >= t} of (resident_i + t),      t = 0, 1, 2, ...
+
+The formula
+-----------
+Sort the requests by ``left`` descending (``left_0 >= left_1 >= ...``). Between two
+departures ``usage`` only grows, so its maximum is reached at ``t = left_k`` for some
+``k``, just before request ``k`` leaves. At that moment requests ``0..k`` are alive
+(plus any ties with ``left_j == left_k``, which the later index accounts for), giving
+
+    peak = max_k ( sum_{j<=k} resident_j + (k + 1) * left_k ).
+
+Degenerate cases: an empty batch has peak 0 (no rows, defined as 0); ``t = 0`` (the
+current usage, ``sum resident``) is covered by the last term ``k = n - 1`` since
+``left >= 0``; rows with ``left = 0`` sort last and only show up there, at ``t = 0``.
+With ``n`` requests this is one sort and one cumulative sum: O(n log n).
+
+Why it is safe
+--------------
+``resident_i + left_i = prompt + max_tokens`` bounds the slots request ``i`` can ever
+hold, and requests that stop early (EOS, stop strings, aborts) only free slots sooner,
+so real usage never exceeds the estimate. Admitting a candidate only when the peak *with
+the candidate included* is ``<= capacity`` therefore means decode never runs out of KV
+slots. Tokens a request shares with the prefix cache are already resident and must be
+counted once by the caller (for example by lowering ``capacity`` by the slots the cache
+keeps locked, and leaving shared tokens out of ``resident``).
+
+Requests that do not advance every step
+---------------------------------------
+The formula assumes lockstep: every request gains one token per step. A request whose
+prompt is being prefilled in chunks (or that is admitted but gets no prefill budget this
+step) stalls while the others advance, which can push the real peak above the estimate.
+The scheduler therefore splits the batch in two: requests that advance every step (all
+decoding requests, plus candidates whose whole remaining prompt is prefilled this step)
+go through ``peak_usage``; each stalled request is charged its whole
+``resident + left`` as a constant block on top. When a stalled request starts decoding,
+its contribution can only shrink (in lockstep it holds at most ``resident + left`` at any
+time), so the estimate never grows as steps run and the guarantee holds.
+
+Adding a request adds a non-negative term to ``usage(t)`` at every ``t``, so the peak
+never decreases when requests join. Hence the candidates that fit "one after another"
+form a prefix of the queue, and ``admit_many`` finds its length by binary search.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+I64 = np.int64
+
+
+def _as_rows(resident: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    res = np.asarray(resident, dtype=I64).reshape(-1)
+    lft = np.asarray(left, dtype=I64).reshape(-1)
+    if res.shape != lft.shape:
+        raise ValueError(f"resident has {res.size} rows but left has {lft.size}")
+    if res.size and (res.min() < 0 or lft.min() < 0):
+        raise ValueError("resident and left must be non-negative")
+    return res, lft
+
+
+def peak_usage(resident: np.ndarray, left: np.ndarray) -> int:
+    """Future peak slot usage of a batch: ``max_k(cumsum(resident)[k] + (k+1) * left[k])``
+    over rows sorted by ``left`` descending; 0 for an empty batch."""
+    res, lft = _as_rows(resident, left)
+    if res.size == 0:
+        return 0
+    order = np.argsort(-lft, kind="stable")
+    lft_sorted = lft[order]
+    cum_res = np.cumsum(res[order])
+    alive = np.arange(1, res.size + 1, dtype=I64)
+    return int((cum_res + alive * lft_sorted).max())
+
+
+class PeakAdmission:
+    """Decides whether candidates fit next to the running batch.
+
+    ``capacity`` is the number of KV slots the batch may use at its peak (a plain
+    attribute, so the scheduler may lower it for slots held elsewhere).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        capacity = operator.index(capacity)
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity: int = capacity
+
+    def headroom(self, resident: np.ndarray, left: np.ndarray) -> int:
+        """``capacity - peak_usage``; negative if the batch is already over budget."""
+        return self.capacity - peak_usage(resident, left)
+
+    def fits(self, resident: np.ndarray, left: np.ndarray, cand_resident: int, cand_left: int) -> bool:
+        """True if the batch plus this one candidate peaks at ``<= capacity``."""
+        res, lft = _as_rows(resident, left)
+        res = np.append(res, I64(operator.index(cand_resident)))
+        lft = np.append(lft, I64(operator.index(cand_left)))
+        return peak_usage(res, lft) <= self.capacity
+
+    def admit_many(self, resident: np.ndarray, left: np.ndarray,
+                   cand_resident: np.ndarray, cand_left: np.ndarray) -> int:
+        """How many candidates, taken in the given order, fit one after another.
+
+        Equivalent to calling ``fits`` for each candidate and adding it to the batch until
+        the first one that does not fit. The peak is monotone in the set of requests, so
+        the answer is the longest fitting prefix: binary search, O(log k * m log m) with
+        ``m = n + k``.
+        """
+        res, lft = _as_rows(resident, left)
+        c_res, c_lft = _as_rows(cand_resident, cand_left)
+        all_res = np.concatenate([res, c_res])
+        all_lft = np.concatenate([lft, c_lft])
+        n = res.size
+
+        def ok(m: int) -> bool:
+            return peak_usage(all_res[:n + m], all_lft[:n + m]) <= self.capacity
+
+        # Largest m in [0, k] with m == 0 or ok(m); ok is monotone (true, then false).
+        lo, hi = 0, c_res.size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -1,0 +1,77 @@
+"""EngineCore: the one place where the scheduler meets a runner.
+
+Owns one scheduler and one runner and turns them into a step function:
+schedule -> execute -> update. The offline ``LLM`` drives it in-process; the server's
+scheduler process drives the very same object from its event loop (DESIGN.md habit 12).
+
+Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
+#queue-req; decode: #running-req, #token, gen throughput) are kept here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lockgate.config import EngineConfig
+from lockgate.runner import Runner, make_runner
+from lockgate.sampling import SamplingParams
+from lockgate.scheduler.request import Request
+from lockgate.scheduler.scheduler import Scheduler, StepOutput
+
+log = logging.getLogger("lockgate.engine")
+
+
+@dataclass
+class StepInfo:
+    num_seqs: int
+    num_new_seqs: int
+    num_prefill_tokens: int
+    num_decode: int
+    seconds: float
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, runner: Runner | None = None, check_invariants: bool = False) -> None:
+        self.cfg = cfg
+        self.runner = runner if runner is not None else make_runner(cfg.model, cfg.cache)
+        self.scheduler = Scheduler(cfg.scheduler, capacity=self.runner.capacity,
+                                   max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
+                                   eos_token_ids=self.runner.eos_token_ids)
+        self.check = check_invariants
+        self.last_step: StepInfo | None = None
+        self.num_steps = 0
+        log.info("engine ready: KV capacity %d tokens, context %d, max running %d, prefill budget %d",
+                 self.runner.capacity, self.runner.max_model_len, cfg.scheduler.max_running_requests,
+                 cfg.scheduler.max_prefill_tokens)
+
+    def add_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams,
+                    rid: str | None = None) -> Request:
+        req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params)
+        self.scheduler.submit(req)
+        return req
+
+    def abort(self, rid: str) -> Request | None:
+        return self.scheduler.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        """Run one step; returns the per-request events it produced."""
+        t0 = time.perf_counter()
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        result = self.runner.execute(step.plan)
+        outs = self.scheduler.update(step, result)
+        self.num_steps += 1
+        self.last_step = StepInfo(len(step.rows), step.num_new_seqs, step.num_prefill_tokens, step.num_decode,
+                                  time.perf_counter() - t0)
+        if self.check:
+            self.scheduler.check_invariants()
+        return outs

@@ -1,0 +1,93 @@
+"""Request: the scheduler's record of one generation request.
+
+Owns the per-request bookkeeping: prompt and output token ids, the KV slots the request
+holds, and how far its prompt has been computed. Phases are derived, never stored
+(DESIGN.md habit 4): a request is *prefilling* while ``num_computed < num_prompt``; after
+that it decodes, feeding back its last sampled token each step.
+
+Slot invariant: ``slots[:num_computed]`` are the KV slots of the first ``num_computed``
+tokens of ``prompt_ids + output_ids``, in position order, and the request owns exactly
+those slots in the allocator. A decoding request has ``num_computed == len(all tokens) - 1``
+(its newest token's KV is written by the next step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from lockgate.sampling import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens (or the context limit) reached
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: np.ndarray  # i64 [P]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_computed: int = 0
+    finish_reason: FinishReason | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + params.stop_token_ids
+    first_token_time: float | None = None
+    admit_time: float | None = None
+    slots: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
+        # Room for every token that can ever need KV: prompt + max_tokens (the last sampled
+        # token never does, so this is one more than needed).
+        self.slots = np.empty(self.num_prompt + self.params.max_tokens, dtype=np.int64)
+
+    # ---- derived state -------------------------------------------------------------
+    @property
+    def num_prompt(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def resident(self) -> int:
+        """Tokens whose KV the request holds, or will hold once its prompt is prefilled."""
+        return self.num_tokens
+
+    @property
+    def left(self) -> int:
+        """Tokens the request may still generate."""
+        return self.params.max_tokens - len(self.output_ids)
+
+    def token_at(self, start: int, stop: int) -> np.ndarray:
+        """Token ids at positions [start, stop) of prompt + output."""
+        p = self.num_prompt
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        out = np.asarray(self.output_ids[max(start - p, 0):stop - p], dtype=np.int64)
+        return out if start >= p else np.concatenate([self.prompt_ids[start:], out])
+
+    def held_slots(self) -> np.ndarray:
+        return self.slots[:self.num_computed]

@@ -1,0 +1,1 @@
+"""Tokenizers (no torch) and incremental detokenization with stop strings."""

@@ -1,0 +1,63 @@
+"""Incremental detokenization with stop strings.
+
+Owns turning a growing list of output token ids into text deltas that are always valid
+UTF-8 and never contain a stop string. Two offsets into the ids (``prefix`` and ``read``,
+as in vLLM/TGI; ``ids[prefix:read]`` is the left context last decoded completely): the text of ``ids[prefix:]`` minus the text of
+``ids[prefix:read]`` is the new text; a delta ending in U+FFFD (an incomplete multi-byte
+character) is held back until the next token completes it.
+
+Stop strings: the tail of the text that could still become a stop string (up to the
+longest stop string minus one characters) is held back; when a stop string appears, the
+text is cut just before it and ``stopped`` becomes true. Nothing after or of the stop
+string is ever emitted.
+"""
+
+from __future__ import annotations
+
+from lockgate.tokenizer.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.text = ""  # all decoded text so far (stop-truncated once stopped)
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+        self.stop_reason: str | None = None
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add tokens; return the text that may now be emitted."""
+        if self.stopped:
+            return ""
+        self.ids.extend(new_ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        full = self.tok.decode(self.ids[self.prefix:], self.skip)
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix_text):]
+            # The text is complete up to read: those tokens become the next left context.
+            self.prefix, self.read = self.read, len(self.ids)
+        if self.stop:
+            start = max(self.emitted - self.hold, 0)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.text = self.text[:i]
+                self.stopped = True
+                self.stop_reason = s
+        return self._release(final=self.stopped)
+
+    def flush(self) -> str:
+        """The request ended: release whatever was held back."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text) if final else max(len(self.text) - self.hold, self.emitted)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out
