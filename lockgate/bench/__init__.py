@@ -1,0 +1,1 @@
+"""Benchmark helpers: workloads built from real text, and the statistics they report."""

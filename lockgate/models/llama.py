@@ -1,0 +1,316 @@
+"""The Llama family in plain torch: Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2.
+
+Owns the architecture (``LlamaArgs``, parsed and validated from a Hugging Face
+``config.json``), weight loading from safetensors (all shards, converted to the run dtype)
+and the forward pass over one step of flat tokens.
+
+Invariants:
+
+* Weights are fused at load: one QKV matmul ([(H + 2 Hkv) D, hidden]) and one gate/up matmul
+  ([2 F, hidden]) per layer. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
+  Llama ``attention_bias`` / ``mlp_bias``); the config decides whether they must exist.
+* The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
+  ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
+  ``out_slots`` and returns float32 logits only for ``logits_rows`` (the last token of each
+  sampled sequence), skipping the final norm and LM head for everything else.
+* Unsupported architectures or features (another ``model_type``, non-SiLU activation, rope
+  types other than default/linear/llama3, partial rotary) raise ``ValueError`` at load with
+  the offending key, instead of computing something subtly wrong.
+
+Called by ``lockgate.runner.model_runner`` (load + one forward per step) and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from lockgate.layers.attention import AttentionMetadata, paged_attention
+from lockgate.layers.norm import rms_norm
+from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, rope_type_of
+
+log = logging.getLogger("lockgate.models")
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None or {"rope_type": "linear" | "llama3", ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 always; Llama when attention_bias
+    o_bias: bool  # Llama attention_bias
+    mlp_bias: bool
+    sliding_window: int | None  # window of sliding-window attention, if the model uses one
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @staticmethod
+    def from_config(cfg: dict[str, Any]) -> LlamaArgs:
+        """Parse a Hugging Face config.json dict; raise ValueError for what we do not support."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} (architectures={cfg.get('architectures')}); "
+                             f"lockgate supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (Llama MLP) is implemented")
+        if cfg.get("pretraining_tp", 1) not in (1, None):
+            log.info("ignoring pretraining_tp=%s (only affects training-time numerics)", cfg["pretraining_tp"])
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        theta, scaling = _rope_params(cfg)
+        sliding = None
+        if model_type == "mistral":
+            sliding = cfg.get("sliding_window")
+        elif model_type == "qwen2" and (cfg.get("use_sliding_window")
+                                        or "sliding_attention" in (cfg.get("layer_types") or ())):
+            sliding = cfg.get("sliding_window")
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return LlamaArgs(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+        )
+
+
+def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers-5 ``rope_parameters`` or legacy ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if "rope_theta" in params and not isinstance(params["rope_theta"], int | float):
+        raise ValueError("per-layer rope_parameters are not supported")
+    legacy = dict(cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = {**legacy, **params}
+    scaling.pop("rope_theta", None)
+    rope_type = rope_type_of(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r} in config.json "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    prf = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        raise ValueError(f"unsupported partial_rotary_factor={prf}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in scaling]
+        if missing:
+            raise ValueError(f"llama3 rope scaling is missing {missing}")
+    if "factor" not in scaling:
+        raise ValueError(f"{rope_type} rope scaling is missing 'factor'")
+    return theta, {**scaling, "rope_type": rope_type}
+
+
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one transformer block (fused QKV and gate/up)."""
+
+    def __init__(self, w: dict[str, torch.Tensor | None]):
+        super().__init__()
+        self.attn_norm = _frozen(w["attn_norm"])  # [hidden]
+        self.qkv_weight = _frozen(w["qkv_weight"])  # [(H + 2 Hkv) D, hidden]
+        self.qkv_bias = _frozen(w["qkv_bias"])  # [(H + 2 Hkv) D] or None
+        self.o_weight = _frozen(w["o_weight"])  # [hidden, H D]
+        self.o_bias = _frozen(w["o_bias"])  # [hidden] or None
+        self.mlp_norm = _frozen(w["mlp_norm"])  # [hidden]
+        self.gate_up_weight = _frozen(w["gate_up_weight"])  # [2 F, hidden]
+        self.gate_up_bias = _frozen(w["gate_up_bias"])  # [2 F] or None
+        self.down_weight = _frozen(w["down_weight"])  # [hidden, F]
+        self.down_bias = _frozen(w["down_bias"])  # [hidden] or None
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only Llama-family model over the slot-indexed KV pool."""
+
+    def __init__(self, args: LlamaArgs, embed: torch.Tensor, layers: list[dict[str, torch.Tensor | None]],
+                 norm: torch.Tensor, lm_head: torch.Tensor | None):
+        super().__init__()
+        self.args = args
+        self.embed = _frozen(embed)  # [V, hidden]
+        self.layers = nn.ModuleList(DecoderLayer(w) for w in layers)
+        self.norm = _frozen(norm)  # [hidden]
+        self.lm_head = self.embed if lm_head is None else _frozen(lm_head)  # [V, hidden] (tied: same tensor)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def kv_shape(self, capacity: int) -> tuple[int, int, int, int]:
+        """Shape of each KV pool tensor: [num_layers, capacity, Hkv, D]."""
+        a = self.args
+        return (a.num_layers, capacity, a.num_kv_heads, a.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """input_ids/positions [T] i64, k_cache/v_cache [layers, capacity, Hkv, D],
+        logits_rows [S] i64 (rows of T) -> logits [S, V] f32, or None when logits_rows is None.
+        """
+        a = self.args
+        t = input_ids.shape[0]
+        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
+        for i, layer in enumerate(self.layers):
+            y = rms_norm(x, layer.attn_norm, a.rms_norm_eps)  # [T, hidden]
+            qkv = F.linear(y, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
+            q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+            q = apply_rope(q.view(t, h, d), cos, sin)  # [T, H, D]
+            k = apply_rope(k.view(t, hkv, d), cos, sin)  # [T, Hkv, D]
+            o = paged_attention(q, k, v.view(t, hkv, d), k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
+            x = x + F.linear(o.reshape(t, h * d), layer.o_weight, layer.o_bias)  # [T, hidden]
+            y = rms_norm(x, layer.mlp_norm, a.rms_norm_eps)
+            gate, up = F.linear(y, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # [T, F] each
+            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)  # [T, hidden]
+        if logits_rows is None:
+            return None
+        x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
+        return F.linear(x, self.lm_head).float()  # [S, V]
+
+    @staticmethod
+    def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> LlamaModel:
+        """Load config.json + safetensors (all shards) from a Hugging Face model directory."""
+        model_dir = Path(model_dir)
+        cfg_path = model_dir / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"{model_dir}: no config.json")
+        args = LlamaArgs.from_config(json.loads(cfg_path.read_text()))
+        with _Weights(model_dir, dtype, torch.device(device)) as w:
+            layers = []
+            for i in range(args.num_layers):
+                p = f"model.layers.{i}."
+                qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
+                gu = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+                layers.append({
+                    "attn_norm": w.get(p + "input_layernorm.weight"),
+                    "qkv_weight": w.cat([n + ".weight" for n in qkv]),
+                    "qkv_bias": w.cat([n + ".bias" for n in qkv]) if args.qkv_bias else None,
+                    "o_weight": w.get(p + "self_attn.o_proj.weight"),
+                    "o_bias": w.get(p + "self_attn.o_proj.bias") if args.o_bias else None,
+                    "mlp_norm": w.get(p + "post_attention_layernorm.weight"),
+                    "gate_up_weight": w.cat([n + ".weight" for n in gu]),
+                    "gate_up_bias": w.cat([n + ".bias" for n in gu]) if args.mlp_bias else None,
+                    "down_weight": w.get(p + "mlp.down_proj.weight"),
+                    "down_bias": w.get(p + "mlp.down_proj.bias") if args.mlp_bias else None,
+                })
+            embed = w.get("model.embed_tokens.weight")
+            lm_head = None
+            if args.tie_word_embeddings:
+                w.skip("lm_head.weight")  # some checkpoints store the tied copy too
+            else:
+                if not w.has("lm_head.weight"):
+                    raise ValueError(f"{model_dir}: tie_word_embeddings is false but lm_head.weight is missing")
+                lm_head = w.get("lm_head.weight")
+            norm = w.get("model.norm.weight")
+            unused = w.unused()
+        if unused:
+            log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])
+        model = LlamaModel(args, embed, layers, norm, lm_head)
+        _check_shapes(model)
+        return model
+
+
+def _check_shapes(m: LlamaModel) -> None:
+    a = m.args
+    qkv_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    want = {"embed": (a.vocab_size, a.hidden_size), "lm_head": (a.vocab_size, a.hidden_size)}
+    for name, shape in want.items():
+        got = tuple(getattr(m, name).shape)
+        if got != shape:
+            raise ValueError(f"{name} has shape {got}, config.json implies {shape}")
+    for i, layer in enumerate(m.layers):
+        for name, shape in (("qkv_weight", (qkv_rows, a.hidden_size)),
+                            ("o_weight", (a.hidden_size, a.num_heads * a.head_dim)),
+                            ("gate_up_weight", (2 * a.intermediate_size, a.hidden_size)),
+                            ("down_weight", (a.hidden_size, a.intermediate_size))):
+            got = tuple(getattr(layer, name).shape)
+            if got != shape:
+                raise ValueError(f"layer {i} {name} has shape {got}, config.json implies {shape}")
+
+
+class _Weights:
+    """Name -> tensor access over all safetensors shards of a directory, converted on read."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_dir}: no *.safetensors weights")
+        self.dtype, self.device = dtype, device
+        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+        self._used: set[str] = set()
+
+    def __enter__(self) -> _Weights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ValueError(f"weights are missing tensor {name!r}")
+        self._used.add(name)
+        return self._where[name].get_tensor(name).to(device=self.device, dtype=self.dtype)
+
+    def skip(self, name: str) -> None:
+        self._used.add(name)
+
+    def cat(self, names: list[str]) -> torch.Tensor:
+        return torch.cat([self.get(n) for n in names], dim=0)
+
+    def unused(self) -> set[str]:
+        return {k for k in self._where if k not in self._used and not k.endswith("rotary_emb.inv_freq")}

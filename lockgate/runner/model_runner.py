@@ -1,0 +1,180 @@
+"""ModelRunner: owns the weights and the KV pool; turns a ForwardPlan into a ForwardResult.
+
+Owns: the model (``LlamaModel``), the KV pool tensors ``k_cache`` / ``v_cache`` of shape
+[num_layers, capacity, Hkv, D] (slot s = one token's K/V in every layer), the run dtype and
+device, and the torch.Generator used for unseeded sampling (seeded from ``--seed``).
+
+Invariants:
+
+* The runner never sees requests: per step it gets plain arrays (``ForwardPlan``) and returns
+  plain arrays (``ForwardResult``). Which slots are free or cached is the scheduler's
+  business; the runner only writes the step's K/V to ``plan.out_slots`` and reads
+  ``plan.kv_slots``. The pool is ``torch.empty``: a slot is meaningful once some step wrote it.
+* Facts learned at start-up (``capacity``, ``max_model_len``, ``vocab_size``,
+  ``eos_token_ids``) are attributes, never edits of the config.
+* ``execute`` computes logits only for ``plan.sample_rows`` (the last token of each sampled
+  sequence) and skips the LM head entirely when no row samples.
+
+Called by the scheduler process loop (``lockgate.scheduler.loop``) and the offline ``LLM``
+through ``lockgate.runner.make_runner``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lockgate.config import CacheConfig, ModelConfig
+from lockgate.layers.attention import AttentionMetadata
+from lockgate.models.llama import LlamaModel
+from lockgate.models.loader import prepare_model_dir
+from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
+from lockgate.runner.sampler import sample
+
+log = logging.getLogger("lockgate.runner")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 kernels available to torch and a CPU with AVX512-BF16 or AMX-BF16 instructions."""
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on a CUDA device that supports it or a CPU with native bf16, else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+
+
+def read_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """eos_token_id (int or list) from config.json, then generation_config.json; deduplicated, in order."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.append(eos)
+        elif isinstance(eos, list):
+            ids.extend(int(e) for e in eos)
+    return tuple(dict.fromkeys(ids))
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
+        t0 = time.perf_counter()
+        self.cfg = model_cfg
+        self.model_dir: Path = prepare_model_dir(model_cfg.model)
+        self.device = torch.device(model_cfg.device)
+        self.dtype: torch.dtype = resolve_dtype(model_cfg.dtype, self.device)
+        torch.manual_seed(model_cfg.seed)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(model_cfg.seed)
+        self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device).eval()
+        args = self.model.args
+        self.vocab_size: int = args.vocab_size
+        self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
+        self.max_model_len: int = self._context_length(model_cfg)
+
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * elem
+        if cache_cfg.max_total_tokens is not None:
+            self.capacity: int = cache_cfg.max_total_tokens
+        else:
+            self.capacity = cache_cfg.kv_cache_bytes // bytes_per_token
+            if self.capacity < 1:
+                raise ValueError(f"--kv-cache-memory {cache_cfg.kv_cache_memory} holds no token "
+                                 f"({bytes_per_token} bytes per token)")
+        shape = self.model.kv_shape(self.capacity)  # [layers, capacity, Hkv, D]
+        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        log.info("model %s (%s, %d layers) on %s in %s, loaded in %.2fs; max_model_len %d",
+                 self.model_dir, args.model_type, args.num_layers, self.device, self.dtype,
+                 time.perf_counter() - t0, self.max_model_len)
+        log.info("KV pool: %d tokens x %d bytes = %.1f MiB", self.capacity, bytes_per_token,
+                 self.capacity * bytes_per_token / 2**20)
+
+    def _context_length(self, cfg: ModelConfig) -> int:
+        args = self.model.args
+        n = args.max_position_embeddings
+        if cfg.max_model_len is not None:
+            n = min(n, cfg.max_model_len)
+        if args.sliding_window is not None and n > args.sliding_window:
+            # Inside the window sliding-window attention equals full attention; beyond it we
+            # would be wrong, so cap the context instead of silently computing something else.
+            log.warning("%s uses sliding-window attention (window %d), which lockgate does not implement; "
+                        "capping max_model_len from %d to %d", self.model_dir, args.sliding_window, n,
+                        args.sliding_window)
+            n = args.sliding_window
+        return n
+
+    def execute(self, plan: ForwardPlan) -> ForwardResult:
+        """Run one step: write K/V for every new token, sample one token per ``sample_rows`` entry."""
+        t0 = time.perf_counter()
+        t = plan.num_tokens
+        if plan.out_slots.shape != (t,) or (t and int(plan.out_slots.max()) >= self.capacity):
+            raise ValueError(f"bad plan: {t} tokens, out_slots {plan.out_slots.shape}, capacity {self.capacity}")
+        dev = self.device
+        meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.kv_slots, plan.kv_offsets,
+                                       plan.out_slots, self.model.args.num_queries_per_kv, dev)
+        s = int(plan.sample_rows.shape[0])
+        rows = None
+        if s:
+            ends = np.cumsum(plan.query_lens) - 1  # [B] last token row of each sequence
+            rows = torch.from_numpy(np.ascontiguousarray(ends[plan.sample_rows], dtype=np.int64)).to(dev)
+        with torch.inference_mode():
+            logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
+                                torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
+                                meta, self.k_cache, self.v_cache, rows)  # [S, V] f32 or None
+            if logits is None:
+                return ForwardResult(tokens=np.zeros(0, np.int64), logprobs=np.zeros(0, np.float32),
+                                     top_ids=np.zeros((0, 0), np.int64), top_logprobs=np.zeros((0, 0), np.float32),
+                                     step_seconds=time.perf_counter() - t0)
+            tokens, logprobs, top_ids, top_logprobs = sample(logits, plan.sampling, self.generator).to_numpy()
+        return ForwardResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
+                             step_seconds=time.perf_counter() - t0)
+
+    def warmup(self) -> None:
+        """One tiny prefill and one decode step on slots 0..n (their contents are garbage after)."""
+        n = min(8, self.capacity - 1)
+        if n < 1:
+            return
+        t0 = time.perf_counter()
+        ids = np.arange(1, n + 1, dtype=np.int64) % self.vocab_size
+        self.execute(_single_seq_plan(ids, start=0))
+        self.execute(_single_seq_plan(ids[:1], start=n))
+        log.info("warmup done in %.2fs", time.perf_counter() - t0)
+
+
+def _single_seq_plan(ids: np.ndarray, start: int) -> ForwardPlan:
+    """A greedy plan for one sequence whose slots are its positions 0..start + len(ids) - 1."""
+    i64 = np.int64
+    q, sl = len(ids), start + len(ids)
+    greedy = SamplingBatch(
+        temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, i64),
+        min_p=np.zeros(1, np.float32), repetition_penalty=np.ones(1, np.float32),
+        frequency_penalty=np.zeros(1, np.float32), presence_penalty=np.zeros(1, np.float32),
+        seeds=np.zeros(1, i64), has_seed=np.zeros(1, bool), seed_steps=np.zeros(1, i64),
+        num_logprobs=np.full(1, -1, i64), prompt_offsets=np.zeros(2, i64), output_offsets=np.zeros(2, i64),
+        suppress_offsets=np.zeros(2, i64))
+    return ForwardPlan(input_ids=ids.astype(i64), positions=np.arange(start, sl, dtype=i64),
+                       out_slots=np.arange(start, sl, dtype=i64), query_lens=np.array([q], i64),
+                       seq_lens=np.array([sl], i64), kv_slots=np.arange(sl, dtype=i64),
+                       kv_offsets=np.array([0, sl], i64), sample_rows=np.zeros(1, i64), sampling=greedy)

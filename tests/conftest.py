@@ -1,0 +1,65 @@
+"""Shared test helpers.
+
+``pool_driver``: drives a ``LlamaModel`` through steps over a NaN-initialised KV pool with
+scattered slots, the way the runner does (one AttentionMetadata per step), so model tests can
+feed a prompt whole, in chunks, or as decode steps and compare logits with a reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+class PoolDriver:
+    def __init__(self, model, capacity: int = 512, seed: int = 0):
+        from lockgate.layers.attention import AttentionMetadata
+
+        self._meta = AttentionMetadata
+        self.model = model
+        self.k_cache = torch.full(model.kv_shape(capacity), float("nan"), dtype=model.dtype)
+        self.v_cache = torch.full(model.kv_shape(capacity), float("nan"), dtype=model.dtype)
+        self.free = [int(s) for s in np.random.default_rng(seed).permutation(capacity)]  # scattered
+        self.slots: dict[int, list[int]] = {}
+
+    def step(self, chunks: dict[int, list[int]], all_rows: bool = False) -> dict[int, torch.Tensor]:
+        """One step: sequence id -> new tokens. Returns id -> logits [V] of the last new token
+        (or [q, V] for every new token when ``all_rows``)."""
+        ids, pos, out, qlens, slens, kv = [], [], [], [], [], []
+        for sid, toks in chunks.items():
+            ctx = self.slots.setdefault(sid, [])
+            start = len(ctx)
+            new = [self.free.pop() for _ in toks]
+            ctx.extend(new)
+            ids += toks
+            pos += range(start, start + len(toks))
+            out += new
+            qlens.append(len(toks))
+            slens.append(len(ctx))
+            kv += ctx
+        i64 = np.int64
+        meta = self._meta.build(np.array(qlens, i64), np.array(slens, i64), np.array(kv, i64),
+                                np.concatenate([[0], np.cumsum(slens)]).astype(i64), np.array(out, i64),
+                                self.model.args.num_queries_per_kv)
+        # every token's row, or the last token of each sequence
+        rows = list(range(len(ids))) if all_rows else list(np.cumsum(qlens) - 1)
+        with torch.inference_mode():
+            logits = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.k_cache, self.v_cache,
+                                torch.tensor(rows, dtype=torch.long))
+        res, r = {}, 0
+        for sid, toks in chunks.items():
+            n = len(toks) if all_rows else 1
+            res[sid] = logits[r:r + n] if all_rows else logits[r]
+            r += n
+        return res
+
+
+@pytest.fixture
+def pool_driver():
+    return PoolDriver

@@ -1,0 +1,115 @@
+"""Our Llama-family model vs transformers on tiny random models (fp32, tight tolerance)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from lockgate.models.llama import LlamaArgs, LlamaModel
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+KINDS = {
+    "llama": lambda tie: LlamaForCausalLM(LlamaConfig(**COMMON, rope_theta=1000.0, tie_word_embeddings=tie)),
+    "llama3_rope": lambda tie: LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE,
+                                                             tie_word_embeddings=tie)),
+    "llama_bias_mha": lambda tie: LlamaForCausalLM(LlamaConfig(
+        **{**COMMON, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True, tie_word_embeddings=tie)),
+    "qwen2": lambda tie: Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=tie)),
+    "mistral": lambda tie: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=tie)),
+}
+
+
+def build(tmp_path, kind: str, tie: bool):
+    """A random HF model saved as safetensors; every parameter (norms, biases too) randomised."""
+    torch.manual_seed(0)
+    hf = KINDS[kind](tie).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    assert list(tmp_path.glob("*.safetensors"))
+    return hf, LlamaModel.from_pretrained(tmp_path, torch.float32)
+
+
+PROMPT = [5, 17, 3, 88, 42, 42, 7, 1, 60, 33, 91, 2, 14, 70, 29, 50]
+OTHER = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()  # [L, V]
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_matches_transformers_whole_and_chunked(tmp_path, pool_driver, kind: str, tie: bool) -> None:
+    hf, ours = build(tmp_path, kind, tie)
+    assert ours.args.tie_word_embeddings == tie
+    assert (ours.lm_head is ours.embed) == tie
+    want, want_b = hf_logits(hf, PROMPT), hf_logits(hf, OTHER)
+    assert want.abs().max() > 1.0  # the comparison is not between near-zero logits
+
+    # The whole prompt in one step, logits at every position.
+    got = pool_driver(ours).step({0: PROMPT}, all_rows=True)[0]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+    # The same prompt as chunk + chunk + decodes, sharing steps with a second sequence.
+    drv = pool_driver(ours, seed=1)
+    r = drv.step({0: PROMPT[:5], 1: OTHER[:9]})
+    torch.testing.assert_close(r[0], want[4], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(r[1], want_b[8], atol=2e-5, rtol=1e-5)
+    r = drv.step({1: OTHER[9:10], 0: PROMPT[5:12]})  # a decode and a later prefill chunk in one step
+    torch.testing.assert_close(r[0], want[11], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(r[1], want_b[9], atol=2e-5, rtol=1e-5)
+    for i in range(12, len(PROMPT)):
+        r = drv.step({0: PROMPT[i:i + 1], 1: OTHER[10:11]} if i == 12 else {0: PROMPT[i:i + 1]})
+        torch.testing.assert_close(r[0], want[i], atol=2e-5, rtol=1e-5)
+
+
+def test_config_parsing_and_errors(tmp_path) -> None:
+    base = {**COMMON, "model_type": "llama", "hidden_act": "silu"}
+    a = LlamaArgs.from_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500.0})
+    assert a.rope_theta == 500.0 and a.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
+    a = LlamaArgs.from_config({**base, "rope_parameters": LLAMA3_ROPE})
+    assert a.rope_scaling["rope_type"] == "llama3" and a.rope_theta == 10000.0
+    assert a.head_dim == 16 and a.num_queries_per_kv == 2 and not a.qkv_bias
+    assert LlamaArgs.from_config({**base, "model_type": "qwen2"}).qkv_bias
+    assert LlamaArgs.from_config({**base, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
+    for bad, msg in [({"model_type": "gpt2"}, "unsupported model_type"),
+                     ({"hidden_act": "gelu"}, "hidden_act"),
+                     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+                     ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e4}}, "missing"),
+                     ({"num_key_value_heads": 3}, "multiple")]:
+        with pytest.raises(ValueError, match=msg):
+            LlamaArgs.from_config({**base, **bad})
+    # a directory whose weights lack a tensor gives a clear error naming it
+    build(tmp_path, "llama", True)
+    f = next(tmp_path.glob("*.safetensors"))
+    sd = load_file(f)
+    assert "lm_head.weight" not in sd  # tied: saved once
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="lm_head.weight is missing"):
+        LlamaModel.from_pretrained(tmp_path)
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        LlamaModel.from_pretrained(tmp_path)
