@@ -16,6 +16,7 @@ from lockgate.config import add_config_args, config_from_args
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
+    # No per-request --seed here: the engine's --seed seeds all sampling, so runs are reproducible.
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -23,7 +24,6 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
@@ -32,7 +32,7 @@ def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     from lockgate.sampling import SamplingParams
 
     return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                          min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, seed=ns.seed,
+                          min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
                           stop=tuple(ns.stop), ignore_eos=ns.ignore_eos)
 
 

@@ -57,6 +57,13 @@ class SamplingBatch:
     suppress_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, I64))  # EOS/stop ids banned (min_tokens)
     suppress_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, I64))
 
+    def __post_init__(self) -> None:
+        # Unused ragged lists default to S empty rows: offsets of S + 1 zeros.
+        s = self.size
+        for name in ("prompt", "output", "suppress"):
+            if getattr(self, f"{name}_ids").size == 0 and getattr(self, f"{name}_offsets").shape != (s + 1,):
+                setattr(self, f"{name}_offsets", np.zeros(s + 1, I64))
+
     @property
     def size(self) -> int:
         return int(self.temperature.shape[0])
@@ -111,7 +118,11 @@ class ForwardPlan:
             ctx = self.kv_slots[self.kv_offsets[b]:self.kv_offsets[b + 1]]
             assert np.array_equal(ctx[s - q:], self.out_slots[q_off[b]:q_off[b + 1]])
             assert np.array_equal(self.positions[q_off[b]:q_off[b + 1]], np.arange(s - q, s))
-        assert self.sampling.size == self.sample_rows.shape[0]
+        sb = self.sampling
+        assert sb.size == self.sample_rows.shape[0]
+        for name in ("prompt", "output", "suppress"):
+            ids, off = getattr(sb, f"{name}_ids"), getattr(sb, f"{name}_offsets")
+            assert off.shape == (sb.size + 1,) and int(off[-1]) == ids.shape[0], name
 
 
 @dataclass

@@ -63,3 +63,24 @@ class PoolDriver:
 @pytest.fixture
 def pool_driver():
     return PoolDriver
+
+
+# ---- the default model, shared by the golden and offline tests (loaded once per session) ----
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers' own Llama, fp32, loaded from the very GGUF lockgate serves (the independent reference)."""
+    from transformers import AutoModelForCausalLM
+
+    from lockgate.models.loader import default_gguf_path
+
+    gguf = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_fp32():
+    """lockgate's offline LLM on the default model in float32 (small KV pool, default budgets)."""
+    from lockgate import LLM
+
+    return LLM("default", dtype="float32", max_total_tokens=8192, check_invariants=True)

@@ -1,0 +1,118 @@
+"""Golden tests: lockgate on the default model (SmolLM2-135M-Instruct GGUF) vs transformers.
+
+The reference is transformers' own implementation loading the same GGUF file with
+``gguf_file=`` (fixture ``hf_reference``), computed in the test run. Criteria:
+
+* float32: greedy continuations equal transformers' token for token, alone and batched with
+  other requests of different lengths under a small prefill budget (so prompts are chunked
+  and chunks share steps with decodes); first-step logits within 1e-4 absolute (measured
+  differences are ~1e-5: only summation order differs).
+* bfloat16 (the default dtype on this CPU) against the float32 reference: the first-step
+  top-1 token is the same for every prompt, first-step log-probabilities of the reference's
+  top-20 tokens within 0.6 nats (measured up to ~0.35), and the greedy continuations share at
+  least their first 4 tokens (measured 6 to 24 of 24). bf16 keeps 8 bits of mantissa, so
+  long greedy continuations legitimately diverge once two candidates are close.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lockgate import LLM, SamplingParams
+
+N_NEW = 24
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 5, 8, 13,",
+    "The mitochondria is the powerhouse of the cell. In addition,",
+]
+CHAT = [{"role": "user", "content": "Name three primary colors."}]
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_fp32) -> list[list[int]]:
+    tok = smol_fp32.tokenizer
+    ids = [tok.encode(p) for p in RAW_PROMPTS]
+    ids.append(tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False))
+    assert len({len(i) for i in ids}) >= 4  # varied lengths
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference, prompts) -> list[list[int]]:
+    """transformers' greedy continuations (stopping at EOS, like lockgate)."""
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            o = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=N_NEW, do_sample=False, pad_token_id=2)
+        outs.append(o[0, len(ids):].tolist())
+    return outs
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], params=None) -> list[list[int]]:
+    sp = params or SamplingParams(max_tokens=N_NEW, temperature=0.0)
+    return [r.outputs[0].token_ids for r in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+
+
+def test_fp32_greedy_alone_matches_transformers(smol_fp32, prompts, reference) -> None:
+    for ids, want in zip(prompts, reference, strict=True):
+        assert _greedy(smol_fp32, [ids])[0] == want
+
+
+def test_fp32_greedy_batched_with_chunked_prefill_matches_transformers(prompts, reference) -> None:
+    # Budget 16 tokens per step: every prompt is prefilled in chunks that share steps with
+    # other requests' decodes; fillers of other lengths and output lengths join the batch.
+    llm = LLM("default", dtype="float32", max_total_tokens=4096, max_prefill_tokens=16, check_invariants=True)
+    rng = np.random.default_rng(0)
+    fillers = [rng.integers(100, 40000, n).tolist() for n in (3, 41, 150)]
+    params = [SamplingParams(max_tokens=N_NEW, temperature=0.0)] * len(prompts)
+    params += [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 5, 17)]
+    order = [6, 0, 7, 1, 2, 8, 3, 4, 5]  # fillers interleaved with the golden prompts
+    batch = [(prompts + fillers)[i] for i in order]
+    outs = llm.generate(prompt_token_ids=batch, sampling_params=[params[i] for i in order])
+    got = {i: o.outputs[0].token_ids for i, o in zip(order, outs, strict=True)}
+    for i, want in enumerate(reference):
+        assert got[i] == want, f"prompt {i}"
+    assert [len(got[i]) for i in (6, 7, 8)] == [40, 5, 17]
+
+
+def _first_logits(llm: LLM, pool_driver, ids: list[int]) -> torch.Tensor:
+    return pool_driver(llm.engine.runner.model, capacity=512).step({0: ids})[0].float()
+
+
+def test_fp32_first_step_logits_and_logprobs(smol_fp32, hf_reference, prompts, pool_driver) -> None:
+    for ids in prompts:
+        with torch.no_grad():
+            want = hf_reference(torch.tensor([ids])).logits[0, -1].float()
+        got = _first_logits(smol_fp32, pool_driver, ids)
+        assert want.abs().max() > 5.0
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # The logprobs the API reports are the model's: log_softmax of the reference logits.
+    ids = prompts[0]
+    out = smol_fp32.generate(prompt_token_ids=[ids],
+                             sampling_params=SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0].outputs[0]
+    with torch.no_grad():
+        ref = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    top = torch.topk(ref, 5)
+    assert [t for t, _ in out.top_logprobs[0]] == top.indices.tolist()
+    np.testing.assert_allclose([lp for _, lp in out.top_logprobs[0]], top.values.numpy(), atol=1e-4)
+    assert out.logprobs[0] == pytest.approx(float(ref[out.token_ids[0]]), abs=1e-4)
+
+
+def test_bf16_close_to_fp32_reference(hf_reference, prompts, reference, pool_driver) -> None:
+    llm = LLM("default", dtype="bfloat16", max_total_tokens=4096)
+    assert llm.engine.runner.dtype == torch.bfloat16
+    for ids in prompts:
+        with torch.no_grad():
+            want = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+        got = _first_logits(llm, pool_driver, ids).log_softmax(-1)
+        assert got.argmax() == want.argmax()
+        top = torch.topk(want, 20).indices
+        assert (got[top] - want[top]).abs().max() < 0.6
+    for ids, got, want in zip(prompts, _greedy(llm, prompts), reference, strict=True):
+        assert got[:4] == want[:4], (ids, got, want)

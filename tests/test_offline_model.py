@@ -1,0 +1,69 @@
+"""The offline API on the real default model (float32): sampling knobs end to end.
+
+Seeded sampling is reproducible (alone or batched), min_tokens / ignore_eos / max_tokens
+hold, stop strings cut the text before the stop and end the request, chat uses the model's
+template, and bad prompts are rejected before anything runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lockgate import SamplingParams
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(smol_fp32) -> None:
+    sp = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = smol_fp32.generate("Write a short poem about the sea.", sp)[0].outputs[0].token_ids
+    again = smol_fp32.generate("Write a short poem about the sea.", sp)[0].outputs[0].token_ids
+    batched = smol_fp32.generate(
+        ["Tell me a joke.", "Write a short poem about the sea.", "List five fruits:"],
+        [SamplingParams(max_tokens=30, temperature=0.9), sp, SamplingParams(max_tokens=7, temperature=0.5, seed=9)],
+    )[1].outputs[0].token_ids
+    assert alone == again == batched
+    other = smol_fp32.generate("Write a short poem about the sea.",
+                               SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=4321, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != alone  # 24 draws at temperature 1: equal only by a fluke
+
+
+def test_chat_greedy_answer_and_finish(smol_fp32) -> None:
+    out = smol_fp32.chat(CHAT, SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and len(out.token_ids) < 40
+    assert out.token_ids[-1] in smol_fp32.tokenizer.eos_token_ids  # EOS kept in ids, not in text
+    assert "<|im_end|>" not in out.text
+
+
+def test_min_tokens_ignore_eos_and_max_tokens(smol_fp32) -> None:
+    short = smol_fp32.chat(CHAT, SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
+    n = len(short.token_ids)
+    forced = smol_fp32.chat(CHAT, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=n + 5))[0].outputs[0]
+    eos = set(smol_fp32.tokenizer.eos_token_ids)
+    assert len(forced.token_ids) >= n + 5
+    assert not eos & set(forced.token_ids[:n + 5 - 1])
+    full = smol_fp32.chat(CHAT, SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert len(full.token_ids) == 33 and full.finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_ends_request(smol_fp32) -> None:
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    text = smol_fp32.generate("The capital of France is", sp)[0].outputs[0].text
+    stop = text[8:12]  # a stop string somewhere inside the greedy text, likely spanning tokens
+    assert stop.strip(), text
+    out = smol_fp32.generate("The capital of France is",
+                             SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,)))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert len(out.token_ids) < 40
+
+
+def test_bad_prompts_rejected_before_running(smol_fp32) -> None:
+    free = smol_fp32.engine.scheduler.stats()
+    with pytest.raises(ValueError, match="prompt 1"):
+        smol_fp32.generate(["fine", "x " * 9000], SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert smol_fp32.engine.scheduler.stats() == free  # nothing was submitted, no slot taken
+    assert not smol_fp32.engine.has_work
