@@ -1,4 +1,4 @@
-"""Command line: ``lockgate generate | chat``.
+"""Command line: ``lockgate serve | generate | chat``.
 
 Owns argument parsing only: engine flags come from the config tree (``config.py``), the
 sampling flags map onto ``SamplingParams`` (whose validation errors are printed as is),
@@ -38,16 +38,21 @@ def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockgate", description="lockgate LLM engine")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete one or more raw text prompts")
+    gen = sub.add_parser("generate", parents=[common], help="complete one or more raw text prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
-    chat = sub.add_parser("chat", help="answer a chat message with the model's chat template")
+    chat = sub.add_parser("chat", parents=[common], help="answer a chat message with the model's chat template")
     chat.add_argument("message", nargs="?", help="user message (omit for an interactive session)")
     chat.add_argument("--system", default=None, help="system prompt")
     for p in (gen, chat):
         add_config_args(p)
         _sampling_args(p)
+    serve = sub.add_parser("serve", parents=[common], help="start the OpenAI-compatible / TGI-native HTTP server")
+    from lockgate.server.launch import add_serve_args
+
+    add_serve_args(serve)
     return parser
 
 
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if ns.command == "serve":
+        return _serve(ns)
     try:
         cfg = config_from_args(ns)
         params = _params(ns)
@@ -75,6 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from lockgate.config import server_config_from_args
+    from lockgate.server.launch import serve
+
+    try:
+        engine, server = config_from_args(ns), server_config_from_args(ns)
+    except ValueError as e:
+        print(f"lockgate: error: {e}", file=sys.stderr)
+        return 2
+    return serve(engine, server, ns.log_level)
 
 
 def _chat(llm, ns: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]

@@ -109,8 +109,8 @@ class EngineConfig:
         return EngineConfig(**{n: _part_type(names[n])(**kw) for n, kw in parts.items()})
 
 
-def _part_type(f: dataclasses.Field[Any]) -> type:
-    hints = typing.get_type_hints(EngineConfig)
+def _part_type(f: dataclasses.Field[Any], owner: type | None = None) -> type:
+    hints = typing.get_type_hints(owner or EngineConfig)
     return typing.cast(type, hints[f.name])
 
 
@@ -124,7 +124,7 @@ def _base_type(tp: Any) -> Any:
 def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
     """Add one ``--flag`` per leaf field of the config tree."""
     for part in dataclasses.fields(cls):
-        part_cls = _part_type(part)
+        part_cls = _part_type(part, cls)
         hints = typing.get_type_hints(part_cls)
         group = parser.add_argument_group(part.name)
         for f in dataclasses.fields(part_cls):
@@ -146,3 +146,46 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         for f in dataclasses.fields(_part_type(part)):
             flat[f.name] = getattr(ns, f.name)
     return EngineConfig.build(**flat)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of ``lockgate serve`` beyond the engine's (the API and process supervision)."""
+
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    served_model_name: str | None = _opt(None, "model name clients use (default: the --model value)")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health "
+                               "(default: $LOCKGATE_API_KEY, if set)")
+    default_max_tokens: int = _opt(2048, "max_tokens of a chat request that gives none (capped by the context): "
+                                   "an unbounded request makes peak admission reserve the whole context")
+    max_queued_requests: int = _opt(1024, "requests waiting for their first token beyond which new ones get 429")
+    watchdog_timeout: float = _opt(300.0, "seconds a single engine step may take before the scheduler "
+                                   "logs its batch and exits (the server then exits)")
+    decode_log_interval: int = _opt(40, "log a decode summary every N decode steps")
+    shutdown_timeout: float = _opt(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if self.decode_log_interval < 1:
+            raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+
+
+@dataclass(frozen=True)
+class ServerFlags:
+    """Flag container for ``add_config_args(parser, ServerFlags)``."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)})

@@ -1,0 +1,1 @@
+"""Inter-process messages (typed msgspec structs) and the ZeroMQ channels that carry them."""

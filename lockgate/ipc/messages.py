@@ -1,0 +1,141 @@
+"""Every message that crosses a process boundary, as typed msgspec structs (no pickle, no dicts).
+
+Three processes (DESIGN.md §2), three one-way PUSH -> PULL channels:
+
+    API ----------- ToScheduler ----------> scheduler
+    detokenizer --- ToScheduler ----------> scheduler   (abort when a stop string matched)
+    scheduler ----- ToDetokenizer --------> detokenizer
+    detokenizer --- ToApi ----------------> API
+
+Messages are batched: one ``StepBatch`` per engine step carries every request's new tokens
+plus the engine's load figures, so per-token traffic is one message per step, not per
+request. Each union is tagged (``type`` field) so a receiver decodes exactly one of the
+listed structs or fails loudly.
+
+Ordering invariant: a channel is FIFO, and the scheduler forwards ``Register`` for a request
+to the detokenizer before any of its tokens, on the same channel.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lockgate.sampling import SamplingParams
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=False, omit_defaults=True):
+    pass
+
+
+# ---- API / detokenizer -> scheduler ------------------------------------------------------
+class AddRequest(_Msg):
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.time() when the API accepted it
+
+
+class AbortRequest(_Msg):
+    rid: str
+    reason: str = "abort"
+
+
+class Shutdown(_Msg):
+    pass
+
+
+ToScheduler = AddRequest | AbortRequest | Shutdown
+
+
+# ---- scheduler -> detokenizer ------------------------------------------------------------
+class Register(_Msg):
+    """Sent once per request before its first token: what the detokenizer must know."""
+
+    rid: str
+    stop: list[str]
+    skip_special_tokens: bool
+
+
+class TokenOut(_Msg):
+    """One request's share of a step: new tokens (or none, with an error / finish)."""
+
+    rid: str
+    ids: list[int]
+    logprobs: list[float] | None = None  # one per id when the request asked for logprobs
+    top: list[list[tuple[int, float]]] | None = None  # per id: [(token id, logprob)] descending
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    cached_tokens: int = 0
+    queue_seconds: float | None = None  # on the first output: arrival -> first scheduled
+    error: str | None = None  # with finish_reason "error": what went wrong
+
+
+class EngineStats(_Msg):
+    running: int
+    waiting: int
+    slots_used: int
+    slots_free: int
+    slots_evictable: int
+    capacity: int
+    headroom: int  # capacity minus the admission peak estimate
+    num_steps: int
+
+
+class StepBatch(_Msg):
+    outs: list[TokenOut]
+    stats: EngineStats
+
+
+class Ready(_Msg):
+    """The scheduler loaded the model and ran a warm-up step (forwarded to the API)."""
+
+    model: str
+    model_dir: str | None
+    max_model_len: int
+    capacity: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    scheduler_pid: int
+
+
+class Fatal(_Msg):
+    """A process is about to exit because of an error it cannot recover from."""
+
+    process: str
+    message: str
+
+
+ToDetokenizer = Register | StepBatch | Ready | Fatal | Shutdown
+
+
+# ---- detokenizer -> API ------------------------------------------------------------------
+class TextOut(_Msg):
+    """A ``TokenOut`` plus its text delta (stop strings already cut, never emitted)."""
+
+    rid: str
+    text: str
+    ids: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_matched: str | None = None  # the stop string (or None) when finish_reason is "stop"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    cached_tokens: int = 0
+    queue_seconds: float | None = None
+    error: str | None = None
+
+
+class TextBatch(_Msg):
+    outs: list[TextOut]
+    stats: EngineStats
+
+
+class DetokenizerReady(_Msg):
+    ready: Ready
+    detokenizer_pid: int
+
+
+ToApi = TextBatch | DetokenizerReady | Fatal

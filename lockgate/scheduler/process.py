@@ -1,0 +1,277 @@
+"""The scheduler process: receive, schedule, run, update, send (DESIGN.md habit 6).
+
+Owns one ``EngineCore`` (scheduler + runner) and the process around it: it loads the model,
+warms it up, announces ``Ready``, then loops over
+
+    receive  AddRequest / AbortRequest / Shutdown from the API and the detokenizer
+    step     one engine step (schedule -> execute -> update) while there is work
+    send     one StepBatch per step (every request's new tokens + the engine's load figures)
+
+It blocks on its socket when idle (no polling sleeps) and wakes once a second to check that
+its parent is alive, so it never outlives the server.
+
+Invariants:
+
+* Every request the API sends ends with exactly one ``TokenOut`` carrying a finish reason
+  (stop, length, abort or error), so the API and detokenizer never wait for a dead request.
+* ``Register`` for a request reaches the detokenizer before its first token (same channel).
+* A step that raises fails the requests in that step's batch with ``error`` (their slots
+  return to the pool) and the process goes on serving.
+* Watchdog: a step running longer than ``--watchdog-timeout`` makes a side thread log the
+  running batch and exit the process with ``WATCHDOG_EXIT_CODE``; the API process sees the
+  death and shuts the server down.
+
+Started by ``lockgate.server.launch`` as ``python -m lockgate.scheduler.process ARGS_JSON``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from lockgate.config import EngineConfig
+from lockgate.ipc.channel import Receiver, Sender
+from lockgate.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    Fatal,
+    Ready,
+    Register,
+    Shutdown,
+    StepBatch,
+    TokenOut,
+    ToScheduler,
+)
+from lockgate.scheduler.loop import EngineCore
+from lockgate.scheduler.request import FinishReason, Request
+from lockgate.scheduler.scheduler import RequestRejected, StepOutput
+
+log = logging.getLogger("lockgate.scheduler")
+
+WATCHDOG_EXIT_CODE = 70
+PARENT_CHECK_MS = 1000
+
+
+class SchedulerProcArgs(msgspec.Struct, frozen=True):
+    engine: EngineConfig
+    model_name: str
+    in_endpoint: str  # PULL, bound here
+    detok_endpoint: str  # PUSH to the detokenizer
+    watchdog_timeout: float
+    decode_log_interval: int
+    parent_pid: int
+    log_level: str = "INFO"
+
+
+class Watchdog:
+    """Exits the process if an armed step is not disarmed within ``timeout`` seconds."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._deadline: float | None = None
+        self._describe: Callable[[], str] = str
+        self._cond = threading.Condition()
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def arm(self, describe: Callable[[], str]) -> None:
+        with self._cond:
+            self._deadline = time.monotonic() + self.timeout
+            self._describe = describe
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                log.critical("watchdog: an engine step has run for more than --watchdog-timeout %.1fs; "
+                             "exiting. Running batch: %s", self.timeout, self._describe())
+                logging.shutdown()
+                os._exit(WATCHDOG_EXIT_CODE)
+
+
+class SchedulerProcess:
+    def __init__(self, args: SchedulerProcArgs) -> None:
+        self.args = args
+        self.ctx = zmq.Context()
+        self.inbox: Receiver[ToScheduler] = Receiver(self.ctx, args.in_endpoint, ToScheduler)
+        self.out = Sender(self.ctx, args.detok_endpoint)
+        try:
+            self.engine = EngineCore(args.engine)
+            self.engine.runner.warmup()
+        except Exception as e:
+            log.exception("failed to start the engine")
+            self.out.send(Fatal("scheduler", f"failed to start the engine: {e}"))
+            raise
+        self.watchdog = Watchdog(args.watchdog_timeout)
+        self.requests: dict[str, tuple[Request, float]] = {}  # rid -> (request, seconds in API + IPC)
+        self.first_sent: set[str] = set()
+        self.pending: list[TokenOut] = []  # outputs produced outside a step (aborts, rejections)
+        self.decode_steps = 0
+        self.decode_tokens = 0
+        self.decode_t0 = time.monotonic()
+        r = self.engine.runner
+        self.out.send(Ready(model=args.model_name, model_dir=str(getattr(r, "model_dir", "") or "") or None,
+                            max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,
+                            eos_token_ids=list(r.eos_token_ids), dtype=str(getattr(r, "dtype", "sim")),
+                            scheduler_pid=os.getpid()))
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            msgs = self.inbox.drain() if self.engine.has_work else self._wait()
+            if not self.handle(msgs):
+                self.out.send(Shutdown())  # the detokenizer goes too
+                return
+            if self.engine.has_work:
+                self.step()
+            if self.pending:
+                self.send([])
+            if os.getppid() != self.args.parent_pid:
+                log.error("parent process %d is gone; exiting", self.args.parent_pid)
+                self.out.send(Shutdown())
+                return
+
+    def _wait(self) -> list[ToScheduler]:
+        """Idle: block on the socket, waking every second to check the parent."""
+        while True:
+            msg = self.inbox.recv(timeout_ms=PARENT_CHECK_MS)
+            if msg is not None:
+                return [msg, *self.inbox.drain()]
+            if os.getppid() != self.args.parent_pid:
+                return [Shutdown()]
+
+    def handle(self, msgs: list[ToScheduler]) -> bool:
+        """Apply incoming messages; False on Shutdown."""
+        for m in msgs:
+            if isinstance(m, AddRequest):
+                self.add(m)
+            elif isinstance(m, AbortRequest):
+                if self.engine.abort(m.rid) is not None:
+                    self.pending.append(self._token_out(m.rid, None, FinishReason.ABORT))
+            else:
+                log.info("shutdown requested; aborting %d running and %d waiting requests",
+                         len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+                return False
+        return True
+
+    def add(self, m: AddRequest) -> None:
+        self.out.send(Register(m.rid, list(m.params.stop), m.params.skip_special_tokens))
+        try:
+            req = self.engine.add_request(m.prompt_ids, m.params, rid=m.rid)
+        except RequestRejected as e:
+            self.pending.append(TokenOut(m.rid, [], finish_reason="error", error=str(e),
+                                         num_prompt_tokens=len(m.prompt_ids)))
+            return
+        self.requests[m.rid] = (req, max(0.0, time.time() - m.arrival_time))
+
+    def step(self) -> None:
+        eng = self.engine
+        self.watchdog.arm(self._describe_batch)
+        try:
+            events = eng.step()
+        except Exception as e:
+            self.watchdog.disarm()
+            self._fail_running(e)
+            return
+        self.watchdog.disarm()
+        self.pending.extend(self._token_out(ev.rid, ev, ev.finish_reason) for ev in events)
+        self.send(events)
+
+    def send(self, events: list[StepOutput]) -> None:
+        st = self.engine.scheduler.stats()
+        stats = EngineStats(running=st.running, waiting=st.waiting, slots_used=st.slots_used,
+                            slots_free=st.slots_free, slots_evictable=0, capacity=st.capacity,
+                            headroom=st.headroom, num_steps=self.engine.num_steps)
+        self.out.send(StepBatch(self.pending, stats))
+        self.pending = []
+        if events:
+            self._log_step(stats)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _token_out(self, rid: str, ev: StepOutput | None, reason: FinishReason | None) -> TokenOut:
+        req, api_delay = self.requests.get(rid, (None, 0.0))
+        out = TokenOut(rid, ev.new_token_ids if ev else [], finish_reason=reason.value if reason else None)
+        if req is not None:
+            out.num_prompt_tokens, out.num_output_tokens = req.num_prompt, req.num_output
+            if req.params.logprobs is not None and ev is not None:
+                out.logprobs = ev.new_logprobs
+                out.top = ev.new_top if req.params.logprobs else None
+            if rid not in self.first_sent and req.admit_time is not None:
+                out.queue_seconds = api_delay + req.admit_time - req.arrival_time
+                self.first_sent.add(rid)
+        if reason is not None:
+            self.requests.pop(rid, None)
+            self.first_sent.discard(rid)
+        return out
+
+    def _fail_running(self, e: Exception) -> None:
+        sched = self.engine.scheduler
+        victims = [r.rid for r in sched.running]
+        log.exception("engine step failed; failing the %d requests of the running batch", len(victims))
+        for rid in victims:
+            sched.abort(rid)
+            out = self._token_out(rid, None, None)
+            out.finish_reason, out.error = "error", f"internal error in the engine step: {type(e).__name__}: {e}"
+            self.pending.append(out)
+
+    def _describe_batch(self) -> str:
+        rows = [f"{r.rid}(prompt={r.num_prompt}, computed={r.num_computed}, out={r.num_output})"
+                for r in self.engine.scheduler.running]
+        return f"{len(rows)} running: " + ", ".join(rows[:64]) + (" ..." if len(rows) > 64 else "")
+
+    def _log_step(self, st: EngineStats) -> None:
+        info = self.engine.last_step
+        if info is None:
+            return
+        usage = st.slots_used / max(st.capacity, 1)
+        if info.num_prefill_tokens:
+            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                     "#running-req: %d, #queue-req: %d", info.num_new_seqs, info.num_prefill_tokens, 0, usage,
+                     st.running, st.waiting)
+        if info.num_decode:
+            self.decode_steps += 1
+            self.decode_tokens += info.num_decode
+            if self.decode_steps % self.args.decode_log_interval == 0:
+                now = time.monotonic()
+                tput = self.decode_tokens / max(now - self.decode_t0, 1e-9)
+                log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                         "gen throughput (token/s): %.2f, #queue-req: %d", st.running, st.slots_used, usage, tput,
+                         st.waiting)
+                self.decode_tokens, self.decode_t0 = 0, now
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = msgspec.json.decode(argv[0], type=SchedulerProcArgs)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process decides
+    try:
+        proc = SchedulerProcess(args)
+    except Exception:
+        return 1
+    proc.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""HTTP API process: OpenAI-compatible and TGI-native endpoints."""

@@ -1,0 +1,155 @@
+"""The FastAPI application of the API process: routes, auth, error rendering, lifespan.
+
+Owns wiring: the OpenAI routes (``openai_api``), the TGI routes (``tgi_api``) and the small
+ones here (/health, /metrics, /v1/loads, /tokenize, /detokenize); the bearer-token check;
+turning ``APIError`` into OpenAI's error body (TGI's on TGI routes); and the lifespan, which
+starts the engine client and, on shutdown, aborts what is still running and tells the
+scheduler to stop.
+
+Invariant: no route answers 500 for bad input. Every outside input is parsed by
+``protocol`` models; what they reject becomes a 4xx naming the field and the limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from lockgate.config import ServerConfig
+from lockgate.ipc.messages import Shutdown
+from lockgate.server import openai_api, tgi_api
+from lockgate.server.context import APIError, ClientGone, ServerContext, parse_body
+from lockgate.server.frontend import EngineClient
+from lockgate.server.metrics import CONTENT_TYPE, Metrics
+from lockgate.server.protocol import DetokenizeRequest, TokenizeRequest, error_message, openai_error
+
+log = logging.getLogger("lockgate.api")
+
+
+def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, metrics: Metrics) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client.start()
+        yield
+        live = list(client.streams)
+        if live:
+            log.info("shutting down: aborting %d unfinished requests", len(live))
+        for rid in live:
+            client.abort(rid)
+        if client.failed is None:
+            client.to_scheduler.send_nowait(Shutdown())
+        await client.close()
+
+    app = FastAPI(title="lockgate", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ServerContext(client=client, cfg=cfg, metrics=metrics, model_name=client.model, api_key=api_key)
+    app.include_router(openai_api.router)
+    app.include_router(tgi_api.router)
+    app.include_router(_misc)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _render(request, APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        return _render(request, exc)
+
+    @app.exception_handler(ClientGone)
+    async def on_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> Response:
+        return _render(request, APIError(400, "; ".join(str(e.get("msg")) for e in exc.errors())))
+
+    @app.exception_handler(ValueError)
+    async def on_value_error(request: Request, exc: ValueError) -> Response:
+        # SamplingParams validates its own ranges and raises ValueError with the limit.
+        return _render(request, APIError(400, error_message(exc)))
+
+    return app
+
+
+def _render(request: Request, exc: APIError) -> Response:
+    if request.url.path in tgi_api.TGI_PATHS:
+        status = 422 if exc.status == 400 else exc.status
+        kind = "validation" if status in (400, 422) else "overloaded" if status in (429, 503) else "error"
+        return JSONResponse({"error": exc.message, "error_type": kind}, status_code=status, headers=exc.headers)
+    return JSONResponse(openai_error(exc.message, exc.status, exc.param), status_code=exc.status, headers=exc.headers)
+
+
+# ---- small routes -------------------------------------------------------------------------
+_misc = APIRouter()
+
+
+def _ctx(request: Request) -> ServerContext:
+    ctx: ServerContext = request.app.state.ctx
+    return ctx
+
+
+@_misc.get("/health")
+async def health(request: Request) -> Response:
+    c = _ctx(request).client
+    if c.failed is not None:
+        return JSONResponse({"status": "failed", "error": c.failed}, status_code=503)
+    if not c.ready.is_set():
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@_misc.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return PlainTextResponse(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@_misc.get("/v1/loads")
+async def loads(request: Request) -> Response:
+    ctx = _ctx(request)
+    s, c = ctx.client.stats, ctx.client
+    body = {"ready": c.ready.is_set(), "queued_in_api": c.num_queued, "in_flight": len(c.streams)}
+    if s is not None:
+        body.update(running=s.running, waiting=s.waiting, slots_used=s.slots_used, slots_free=s.slots_free,
+                    slots_evictable=s.slots_evictable, capacity=s.capacity, headroom=s.headroom, num_steps=s.num_steps)
+    elif c.info is not None:
+        body.update(running=0, waiting=0, slots_used=0, slots_free=c.info.capacity, slots_evictable=0,
+                    capacity=c.info.capacity, headroom=c.info.capacity, num_steps=0)
+    return JSONResponse(body)
+
+
+@_misc.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    ctx = _ctx(request)
+    body = await parse_body(request, TokenizeRequest)
+    ctx.check_model(body.model)
+    tok = ctx.tokenizer
+    conv = body.conversation()
+    if conv is not None:
+        text = tok.apply_chat_template(conv, add_generation_prompt=body.add_generation_prompt)
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        assert body.prompt is not None
+        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.info.max_model_len})
+
+
+@_misc.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    ctx = _ctx(request)
+    body = await parse_body(request, DetokenizeRequest)
+    ctx.check_model(body.model)
+    vocab = ctx.info.vocab_size
+    bad = [t for t in body.tokens if t >= vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", param="tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})

@@ -1,0 +1,186 @@
+"""What every route needs: the engine client, the limits, and the checks that guard submission.
+
+Owns ``APIError`` (status + message + optional headers, rendered by the app in the route's
+error format) and ``ServerContext``: readiness, the served model name, prompt length limits,
+the queue limit, and the shared "submit n choices and collect / stream them" helpers.
+
+Invariants: a request is validated completely (model name, lengths against the context and
+the KV pool, token ids against the vocabulary, the queue limit) before anything is submitted,
+so a rejected request never reaches the engine; and the ids of every choice submitted for
+one HTTP request are aborted together if the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from lockgate.config import ServerConfig
+from lockgate.ipc.messages import Ready, TextOut
+from lockgate.sampling import SamplingParams
+from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream
+from lockgate.server.metrics import Metrics
+from lockgate.server.protocol import error_message
+from lockgate.tokenizer.tokenizer import Tokenizer
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body validated as ``model``; APIError 400 saying what is wrong otherwise."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except (ValidationError, ValueError) as e:
+        raise APIError(400, error_message(e)) from None
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its requests were aborted."""
+
+
+@dataclass
+class ServerContext:
+    client: EngineClient
+    cfg: ServerConfig
+    metrics: Metrics
+    model_name: str
+    api_key: str | None
+
+    # ---- readiness and limits ------------------------------------------------------------
+    @property
+    def info(self) -> Ready:
+        info = self.client.info
+        if self.client.failed is not None:
+            raise APIError(503, f"the engine has failed: {self.client.failed}")
+        if info is None or not self.client.ready.is_set():
+            raise APIError(503, "the model is still loading; retry when /health answers 200",
+                           headers={"Retry-After": "5"})
+        return info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        _ = self.info
+        assert self.client.tokenizer is not None
+        return self.client.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.client.model_spec):
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model")
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+        """Validate a tokenized prompt; return the max_tokens to use (filled in when None)."""
+        info = self.info
+        n = len(ids)
+        if n == 0:
+            raise APIError(400, "the prompt is empty: at least one token is needed", param="prompt")
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has {info.vocab_size} tokens",
+                           param="prompt")
+        limit = min(info.max_model_len, info.capacity)
+        what = "maximum context length" if info.max_model_len <= info.capacity else "KV cache capacity"
+        if max_tokens is None:
+            if n >= limit:
+                raise APIError(400, f"this model's {what} is {limit} tokens, but the prompt has {n} tokens; "
+                               "reduce the prompt", param="messages")
+            return min(limit - n, self.cfg.default_max_tokens)
+        if n + max_tokens > limit:
+            raise APIError(400, f"this model's {what} is {limit} tokens, but you requested {n + max_tokens} "
+                           f"tokens ({n} in the prompt, {max_tokens} for the completion); reduce the prompt "
+                           "or max_tokens", param="max_tokens")
+        return max_tokens
+
+    def check_queue(self, n_new: int) -> None:
+        queued = self.client.num_queued
+        if queued + n_new > self.cfg.max_queued_requests:
+            raise APIError(429, f"too many requests waiting: {queued} are queued and the limit is "
+                           f"--max-queued-requests {self.cfg.max_queued_requests}; retry later",
+                           headers={"Retry-After": "1"})
+
+    # ---- submission ----------------------------------------------------------------------
+    def submit(self, kind: str, jobs: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
+        """Submit one engine request per (prompt ids, params); all or nothing."""
+        self.check_queue(len(jobs))
+        streams: list[RequestStream] = []
+        try:
+            for ids, params in jobs:
+                streams.append(self.client.submit(self.client.new_id(kind), ids, params))
+        except EngineUnavailable as e:
+            self.abort(streams)
+            raise APIError(503, str(e)) from None
+        return streams
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            self.client.abort(s.rid)
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[list[TextOut]]:
+        """Wait for every stream to finish; abort them all if the client disconnects first."""
+
+        async def gather_one(s: RequestStream) -> list[TextOut]:
+            return [o async for o in s.outputs()]
+
+        work = asyncio.ensure_future(asyncio.gather(*(gather_one(s) for s in streams)))
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if work not in done:
+            work.cancel()
+            self.abort(streams)
+            raise ClientGone
+        return list(work.result())
+
+    async def merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, TextOut]]:
+        """Outputs of several streams as they come, tagged with the stream's index."""
+        if len(streams) == 1:
+            async for o in streams[0].outputs():
+                yield 0, o
+            return
+        q: asyncio.Queue[tuple[int, TextOut]] = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            async for o in s.outputs():
+                q.put_nowait((i, o))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        left = len(streams)
+        try:
+            while left:
+                i, o = await q.get()
+                if o.finish_reason is not None:
+                    left -= 1
+                yield i, o
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

@@ -1,0 +1,185 @@
+"""The API process's side of the engine: submit requests, stream their outputs, abort them.
+
+Owns the two ZeroMQ channels of the API process (PUSH to the scheduler, PULL from the
+detokenizer), one ``RequestStream`` per in-flight request, the engine's latest load figures,
+readiness, and the latency metrics (observed here, as outputs arrive).
+
+Invariants:
+
+* Every submitted request ends: either its stream sees a finish (stop, length, abort, error)
+  from the engine, or ``abort`` is called (client gone, server shutting down), which tells
+  the scheduler to free its slots and ends the stream locally. ``abort`` is idempotent and
+  safe after the finish.
+* No torch is imported here (the tokenizer is a Hugging Face fast tokenizer).
+* One receiver task dispatches every ``TextBatch`` to the streams' queues; routes only await
+  their own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from lockgate.ipc.channel import AsyncReceiver, AsyncSender
+from lockgate.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    DetokenizerReady,
+    EngineStats,
+    Fatal,
+    Ready,
+    TextBatch,
+    TextOut,
+    ToApi,
+)
+from lockgate.sampling import SamplingParams
+from lockgate.server.metrics import Metrics
+from lockgate.tokenizer.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("lockgate.api")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not ready yet or has failed."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    rid: str
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue[TextOut] = field(default_factory=asyncio.Queue)
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: bool = False
+
+    async def outputs(self) -> AsyncIterator[TextOut]:
+        """Every output of the request, the last one carrying its finish reason."""
+        while True:
+            out = await self.queue.get()
+            yield out
+            if out.finish_reason is not None:
+                return
+
+
+class EngineClient:
+    def __init__(self, model: str, model_spec: str, scheduler_endpoint: str, api_endpoint: str,
+                 metrics: Metrics) -> None:
+        self.model = model  # the name clients use
+        self.model_spec = model_spec  # the --model value; "sim" selects the byte tokenizer
+        self.ctx = zmq.asyncio.Context()
+        self.to_scheduler = AsyncSender(self.ctx, scheduler_endpoint)
+        self.inbox: AsyncReceiver[ToApi] = AsyncReceiver(self.ctx, api_endpoint, ToApi)
+        self.metrics = metrics
+        self.streams: dict[str, RequestStream] = {}
+        self.info: Ready | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.stats: EngineStats | None = None
+        self.ready = asyncio.Event()
+        self.failed: str | None = None
+        self.child_pids: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}-{int(time.time()):x}"
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._receive(), name="engine-receiver")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.to_scheduler.close()
+        self.inbox.close()
+        self.ctx.term()
+
+    def fail(self, message: str) -> None:
+        """The engine is gone: end every stream with an error."""
+        self.failed = message
+        self.ready.clear()
+        for rid in list(self.streams):
+            self._deliver(TextOut(rid=rid, text="", ids=[], finish_reason="error", error=message))
+
+    # ---- requests ------------------------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted that have not received their first token yet."""
+        return sum(1 for s in self.streams.values() if s.first_token is None)
+
+    def new_id(self, kind: str) -> str:
+        return f"{kind}-{self._prefix}-{next(self._ids)}"
+
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        if self.failed is not None or self.info is None:
+            raise EngineUnavailable(self.failed or "the model is still loading")
+        stream = RequestStream(rid, len(prompt_ids))
+        self.streams[rid] = stream
+        self.to_scheduler.send_nowait(AddRequest(rid, list(prompt_ids), params, time.time()))
+        return stream
+
+    def abort(self, rid: str) -> None:
+        stream = self.streams.pop(rid, None)
+        if stream is None or stream.finished:
+            return
+        stream.finished = True
+        if self.failed is None:
+            self.to_scheduler.send_nowait(AbortRequest(rid))
+        self.metrics.requests.labels(self.model, "abort").inc()
+
+    # ---- receiving -----------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            msg = await self.inbox.recv()
+            if isinstance(msg, TextBatch):
+                self.stats = msg.stats
+                self.metrics.update_stats(msg.stats)
+                for out in msg.outs:
+                    self._deliver(out)
+            elif isinstance(msg, DetokenizerReady):
+                await self._on_ready(msg)
+            elif isinstance(msg, Fatal):
+                log.error("%s process reported a fatal error: %s", msg.process, msg.message)
+                self.fail(f"{msg.process}: {msg.message}")
+
+    async def _on_ready(self, msg: DetokenizerReady) -> None:
+        info = msg.ready
+        self.child_pids = {"scheduler": info.scheduler_pid, "detokenizer": msg.detokenizer_pid}
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir)
+        self.info = info
+        self.ready.set()
+        log.info("ready: model %s (%s), context %d tokens, KV capacity %d tokens", info.model, info.dtype,
+                 info.max_model_len, info.capacity)
+
+    def _deliver(self, out: TextOut) -> None:
+        stream = self.streams.get(out.rid)
+        if stream is None:
+            return  # aborted here already
+        now = time.monotonic()
+        m, name = self.metrics, self.model
+        if out.queue_seconds is not None:
+            m.queue.labels(name).observe(out.queue_seconds)
+        if out.ids:
+            if stream.first_token is None:
+                stream.first_token = now
+                m.ttft.labels(name).observe(now - stream.arrival)
+            elif stream.last_token is not None:
+                m.itl.labels(name).observe((now - stream.last_token) / len(out.ids))
+            stream.last_token = now
+            m.generation_tokens.labels(name).inc(len(out.ids))
+        if out.finish_reason is not None:
+            stream.finished = True
+            del self.streams[out.rid]
+            m.e2e.labels(name).observe(now - stream.arrival)
+            m.requests.labels(name, out.finish_reason).inc()
+            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens or stream.num_prompt_tokens)
+            m.prefix_queries.labels(name).inc(out.num_prompt_tokens or stream.num_prompt_tokens)
+            m.prefix_hits.labels(name).inc(out.cached_tokens)
+        stream.queue.put_nowait(out)

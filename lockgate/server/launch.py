@@ -1,0 +1,201 @@
+"""``lockgate serve``: start the three processes, supervise them, stop them all.
+
+Owns process start-up and shutdown. The API process is this one (FastAPI on uvicorn); it
+starts the scheduler process (scheduler + model runner) and the detokenizer process as
+``python -m`` children talking over ZeroMQ ``ipc://`` endpoints in a private temp directory.
+
+Lifecycle:
+
+* ``/health`` answers 503 until the scheduler has loaded the model and run a warm-up step
+  and the detokenizer has loaded the tokenizer (a ``Ready`` message travels
+  scheduler -> detokenizer -> API), then 200.
+* SIGINT / SIGTERM: uvicorn stops accepting connections and gives in-flight requests up to
+  ``--shutdown-timeout`` seconds; the rest are aborted; then the children are told to shut
+  down, waited for, and killed if they do not exit within a few seconds. Exit code 0.
+* A child that dies on its own (crash, kill, watchdog): a supervisor thread logs which one,
+  its exit code and what that means, fails every in-flight request with an error, stops the
+  server and kills the other child. Exit code 1. Children also exit by themselves when this
+  process disappears (they watch their parent pid), so no orphans remain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import uvicorn
+
+from lockgate.config import EngineConfig, ServerConfig
+from lockgate.scheduler.process import WATCHDOG_EXIT_CODE, SchedulerProcArgs
+from lockgate.tokenizer.process import DetokProcArgs
+
+log = logging.getLogger("lockgate.server")
+
+CHILD_STOP_SECONDS = 5.0
+
+
+@dataclass
+class Endpoints:
+    scheduler: str
+    detokenizer: str
+    api: str
+
+    @staticmethod
+    def in_dir(d: str) -> Endpoints:
+        return Endpoints(f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/api")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    expected_exit: bool = False
+
+
+@dataclass
+class Supervisor:
+    """Watches the children; ``on_death(name, message)`` runs (in a thread) if one dies unexpectedly."""
+
+    children: list[Child] = field(default_factory=list)
+    stopping: bool = False
+    died: str | None = None
+
+    def start(self, name: str, module: str, args: msgspec.Struct, env: dict[str, str] | None = None) -> Child:
+        cmd = [sys.executable, "-m", module, msgspec.json.encode(args).decode()]
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+        child = Child(name, proc)
+        self.children.append(child)
+        log.info("started %s process, pid %d", name, proc.pid)
+        return child
+
+    def watch(self, on_death: object) -> None:
+        for c in self.children:
+            threading.Thread(target=self._wait, args=(c, on_death), name=f"watch-{c.name}", daemon=True).start()
+
+    def _wait(self, c: Child, on_death: object) -> None:
+        code = c.proc.wait()
+        if self.stopping:
+            return
+        why = describe_exit(code)
+        message = f"{c.name} process (pid {c.proc.pid}) exited unexpectedly with {why}"
+        log.error("%s; shutting the server down", message)
+        if self.died is None:
+            self.died = message
+            assert callable(on_death)
+            on_death(c.name, message)
+
+    def stop(self) -> None:
+        """Children should be exiting (Shutdown sent); wait, then terminate, then kill."""
+        self.stopping = True
+        deadline = time.monotonic() + CHILD_STOP_SECONDS
+        for c in self.children:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s process (pid %d) did not exit; terminating it", c.name, c.proc.pid)
+                c.proc.terminate()
+                try:
+                    c.proc.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+        log.info("all child processes have exited")
+
+
+def describe_exit(code: int) -> str:
+    if code == WATCHDOG_EXIT_CODE:
+        return f"code {code} (watchdog: an engine step exceeded --watchdog-timeout)"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -> int:
+    """Run the server until a signal or a child's death; return the process exit code."""
+    from lockgate.server.app import create_app
+    from lockgate.server.frontend import EngineClient
+    from lockgate.server.metrics import Metrics
+
+    api_key = server.api_key or os.environ.get("LOCKGATE_API_KEY") or None
+    name = server.served_model_name or engine.model.model
+    tmp = tempfile.mkdtemp(prefix="lockgate-")
+    ep = Endpoints.in_dir(tmp)
+    sup = Supervisor()
+    exit_code = 0
+    uv_server: uvicorn.Server | None = None
+    loop_ref: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def on_death(child: str, message: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        loop = loop_ref.get("loop")
+        if loop is not None and client is not None:
+            loop.call_soon_threadsafe(client.fail, message)
+        if uv_server is not None:
+            uv_server.should_exit = True
+        for c in sup.children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+
+    client: EngineClient | None = None
+    try:
+        sup.start("scheduler", "lockgate.scheduler.process", SchedulerProcArgs(
+            engine=engine, model_name=name, in_endpoint=ep.scheduler, detok_endpoint=ep.detokenizer,
+            watchdog_timeout=server.watchdog_timeout, decode_log_interval=server.decode_log_interval,
+            parent_pid=os.getpid(), log_level=log_level))
+        sup.start("detokenizer", "lockgate.tokenizer.process", DetokProcArgs(
+            model=engine.model.model, in_endpoint=ep.detokenizer, api_endpoint=ep.api,
+            scheduler_endpoint=ep.scheduler, parent_pid=os.getpid(), log_level=log_level))
+
+        metrics = Metrics(name)
+
+        async def main() -> None:
+            nonlocal client, uv_server
+            loop_ref["loop"] = asyncio.get_running_loop()
+            client = EngineClient(name, engine.model.model, ep.scheduler, ep.api, metrics)
+            app = create_app(client, server, api_key, metrics)
+            config = uvicorn.Config(app, host=server.host, port=server.port, log_level=log_level.lower(),
+                                    access_log=False, timeout_graceful_shutdown=server.shutdown_timeout,
+                                    lifespan="on")
+            uv_server = uvicorn.Server(config)
+            sup.watch(on_death)
+            if sup.died is not None:  # died before we were watching
+                client.fail(sup.died)
+                return
+            await uv_server.serve()
+
+        # Our own no-op handlers: uvicorn re-raises a captured signal after its graceful
+        # shutdown; landing here lets us stop the children and exit 0 instead of dying.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda s, f: None)
+        asyncio.run(main())
+        if uv_server is not None and not uv_server.started and sup.died is None and exit_code == 0:
+            exit_code = 1  # uvicorn could not start (port in use, ...); it logged why
+    finally:
+        sup.stop()  # the app's lifespan sent Shutdown to the scheduler (which tells the detokenizer)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if sup.died is not None:
+        exit_code = 1
+    log.info("server stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from lockgate.config import ServerFlags, add_config_args
+
+    add_config_args(p)
+    add_config_args(p, ServerFlags)

@@ -1,0 +1,237 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Owns turning validated requests into engine submissions (one per prompt x choice) and the
+engine's ``TextOut`` stream back into OpenAI response bodies: whole responses, or SSE
+chunks ending with ``data: [DONE]`` (plus a usage chunk when ``stream_options.include_usage``).
+
+Conventions: choice index = prompt index * n + choice; ``usage.prompt_tokens`` counts each
+prompt once; ``completion_tokens`` counts every choice's tokens; ``prompt_tokens_details.
+cached_tokens`` is what the engine reused from its prefix cache. Finish reasons are the
+engine's (stop, length, abort); an engine error ends a stream with an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from lockgate.ipc.messages import TextOut
+from lockgate.sampling import SamplingParams
+from lockgate.server.context import APIError, ServerContext
+from lockgate.server.context import parse_body as parse
+from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
+from lockgate.tokenizer.tokenizer import Tokenizer
+
+router = APIRouter()
+
+
+def ctx_of(request: Request) -> ServerContext:
+    ctx: ServerContext = request.app.state.ctx
+    return ctx
+
+
+def sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+# ---- logprobs ---------------------------------------------------------------------------
+def _piece(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tok: Tokenizer, outs: list[TextOut], offset: int) -> dict[str, Any] | None:
+    if not outs or outs[0].logprobs is None and all(o.logprobs is None for o in outs):
+        return None
+    tokens, lps, tops, offs = [], [], [], []
+    for o in outs:
+        for j, t in enumerate(o.ids):
+            s = _piece(tok, t)
+            tokens.append(s)
+            lps.append((o.logprobs or [None] * len(o.ids))[j])
+            tops.append({_piece(tok, i): lp for i, lp in (o.top[j] if o.top else [])} if o.top else None)
+            offs.append(offset)
+            offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps,
+            "top_logprobs": tops if any(t is not None for t in tops) else None, "text_offset": offs}
+
+
+def chat_logprobs(tok: Tokenizer, outs: list[TextOut]) -> dict[str, Any] | None:
+    if all(o.logprobs is None for o in outs):
+        return None
+    content = []
+    for o in outs:
+        for j, t in enumerate(o.ids):
+            s = _piece(tok, t)
+            top = o.top[j] if o.top else []
+            content.append({"token": s, "logprob": (o.logprobs or [0.0] * len(o.ids))[j],
+                            "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": (p := _piece(tok, i)), "logprob": lp, "bytes": list(p.encode())}
+                                             for i, lp in top]})
+    return {"content": content}
+
+
+def usage(prompt_lens: list[int], outs_by_choice: list[list[TextOut]], cached: list[int]) -> dict[str, Any]:
+    completion = sum(len(o.ids) for outs in outs_by_choice for o in outs)
+    prompt = sum(prompt_lens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached)}}
+
+
+def _finish(outs: list[TextOut]) -> tuple[str | None, str | None]:
+    last = outs[-1] if outs else None
+    return (last.finish_reason, last.error) if last else (None, None)
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    ctx = ctx_of(request)
+    body: CompletionRequest = await parse(request, CompletionRequest)
+    ctx.check_model(body.model)
+    tok = ctx.tokenizer
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
+                       param="echo")
+    prompts = body.prompts()
+    texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+    ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    jobs: list[tuple[list[int], SamplingParams]] = []
+    for p_ids in ids:
+        max_tokens = ctx.check_prompt(p_ids, body.max_tokens if body.max_tokens is not None else 16)
+        params = body.sampling_params(max_tokens)
+        jobs += [(p_ids, sp) for sp in per_choice_params(params, body.n)]
+    streams = ctx.submit("cmpl", jobs)
+    rid, created, n = streams[0].rid, int(time.time()), body.n
+    prompt_lens = [len(p) for p in ids]
+
+    def prompt_of(choice: int) -> int:
+        return choice // n
+
+    if not body.stream:
+        results = await ctx.collect(request, streams)
+        choices = []
+        for i, outs in enumerate(results):
+            reason, error = _finish(outs)
+            if reason == "error":
+                raise APIError(500, error or "internal error")
+            text = "".join(o.text for o in outs)
+            prefix = texts[prompt_of(i)] if body.echo else ""
+            choices.append({"index": i, "text": prefix + text,
+                            "logprobs": completion_logprobs(tok, outs, len(prefix)),
+                            "finish_reason": reason, "stop_reason": outs[-1].stop_matched})
+        cached = [results[k * n][-1].cached_tokens for k in range(len(prompts))]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                             "choices": choices, "usage": usage(prompt_lens, results, cached)})
+
+    async def events() -> AsyncIterator[str]:
+        by_choice: list[list[TextOut]] = [[] for _ in streams]
+        offsets = [0] * len(streams)
+        try:
+            if body.echo:
+                for i in range(len(streams)):
+                    offsets[i] = len(texts[prompt_of(i)])
+                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                               "choices": [{"index": i, "text": texts[prompt_of(i)], "logprobs": None,
+                                            "finish_reason": None}]})
+            async for i, o in ctx.merge(streams):
+                by_choice[i].append(o)
+                if o.finish_reason == "error":
+                    yield sse({"error": {"message": o.error or "internal error", "type": "server_error",
+                                         "code": 500}})
+                    continue
+                if not o.text and o.finish_reason is None and body.logprobs is None:
+                    continue
+                lp = completion_logprobs(tok, [o], offsets[i]) if body.logprobs is not None else None
+                offsets[i] += len(o.text)
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                           "choices": [{"index": i, "text": o.text, "logprobs": lp,
+                                        "finish_reason": o.finish_reason, "stop_reason": o.stop_matched}]})
+            if body.include_usage:
+                cached = [by_choice[k * n][-1].cached_tokens if by_choice[k * n] else 0 for k in range(len(prompts))]
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                           "choices": [], "usage": usage(prompt_lens, by_choice, cached)})
+            yield "data: [DONE]\n\n"
+        finally:
+            ctx.abort(streams)  # no-op for finished ones; a client gone mid-stream lands here
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    ctx = ctx_of(request)
+    body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+    ctx.check_model(body.model)
+    tok = ctx.tokenizer
+    try:
+        text = tok.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except Exception as e:  # a template that fails on these messages (jinja raise_exception, ...)
+        raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+    ids = tok.encode(text, add_special_tokens=False)
+    max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
+    params = body.sampling_params(max_tokens)
+    streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])
+    rid, created = streams[0].rid, int(time.time())
+
+    if not body.stream:
+        results = await ctx.collect(request, streams)
+        choices = []
+        for i, outs in enumerate(results):
+            reason, error = _finish(outs)
+            if reason == "error":
+                raise APIError(500, error or "internal error")
+            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                            "logprobs": chat_logprobs(tok, outs) if body.logprobs else None,
+                            "finish_reason": reason, "stop_reason": outs[-1].stop_matched})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                             "choices": choices,
+                             "usage": usage([len(ids)], results, [results[0][-1].cached_tokens])})
+
+    def chunk(i: int, delta: dict[str, Any], reason: str | None = None, lp: Any = None) -> str:
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                    "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
+
+    async def events() -> AsyncIterator[str]:
+        by_choice: list[list[TextOut]] = [[] for _ in streams]
+        try:
+            for i in range(len(streams)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, o in ctx.merge(streams):
+                by_choice[i].append(o)
+                if o.finish_reason == "error":
+                    yield sse({"error": {"message": o.error or "internal error", "type": "server_error",
+                                         "code": 500}})
+                    continue
+                if not o.text and o.finish_reason is None and not body.logprobs:
+                    continue
+                yield chunk(i, {"content": o.text} if o.text else {}, o.finish_reason,
+                            chat_logprobs(tok, [o]) if body.logprobs else None)
+            if body.include_usage:
+                cached = by_choice[0][-1].cached_tokens if by_choice[0] else 0
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": ctx.model_name, "choices": [], "usage": usage([len(ids)], by_choice, [cached])})
+            yield "data: [DONE]\n\n"
+        finally:
+            ctx.abort(streams)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    ctx = ctx_of(request)
+    info = ctx.client.info
+    card: dict[str, Any] = {"id": ctx.model_name, "object": "model", "created": int(time.time()),
+                            "owned_by": "lockgate", "root": ctx.client.model_spec}
+    if info is not None:
+        card["max_model_len"] = info.max_model_len
+    return JSONResponse({"object": "list", "data": [card]})

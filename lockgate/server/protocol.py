@@ -1,0 +1,341 @@
+"""HTTP request schemas (OpenAI-compatible and TGI-native) and their mapping to SamplingParams.
+
+Owns: parsing request bodies (pydantic v2), normalizing prompt/message forms, turning a
+request into ``SamplingParams``, and the OpenAI error body. Invariants:
+
+* Every model ignores unknown fields (other clients send them; they are not a 400) and every
+  optional field accepts JSON ``null`` meaning "use the default".
+* Wrong types fail at parse time with a ``pydantic.ValidationError``; numeric ranges are
+  checked by ``SamplingParams`` itself (``ValueError``), except limits it does not know
+  (n, logprobs counts, TGI-specific ranges). ``error_message`` makes one readable line of either.
+* Booleans are never accepted where a number is expected.
+* Imports only pydantic, the stdlib and ``lockgate.sampling`` (no torch, no zmq).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Literal, cast
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from lockgate.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16
+_U64 = 2**64
+
+
+def _no_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got a boolean ({v!r})")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+
+
+class _Model(BaseModel):
+    """Base: unknown fields ignored; ``null`` for a field that has a default means the default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+def _stop_list(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return list(v)
+    raise ValueError(f"stop must be a string or a list of strings, got {v!r:.60}")
+
+
+StopList = Annotated[list[str], PlainValidator(_stop_list)]  # a string is accepted as [string]
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Model):
+    """Knobs shared by the OpenAI endpoints; ranges are checked by SamplingParams."""
+
+    model: str | None = None
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Int = -1
+    min_p: Float = 0.0
+    frequency_penalty: Float = 0.0
+    presence_penalty: Float = 0.0
+    repetition_penalty: Float = 1.0
+    seed: Int | None = None
+    stop: StopList = Field(default_factory=list)
+    stop_token_ids: list[Int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: Int = 0
+    n: Int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+
+    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            seed=self.seed, stop=tuple(self.stop), stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )  # fmt: skip
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Params for choices 0..n-1 of one prompt: choice i gets ``seed + i`` (wrapped mod 2**64).
+
+    Unseeded params are shared as is. Numbering is per prompt, so a prompt gives the same
+    choices alone or inside a batch prompt.
+    """
+    if params.seed is None:
+        return [params] * n
+    seeds = [params.seed + i if params.seed + i < _U64 else params.seed + i - _U64 for i in range(n)]
+    return [dataclasses.replace(params, seed=s) for s in seeds]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``suffix`` and other unknown fields are ignored."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Int | None = None  # None: max_tokens_default, else 16 (OpenAI)
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: Int | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> str | list[int] | list[str] | list[list[int]]:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int and t >= 0 for t in x)
+
+        if isinstance(v, str) or (isinstance(v, list) and ids(v)):
+            pass
+        elif isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+            if any(len(p) == 0 for p in v):
+                raise ValueError("prompt must not be empty (a prompt in the batch is empty)")
+        else:
+            raise ValueError(
+                "prompt must be a string, a list of token ids (>= 0), a list of strings or a list of "
+                f"token id lists, got {v!r:.60}"
+            )
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return cast(str | list[int] | list[str] | list[list[int]], v)
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of is not supported: omit it or set it equal to n (got best_of={self.best_of}, n={self.n})"
+            )
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a string or a list of ints is one prompt; a list of either is a batch."""
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return [cast(str | list[int], p)]
+        return [cast(str | list[int], x) for x in p]
+
+    def sampling_params(self, max_tokens_default: int | None = None) -> SamplingParams:
+        mt = self.max_tokens if self.max_tokens is not None else max_tokens_default
+        return self._params(16 if mt is None else mt, self.logprobs)
+
+
+class ContentPart(_Model):
+    """A chat content part; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _check_content(cls, v: Any) -> str | list[ContentPart] | None:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            return [p if isinstance(p, ContentPart) else _part(p) for p in v]
+        raise ValueError(f"content must be a string or a list of content parts, got {v!r:.60}")
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "\n".join(p.text for p in self.content)
+
+
+def _part(p: Any) -> ContentPart:
+    if not isinstance(p, dict):
+        raise ValueError(f"a content part must be an object with 'type' and 'text', got {p!r:.60}")
+    if p.get("type") != "text":
+        raise ValueError(f"only text content parts are supported (got type {p.get('type')!r})")
+    if not isinstance(p.get("text"), str):
+        raise ValueError("a text content part needs a 'text' string")
+    return ContentPart(type="text", text=p["text"])
+
+
+def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. ``continue_final_message`` and unknown fields are ignored."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        """[{"role", "content"}] for the chat template; text parts joined by "\\n"; developer -> system."""
+        return _conversation(self.messages)
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over max_tokens; None: up to the context (the app decides)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TGIParameters(_Model):
+    """TGI ``parameters``; typical_p, truncate, watermark, best_of, decoder_input_details ignored."""
+
+    max_new_tokens: Int = 20
+    temperature: Float | None = Field(default=None, gt=0)
+    top_k: Int | None = Field(default=None, gt=0)
+    top_p: Float | None = Field(default=None, gt=0, lt=1)
+    repetition_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    stop: StopList = Field(default_factory=list)
+    seed: Int | None = None
+    do_sample: bool = False
+    details: bool = False
+    return_full_text: bool = False
+    top_n_tokens: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def sampling(self) -> bool:
+        """TGI: sample if do_sample, or implicitly when temperature != 1, top_k or top_p is given."""
+        t = self.temperature
+        return self.do_sample or t not in (None, 1.0) or self.top_k is not None or self.top_p is not None
+
+
+class TGIGenerateRequest(_Model):
+    """POST /generate, /generate_stream and / (TGI-native)."""
+
+    inputs: str
+    parameters: TGIParameters = Field(default_factory=lambda: TGIParameters())
+    stream: bool = False
+
+    @field_validator("inputs")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("inputs must not be empty")
+        return v
+
+    def sampling_params(self) -> SamplingParams:
+        p = self.parameters
+        logprobs = p.top_n_tokens if p.top_n_tokens else (0 if p.details else None)
+        return SamplingParams(
+            max_tokens=p.max_new_tokens,
+            temperature=(p.temperature or 1.0) if p.sampling else 0.0,
+            top_p=p.top_p if p.top_p is not None else 1.0,
+            top_k=p.top_k if p.top_k is not None else -1,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+            frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
+            seed=p.seed, stop=tuple(p.stop), logprobs=logprobs,
+        )  # fmt: skip
+
+
+class TokenizeRequest(_Model):
+    """POST /tokenize: exactly one of ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt or messages must be given")
+        return self
+
+    def conversation(self) -> list[dict[str, str]] | None:
+        return None if self.messages is None else _conversation(self.messages)
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[Annotated[Int, Field(ge=0)]]
+
+
+def error_message(exc: Exception) -> str:
+    """One readable line: "field.path: message (got input)" per pydantic error; str() otherwise."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    parts = []
+    for err in exc.errors(include_url=False):
+        path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
+        ctx_err = err.get("ctx", {}).get("error")
+        own = err["type"] == "value_error" and ctx_err is not None  # ours: says what it got if useful
+        msg = str(ctx_err) if own else err["msg"]
+        if not own and err["type"] != "missing":
+            msg += f" (got {err['input']!r:.60})"
+        parts.append(f"{path}: {msg}" if path and not msg.startswith(path + " ") else msg)
+    return "; ".join(parts)
+
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}
+
+
+def openai_error(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI error body: {"error": {"message", "type", "param", "code"}}; code is the HTTP status."""
+    etype = "server_error" if status >= 500 else _ERROR_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": etype, "param": param, "code": status}}

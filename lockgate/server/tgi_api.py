@@ -1,0 +1,119 @@
+"""TGI-native routes: POST /generate and POST /generate_stream (and POST / by ``stream``).
+
+Owns mapping TGI's request shape (``inputs`` + ``parameters``) onto one engine request and
+the engine's outputs back onto TGI's response shapes:
+
+* /generate -> ``{"generated_text", "details"?}``; details has ``finish_reason`` (``length``,
+  ``eos_token`` or ``stop_sequence``), ``generated_tokens``, ``seed`` and per-token
+  ``tokens`` [{id, text, logprob, special}].
+* /generate_stream -> SSE, one event per token ``{"index", "token", "generated_text": null,
+  "details": null}``; the last event carries the full ``generated_text`` and ``details``.
+
+Errors use TGI's body ``{"error", "error_type"}`` (the app renders APIError that way on these
+routes); validation errors are 422 as in TGI.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from lockgate.ipc.messages import TextOut
+from lockgate.server.context import APIError, ServerContext, parse_body
+from lockgate.server.protocol import TGIGenerateRequest
+
+router = APIRouter()
+
+TGI_PATHS = ("/generate", "/generate_stream", "/")
+
+
+def _reason(o: TextOut) -> str:
+    if o.finish_reason == "stop":
+        return "stop_sequence" if o.stop_matched is not None else "eos_token"
+    return o.finish_reason or "length"
+
+
+def _tokens(ctx: ServerContext, o: TextOut) -> list[dict[str, Any]]:
+    tok, eos = ctx.tokenizer, set(ctx.info.eos_token_ids)
+    lps = o.logprobs or [None] * len(o.ids)
+    return [{"id": t, "text": tok.decode([t], skip_special_tokens=False), "logprob": lp, "special": t in eos}
+            for t, lp in zip(o.ids, lps, strict=True)]
+
+
+async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, Any]:
+    ctx: ServerContext = request.app.state.ctx
+    body = await parse_body(request, TGIGenerateRequest)
+    ids = ctx.tokenizer.encode(body.inputs)
+    ctx.check_prompt(ids, body.parameters.max_new_tokens)
+    try:
+        params = body.sampling_params()
+    except ValueError as e:
+        raise APIError(422, str(e)) from None
+    return ctx, body, ctx.submit("tgi", [(ids, params)])
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    ctx, body, streams = await _start(request)
+    return await _whole(request, ctx, body, streams)
+
+
+async def _whole(request: Request, ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Response:
+    outs = (await ctx.collect(request, streams))[0]
+    last = outs[-1]
+    if last.finish_reason == "error":
+        raise APIError(500, last.error or "internal error")
+    text = "".join(o.text for o in outs)
+    if body.parameters.return_full_text:
+        text = body.inputs + text
+    result: dict[str, Any] = {"generated_text": text}
+    if body.parameters.details:
+        result["details"] = {"finish_reason": _reason(last), "generated_tokens": sum(len(o.ids) for o in outs),
+                             "seed": body.parameters.seed, "prefill": [],
+                             "tokens": [t for o in outs for t in _tokens(ctx, o)]}
+    return JSONResponse(result)
+
+
+@router.post("/generate_stream")
+async def generate_stream(request: Request) -> Response:
+    ctx, body, streams = await _start(request)
+    return _stream(ctx, body, streams)
+
+
+@router.post("/")
+async def compat(request: Request) -> Response:
+    """TGI's root route: /generate or /generate_stream by the body's ``stream`` flag."""
+    ctx, body, streams = await _start(request)
+    return _stream(ctx, body, streams) if body.stream else await _whole(request, ctx, body, streams)
+
+
+def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Response:
+    async def events() -> AsyncIterator[str]:
+        text, n = [], 0
+        try:
+            async for _, o in ctx.merge(streams):
+                if o.finish_reason == "error":
+                    yield f"data:{json.dumps({'error': o.error or 'internal error', 'error_type': 'generation'})}\n\n"
+                    return
+                text.append(o.text)
+                toks = _tokens(ctx, o)
+                for j, t in enumerate(toks):
+                    n += 1
+                    last = o.finish_reason is not None and j == len(toks) - 1
+                    event: dict[str, Any] = {"index": n, "token": {**t, "text": o.text if j == len(toks) - 1 else ""},
+                                             "top_tokens": None, "generated_text": None, "details": None}
+                    if last:
+                        full = "".join(text)
+                        event["generated_text"] = body.inputs + full if body.parameters.return_full_text else full
+                        event["details"] = {"finish_reason": _reason(o), "generated_tokens": n,
+                                            "seed": body.parameters.seed}
+                    yield f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
+        finally:
+            ctx.abort(streams)
+
+    return StreamingResponse(events(), media_type="text/event-stream")

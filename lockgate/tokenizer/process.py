@@ -1,0 +1,129 @@
+"""The detokenizer process: token ids -> text deltas, off the scheduler's critical path.
+
+Owns one ``IncrementalDetokenizer`` per live request. Loop: receive from the scheduler
+(``Register`` before a request's first tokens, one ``StepBatch`` per step, ``Ready``), turn
+every ``TokenOut`` into a ``TextOut`` and send one ``TextBatch`` per step to the API.
+
+Invariants:
+
+* Text is valid UTF-8 and never contains a stop string (the IncrementalDetokenizer holds
+  back what could still become one).
+* When a stop string matches, the request is finished here (reason ``stop``) and an
+  ``AbortRequest`` goes to the scheduler so its slots return to the pool; whatever the
+  scheduler still sends for it afterwards is dropped, so the API sees exactly one finish.
+* The tokenizer is loaded when the scheduler's ``Ready`` names the model directory (the
+  scheduler prepares it); ``Ready`` is forwarded to the API only after that.
+
+Started by ``lockgate.server.launch`` as ``python -m lockgate.tokenizer.process ARGS_JSON``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from lockgate.ipc.channel import Receiver, Sender
+from lockgate.ipc.messages import (
+    AbortRequest,
+    DetokenizerReady,
+    Fatal,
+    Ready,
+    Register,
+    Shutdown,
+    StepBatch,
+    TextBatch,
+    TextOut,
+    ToDetokenizer,
+    TokenOut,
+)
+from lockgate.tokenizer.detokenizer import IncrementalDetokenizer
+from lockgate.tokenizer.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("lockgate.detokenizer")
+
+
+class DetokProcArgs(msgspec.Struct, frozen=True):
+    model: str  # the --model spec ("sim" selects the byte tokenizer)
+    in_endpoint: str  # PULL, bound here
+    api_endpoint: str  # PUSH to the API
+    scheduler_endpoint: str  # PUSH to the scheduler (aborts on stop strings)
+    parent_pid: int
+    log_level: str = "INFO"
+
+
+class DetokenizerProcess:
+    def __init__(self, args: DetokProcArgs) -> None:
+        self.args = args
+        self.ctx = zmq.Context()
+        self.inbox: Receiver[ToDetokenizer] = Receiver(self.ctx, args.in_endpoint, ToDetokenizer)
+        self.api = Sender(self.ctx, args.api_endpoint)
+        self.scheduler = Sender(self.ctx, args.scheduler_endpoint)
+        self.tokenizer: Tokenizer | None = None
+        self.live: dict[str, IncrementalDetokenizer] = {}
+
+    def run(self) -> None:
+        while True:
+            msg = self.inbox.recv(timeout_ms=1000)
+            if os.getppid() != self.args.parent_pid:
+                log.error("parent process %d is gone; exiting", self.args.parent_pid)
+                return
+            if msg is None:
+                continue
+            for m in [msg, *self.inbox.drain()]:
+                if isinstance(m, StepBatch):
+                    self.api.send(TextBatch([t for o in m.outs if (t := self.convert(o)) is not None], m.stats))
+                elif isinstance(m, Register):
+                    assert self.tokenizer is not None
+                    self.live[m.rid] = IncrementalDetokenizer(self.tokenizer, tuple(m.stop), m.skip_special_tokens)
+                elif isinstance(m, Ready):
+                    self.ready(m)
+                elif isinstance(m, Fatal):
+                    self.api.send(m)
+                elif isinstance(m, Shutdown):
+                    return
+
+    def ready(self, m: Ready) -> None:
+        try:
+            self.tokenizer = load_tokenizer(self.args.model, m.model_dir)
+        except Exception as e:
+            log.exception("cannot load the tokenizer")
+            self.api.send(Fatal("detokenizer", f"cannot load the tokenizer: {e}"))
+            return
+        self.api.send(DetokenizerReady(m, os.getpid()))
+
+    def convert(self, o: TokenOut) -> TextOut | None:
+        detok = self.live.get(o.rid)
+        if detok is None:
+            return None  # finished here already (stop string); the scheduler's echo is dropped
+        text = detok.push(o.ids) if o.ids else ""
+        reason, matched = o.finish_reason, None
+        if detok.stopped:
+            if reason is None:
+                self.scheduler.send(AbortRequest(o.rid, "stop string"))
+            reason, matched = "stop", detok.stop_reason
+        if reason is not None:
+            text += detok.flush()
+            del self.live[o.rid]
+        return TextOut(rid=o.rid, text=text, ids=o.ids, logprobs=o.logprobs, top=o.top, finish_reason=reason,
+                       stop_matched=matched, num_prompt_tokens=o.num_prompt_tokens,
+                       num_output_tokens=o.num_output_tokens, cached_tokens=o.cached_tokens,
+                       queue_seconds=o.queue_seconds, error=o.error)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = msgspec.json.decode(argv[0], type=DetokProcArgs)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [detokenizer] %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    DetokenizerProcess(args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""The three-process server on the ``sim`` model: real processes, real HTTP, the official openai client.
+
+The sim model (``--model sim``) runs the real scheduler, detokenizer and API with a simulated
+runner (deterministic tokens, a small cost model of step time), so these tests exercise every
+process boundary in seconds. The default model's end-to-end checks are in test_server_model.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_util import ServerProc, pid_alive
+
+SIM = ("--model", "sim", "--max-model-len", "512", "--sim-step-ms", "5", "--log-level", "INFO")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProc(*SIM, "--max-total-tokens", "4096")
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def loads(server) -> dict:
+    return httpx.get(server.url + "/v1/loads").json()
+
+
+def wait_idle(server, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        ld = loads(server)
+        if ld["running"] == 0 and ld["waiting"] == 0 and ld["in_flight"] == 0 and ld["slots_used"] == 0:
+            return ld
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle: {ld}")
+        time.sleep(0.05)
+
+
+# ---- OpenAI API through the official client --------------------------------------------
+def test_completions_and_chat_with_openai_client(server, client) -> None:
+    r = client.completions.create(model="sim", prompt="Hello there", max_tokens=7)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and len(r.choices[0].text) > 0
+    assert r.usage.prompt_tokens == len("Hello there".encode()) and r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+    # streaming returns the same text as the whole response (the sim model is deterministic)
+    chunks = list(client.completions.create(model="sim", prompt="Hello there", max_tokens=7, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 7 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    c = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert c.choices[0].message.role == "assistant" and c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 5
+    sc = list(client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}],
+                                             max_completion_tokens=5, stream=True))
+    assert sc[0].choices[0].delta.role == "assistant"
+    assert "".join(x.choices[0].delta.content or "" for x in sc) == c.choices[0].message.content
+
+
+def test_n_choices_batch_prompts_echo_and_logprobs(server, client) -> None:
+    r = client.completions.create(model="sim", prompt=["ab", "cde"], max_tokens=3, n=2, echo=True)
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2, 3]
+    by = {ch.index: ch.text for ch in r.choices}
+    assert by[0].startswith("ab") and by[2].startswith("cde")
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+    lp = client.completions.create(model="sim", prompt="xyz", max_tokens=4, logprobs=2).choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    ch = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                        logprobs=True, top_logprobs=3)
+    content = ch.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_models_tokenize_detokenize(server, client) -> None:
+    ms = client.models.list()
+    assert [m.id for m in ms.data] == ["sim"]
+    t = httpx.post(server.url + "/tokenize", json={"prompt": "héllo"}).json()
+    assert t["count"] == len("héllo".encode()) == len(t["tokens"]) and t["max_model_len"] == 512
+    assert httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+
+
+# ---- TGI-native API ---------------------------------------------------------------------
+def test_tgi_generate_and_stream(server) -> None:
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 6, "details": True}}
+    r = httpx.post(server.url + "/generate", json=body)
+    assert r.status_code == 200
+    out = r.json()
+    assert out["details"]["generated_tokens"] == 6 and out["details"]["finish_reason"] == "length"
+    assert len(out["details"]["tokens"]) == 6 and all("logprob" in t for t in out["details"]["tokens"])
+    with httpx.stream("POST", server.url + "/generate_stream", json=body) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    assert len(events) == 6 and [e["index"] for e in events] == list(range(1, 7))
+    assert events[-1]["generated_text"] == out["generated_text"] == "".join(e["token"]["text"] for e in events)
+    assert all(e["generated_text"] is None for e in events[:-1])
+    bad = httpx.post(server.url + "/generate", json={"inputs": "x", "parameters": {"top_p": 1.5}})
+    assert bad.status_code == 422 and "top_p" in bad.json()["error"]
+
+
+# ---- bad input --------------------------------------------------------------------------
+@pytest.mark.parametrize("body, status, needle", [
+    ("{not json", 400, "not valid JSON"),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
+    ({"prompt": "x", "max_tokens": 600}, 400, "512"),
+    ({"prompt": "x" * 600, "max_tokens": 1}, 400, "512"),
+    ({"prompt": [1, 2, 99999999]}, 400, "vocabulary"),
+    ({"max_tokens": 3}, 400, "prompt"),
+])
+def test_bad_completion_requests_get_clear_4xx(server, body, status, needle) -> None:
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server.url + "/v1/completions", content=data, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status and err["type"]
+
+
+def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and "text" in r.json()["error"]["message"]
+    # nulls, other servers' extensions and unknown fields are accepted
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "sim", "messages": [{"role": "user", "content": "hi", "tool_calls": None}], "max_tokens": 2,
+        "temperature": None, "top_p": None, "stop": None, "tools": [], "parallel_tool_calls": False,
+        "response_format": None, "chat_template_kwargs": {}, "some_new_field": 1})
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "x"}], frequency_penalty=3)
+
+
+# ---- cancellation -----------------------------------------------------------------------
+def test_client_disconnects_abort_and_free_slots(server) -> None:
+    wait_idle(server)
+    body = {"prompt": "long one", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def stream_then_drop() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # got the first token; close the connection
+
+    threads = [threading.Thread(target=stream_then_drop) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # non-streaming requests whose client gives up
+    for _ in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    ld = wait_idle(server)  # 400 tokens x 5 ms would take 2 s each; aborted at once instead
+    assert ld["slots_free"] == ld["capacity"]
+    metrics = httpx.get(server.url + "/metrics").text
+    aborted = [ln for ln in metrics.splitlines() if ln.startswith('lockgate:request_success_total{finished_reason="abort"')
+               or ln.startswith("lockgate:request_success_total") and 'finished_reason="abort"' in ln]
+    assert aborted and float(aborted[0].split()[-1]) >= 11
+
+
+def test_metrics_exposed(server, client) -> None:
+    client.completions.create(model="sim", prompt="metrics", max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("lockgate:time_to_first_token_seconds_bucket", "lockgate:inter_token_latency_seconds_bucket",
+                 "lockgate:e2e_request_latency_seconds_count", "lockgate:queue_time_seconds_count",
+                 "lockgate:num_requests_running", "lockgate:num_requests_waiting", "lockgate:kv_slot_usage_ratio",
+                 "lockgate:prompt_tokens_total", "lockgate:generation_tokens_total",
+                 "lockgate:prefix_cache_queries_total", "lockgate:prefix_cache_hits_total"):
+        assert name in text, name
+    gen = next(ln for ln in text.splitlines() if ln.startswith("lockgate:generation_tokens_total"))
+    assert float(gen.split()[-1]) >= 4
+
+
+# ---- separate servers: limits, auth, lifecycle ---------------------------------------------
+def test_queue_limit_429_and_api_key() -> None:
+    s = ServerProc(*SIM, "--sim-step-ms", "100", "--max-running-requests", "1", "--max-queued-requests", "2",
+                   "--api-key", "sekret")
+    try:
+        s.wait_ready()
+        assert httpx.get(s.url + "/health").status_code == 200  # no key needed
+        r = httpx.get(s.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
+        assert c.models.list().data[0].id == "sim"
+        codes: list[int] = []
+        headers: list[str | None] = []
+
+        def one() -> None:
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5},
+                           headers={"Authorization": "Bearer sekret"}, timeout=30)
+            codes.append(r.status_code)
+            headers.append(r.headers.get("retry-after"))
+
+        ts = [threading.Thread(target=one) for _ in range(6)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert 429 in codes and 200 in codes
+        assert all(h == "1" for c_, h in zip(codes, headers, strict=True) if c_ == 429)
+    finally:
+        s.stop()
+
+
+def test_sigterm_finishes_in_flight_and_exits_cleanly() -> None:
+    s = ServerProc(*SIM, "--sim-step-ms", "20", "--shutdown-timeout", "10")
+    try:
+        s.wait_ready()
+        results: list[str] = []
+
+        def one() -> None:
+            try:
+                r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 30}, timeout=30)
+                results.append(r.json()["choices"][0]["finish_reason"])
+            except httpx.HTTPError as e:
+                results.append(type(e).__name__)
+
+        ts = [threading.Thread(target=one) for _ in range(4)]
+        for t in ts:
+            t.start()
+        time.sleep(0.3)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in ts:
+            t.join()
+        assert s.proc.wait(30) == 0
+        assert results == ["length"] * 4  # 30 tokens x 20 ms fit in the grace period
+        assert s.wait_children_gone()
+    finally:
+        s.stop()
+
+
+def test_scheduler_death_stops_server_without_orphans() -> None:
+    s = ServerProc(*SIM)
+    try:
+        s.wait_ready()
+        pids = s.child_pids()
+        os.kill(pids["scheduler"], signal.SIGKILL)
+        assert s.proc.wait(30) == 1
+        assert s.wait_children_gone()
+        log = s.log()
+        assert f"scheduler process (pid {pids['scheduler']}) exited unexpectedly with signal SIGKILL" in log
+    finally:
+        s.stop()
+
+
+def test_watchdog_kills_a_stuck_step() -> None:
+    # A 3-second sim step against a 1-second watchdog: the scheduler logs the batch and exits.
+    s = ServerProc(*SIM, "--sim-step-ms", "3000", "--watchdog-timeout", "1")
+    try:
+        s.wait_ready()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "stuck", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 500 and "exited unexpectedly" in r.json()["error"]["message"]
+        assert s.proc.wait(30) == 1
+        assert s.wait_children_gone()
+        log = s.log()
+        assert "watchdog" in log and "Running batch: 1 running: cmpl-" in log
+    finally:
+        s.stop()
+
+
+def test_api_process_imports_no_torch(server) -> None:
+    maps = open(f"/proc/{server.proc.pid}/maps").read()
+    assert "libtorch" not in maps
+    sched = open(f"/proc/{server.child_pids()['scheduler']}/maps").read()
+    assert pid_alive(server.child_pids()["detokenizer"])
+    assert "libtorch" not in sched  # the sim runner needs no torch either
