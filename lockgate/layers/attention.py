@@ -156,7 +156,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, h, d = q.shape
     hkv = k_cache.shape[1]
     gs = h // hkv
-    if qn == 1:
+    if g.q_index is None:  # decode: Q == 1
         qp = q.reshape(b, 1, h, d)  # [Bg, 1, H, D]: one token per sequence, no padding
     else:
         qp = q.new_zeros(b * qn, h, d).index_copy_(0, g.q_index, q).view(b, qn, h, d)  # [Bg, Q, H, D]
@@ -167,7 +167,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     vc = v_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)  # [Bg, Hkv, L, D]
     o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=g.mask, scale=scale)  # [Bg, Hkv, G * Q, D]
     o = o.view(b, hkv, gs, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, h, d)  # [Bg * Q, H, D]
-    return o if qn == 1 else o.index_select(0, g.q_index)  # [Tg, H, D]
+    return o if g.q_index is None else o.index_select(0, g.q_index)  # [Tg, H, D]
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,25 +142,46 @@ def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {**scaling, "rope_type": rope_type}
 
 
-def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
-    return None if t is None else nn.Parameter(t, requires_grad=False)
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _frozen_opt(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else _frozen(t)
 
 
 class DecoderLayer(nn.Module):
     """Weights of one transformer block (fused QKV and gate/up)."""
 
+    attn_norm: nn.Parameter
+    qkv_weight: nn.Parameter
+    qkv_bias: nn.Parameter | None
+    o_weight: nn.Parameter
+    o_bias: nn.Parameter | None
+    mlp_norm: nn.Parameter
+    gate_up_weight: nn.Parameter
+    gate_up_bias: nn.Parameter | None
+    down_weight: nn.Parameter
+    down_bias: nn.Parameter | None
+
     def __init__(self, w: dict[str, torch.Tensor | None]):
         super().__init__()
-        self.attn_norm = _frozen(w["attn_norm"])  # [hidden]
-        self.qkv_weight = _frozen(w["qkv_weight"])  # [(H + 2 Hkv) D, hidden]
-        self.qkv_bias = _frozen(w["qkv_bias"])  # [(H + 2 Hkv) D] or None
-        self.o_weight = _frozen(w["o_weight"])  # [hidden, H D]
-        self.o_bias = _frozen(w["o_bias"])  # [hidden] or None
-        self.mlp_norm = _frozen(w["mlp_norm"])  # [hidden]
-        self.gate_up_weight = _frozen(w["gate_up_weight"])  # [2 F, hidden]
-        self.gate_up_bias = _frozen(w["gate_up_bias"])  # [2 F] or None
-        self.down_weight = _frozen(w["down_weight"])  # [hidden, F]
-        self.down_bias = _frozen(w["down_bias"])  # [hidden] or None
+
+        def need(name: str) -> nn.Parameter:
+            t = w[name]
+            assert t is not None, name
+            return _frozen(t)
+
+        self.attn_norm = need("attn_norm")  # [hidden]
+        self.qkv_weight = need("qkv_weight")  # [(H + 2 Hkv) D, hidden]
+        self.qkv_bias = _frozen_opt(w["qkv_bias"])  # [(H + 2 Hkv) D] or None
+        self.o_weight = need("o_weight")  # [hidden, H D]
+        self.o_bias = _frozen_opt(w["o_bias"])  # [hidden] or None
+        self.mlp_norm = need("mlp_norm")  # [hidden]
+        self.gate_up_weight = need("gate_up_weight")  # [2 F, hidden]
+        self.gate_up_bias = _frozen_opt(w["gate_up_bias"])  # [2 F] or None
+        self.down_weight = need("down_weight")  # [hidden, F]
+        self.down_bias = _frozen_opt(w["down_bias"])  # [hidden] or None
 
 
 class LlamaModel(nn.Module):
@@ -200,7 +222,8 @@ class LlamaModel(nn.Module):
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
-        for i, layer in enumerate(self.layers):
+        layers = typing.cast(list[DecoderLayer], self.layers)
+        for i, layer in enumerate(layers):
             y = rms_norm(x, layer.attn_norm, a.rms_norm_eps)  # [T, hidden]
             qkv = F.linear(y, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)

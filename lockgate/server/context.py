@@ -141,10 +141,12 @@ class ServerContext:
         async def gather_one(s: RequestStream) -> list[TextOut]:
             return [o async for o in s.outputs()]
 
-        work = asyncio.ensure_future(asyncio.gather(*(gather_one(s) for s in streams)))
-        gone = asyncio.ensure_future(wait_disconnect(request))
+        work: asyncio.Future[list[list[TextOut]]] = asyncio.ensure_future(
+            asyncio.gather(*(gather_one(s) for s in streams)))
+        gone: asyncio.Future[None] = asyncio.ensure_future(wait_disconnect(request))
         try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: list[asyncio.Future[object]] = [work, gone]  # type: ignore[list-item]
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
         if work not in done:

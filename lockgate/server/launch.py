@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import shutil
 import signal
@@ -169,7 +170,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             client = EngineClient(name, engine.model.model, ep.scheduler, ep.api, metrics)
             app = create_app(client, server, api_key, metrics)
             config = uvicorn.Config(app, host=server.host, port=server.port, log_level=log_level.lower(),
-                                    access_log=False, timeout_graceful_shutdown=server.shutdown_timeout,
+                                    access_log=False, timeout_graceful_shutdown=math.ceil(server.shutdown_timeout),
                                     lifespan="on")
             uv_server = uvicorn.Server(config)
             sup.watch(on_death)

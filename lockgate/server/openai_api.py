@@ -48,12 +48,15 @@ def _piece(tok: Tokenizer, token_id: int) -> str:
 def completion_logprobs(tok: Tokenizer, outs: list[TextOut], offset: int) -> dict[str, Any] | None:
     if not outs or outs[0].logprobs is None and all(o.logprobs is None for o in outs):
         return None
-    tokens, lps, tops, offs = [], [], [], []
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offs: list[int] = []
     for o in outs:
         for j, t in enumerate(o.ids):
             s = _piece(tok, t)
             tokens.append(s)
-            lps.append((o.logprobs or [None] * len(o.ids))[j])
+            lps.append(o.logprobs[j] if o.logprobs else None)
             tops.append({_piece(tok, i): lp for i, lp in (o.top[j] if o.top else [])} if o.top else None)
             offs.append(offset)
             offset += len(s)

@@ -40,7 +40,7 @@ def _reason(o: TextOut) -> str:
 
 def _tokens(ctx: ServerContext, o: TextOut) -> list[dict[str, Any]]:
     tok, eos = ctx.tokenizer, set(ctx.info.eos_token_ids)
-    lps = o.logprobs or [None] * len(o.ids)
+    lps: list[float | None] = list(o.logprobs) if o.logprobs else [None] * len(o.ids)
     return [{"id": t, "text": tok.decode([t], skip_special_tokens=False), "logprob": lp, "special": t in eos}
             for t, lp in zip(o.ids, lps, strict=True)]
 

@@ -55,7 +55,7 @@ class SimTokenizer:
     OFFSET = 3
 
     def __init__(self, vocab_size: int = 32000) -> None:
-        self.eos_token_ids = (2,)
+        self.eos_token_ids: tuple[int, ...] = (2,)
         self.vocab_size = vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,0 +1,107 @@
+"""The server on the default model (SmolLM2-135M-Instruct, bf16 as served by default).
+
+End-to-end checks that need real text: 64 concurrent streaming requests complete with
+correct usage; streamed text equals the whole response and the tokenizer's own decoding of
+the generated ids, including multi-byte UTF-8; a stop string spanning tokens is never
+emitted; seeded sampling is reproducible through HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from server_util import ServerProc
+
+UNICODE_PROMPT = "Translate to French: 'The summer was very hot and the café was closed.'\nFrench:"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProc("--model", "default", "--max-total-tokens", "65536")
+    try:
+        yield s.wait_ready(timeout=300)
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_64_concurrent_streams_complete_with_correct_usage(server) -> None:
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+    async def one(i: int) -> tuple[int, int, int, str]:
+        prompt = f"Request {i}: write a few words about the number {i}."
+        stream = await aclient.completions.create(model="default", prompt=prompt, max_tokens=16 + i % 17,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  temperature=0.7, seed=i)
+        text, usage = [], None
+        async for ch in stream:
+            if ch.choices:
+                text.append(ch.choices[0].text)
+            if ch.usage:
+                usage = ch.usage
+        assert usage is not None
+        return i, usage.prompt_tokens, usage.completion_tokens, "".join(text)
+
+    async def all_() -> list[tuple[int, int, int, str]]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_())
+    assert len(results) == 64
+    for i, p_tokens, c_tokens, text in results:
+        want = httpx.post(server.url + "/tokenize", json={"prompt": f"Request {i}: write a few words about the "
+                                                                    f"number {i}."}).json()["count"]
+        assert p_tokens == want
+        assert 1 <= c_tokens <= 16 + i % 17
+        assert text
+    ld = httpx.get(server.url + "/v1/loads").json()
+    assert ld["running"] == 0 and ld["slots_used"] == 0
+
+
+def test_streamed_text_is_exact_including_multibyte(server, client) -> None:
+    body = {"inputs": UNICODE_PROMPT, "parameters": {"max_new_tokens": 40, "details": True}}
+    tgi = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+    ids = [t["id"] for t in tgi["details"]["tokens"]]
+    want = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert any(ord(ch) > 127 for ch in want), want  # the check is about multi-byte text
+    whole = client.completions.create(model="default", prompt=UNICODE_PROMPT, max_tokens=40, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="default", prompt=UNICODE_PROMPT, max_tokens=40, temperature=0, stream=True) if c.choices)
+    assert tgi["generated_text"] == whole.choices[0].text == streamed == want
+    assert "\ufffd" not in streamed
+
+
+def test_stop_string_across_tokens_never_emitted(server, client) -> None:
+    base = client.completions.create(model="default", prompt=UNICODE_PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[5:11]  # six characters somewhere inside, very likely spanning a token boundary
+    assert stop.strip()
+    for stream in (False, True):
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="default", prompt=UNICODE_PROMPT, max_tokens=40, temperature=0, stop=[stop], stream=True,
+                extra_body={"ignore_eos": True}) if c.choices)
+        else:
+            r = client.completions.create(model="default", prompt=UNICODE_PROMPT, max_tokens=40, temperature=0,
+                                          stop=[stop], extra_body={"ignore_eos": True})
+            text = r.choices[0].text
+            assert r.choices[0].finish_reason == "stop"
+        assert text == base[:base.index(stop)]
+
+
+def test_chat_answer_and_seeded_sampling(client) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    r = client.chat.completions.create(model="default", messages=msgs, max_tokens=30, temperature=0)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    a = client.chat.completions.create(model="default", messages=msgs, max_tokens=20, temperature=1.0, seed=7, n=2)
+    b = client.chat.completions.create(model="default", messages=msgs, max_tokens=20, temperature=1.0, seed=7, n=2)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
