@@ -40,6 +40,23 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None])
 
 
+def parse_queue_delay(text: str) -> tuple[int | None, float | None]:
+    """'500' -> (500 steps, None); '30s' / '2.5s' -> (None, seconds)."""
+    t = str(text).strip().lower()
+    try:
+        if t.endswith("s"):
+            sec = float(t[:-1])
+            if sec > 0:
+                return None, sec
+        else:
+            steps = int(t)
+            if steps > 0:
+                return steps, None
+    except ValueError:
+        pass
+    raise ValueError(f"--max-queue-delay must be a positive step count (e.g. 500) or seconds (e.g. 30s), got {text!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = _opt("default", "model: 'default' (SmolLM2-135M-Instruct from PyPI), 'sim' (simulated), "
@@ -81,7 +98,32 @@ class SchedulerConfig:
     max_running_requests: int = _opt(256, "most requests decoding together in one batch")
     max_prefill_tokens: int = _opt(1024, "prompt tokens prefilled per step; longer prompts are chunked")
 
+    schedule_policy: str = _opt("fcfs", "waiting-queue order: fcfs, lpm (longest prefix match), dfs-weight "
+                                "(heaviest radix subtree first), lof (longest output first), random",
+                                choices=["fcfs", "lpm", "dfs-weight", "lof", "random"])
+    max_queue_delay: str = _opt("30s", "a request waiting longer than this is served next whatever the policy: "
+                                "'500' = scheduler steps, '30s' = seconds")
+    admission: str = _opt("peak", "admission mode: peak (future peak KV usage fits: decode never runs out), "
+                          "reserve (prompt + max_tokens reserved up front, as TGI), ratio (optimistic SGLang-style "
+                          "new-token ratio with retraction when decode runs out)",
+                          choices=["peak", "reserve", "ratio"])
+    disable_prefix_cache: bool = _opt(False, "turn off the radix-tree prefix cache")
+    init_new_token_ratio: float = _opt(0.7, "ratio admission: starting fraction of max_tokens reserved")
+    min_new_token_ratio: float = _opt(0.1, "ratio admission: floor the ratio decays to")
+    new_token_ratio_decay_steps: int = _opt(600, "ratio admission: decode steps to decay from start to floor")
+
+    @property
+    def queue_delay_bound(self) -> tuple[int | None, float | None]:
+        """(max steps, max seconds) parsed from ``max_queue_delay`` (one of the two is None)."""
+        return parse_queue_delay(self.max_queue_delay)
+
     def __post_init__(self) -> None:
+        parse_queue_delay(self.max_queue_delay)
+        if not 0.0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
+            raise ValueError("need 0 < --min-new-token-ratio <= --init-new-token-ratio <= 1, got "
+                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        if self.new_token_ratio_decay_steps < 1:
+            raise ValueError(f"--new-token-ratio-decay-steps must be >= 1, got {self.new_token_ratio_decay_steps}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:

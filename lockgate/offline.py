@@ -44,6 +44,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 class LLM:
@@ -111,6 +112,7 @@ class LLM:
             for ev in self.engine.step():
                 pend = live[ev.rid]
                 pend.add(ev.new_token_ids, ev.new_logprobs, ev.new_top)
+                pend.out.num_cached_tokens = ev.cached_tokens
                 reason = ev.finish_reason
                 if pend.detok.stopped and reason is None:  # a stop string ended it
                     self.engine.abort(ev.rid)

@@ -141,3 +141,80 @@ class PeakAdmission:
             else:
                 hi = mid - 1
         return lo
+
+
+# ---------------------------------------------------------------------------------------
+# Admission modes (``--admission``): one interface, so benchmarks compare them on one workload.
+#
+# Each mode estimates the KV slots the running batch (plus candidates) will need, from the
+# lockstep rows (``resident``, ``left`` arrays) and the stalled rows (chunked prompts; their
+# totals). The scheduler admits a candidate when ``estimate + slots held by the prefix
+# cache's locked nodes <= capacity``.
+#
+# * ``peak``: the formula above; exact worst case, decode never runs out of slots.
+# * ``reserve``: every request reserves prompt + max_tokens up front (what TGI does); also
+#   never runs out, but admits fewer requests because it ignores that short requests leave.
+# * ``ratio``: SGLang's optimistic estimate, ``resident + ratio * left``, where the
+#   new-token ratio starts at ``init`` and decays linearly to ``floor`` over ``decay_steps``
+#   decode steps. It can run out: the scheduler then retracts requests (their KV goes to
+#   the prefix cache, they are re-queued first) and calls ``on_retract``, which raises the
+#   ratio to what the batch actually needed.
+# ---------------------------------------------------------------------------------------
+
+
+class AdmissionMode:
+    """Base: the peak estimate. Subclasses override ``estimate`` (and the ratio hooks)."""
+
+    name = "peak"
+    can_run_out = False  # True: the scheduler must be ready to retract
+
+    def estimate(self, resident: np.ndarray, left: np.ndarray, stalled_resident: int, stalled_left: int) -> int:
+        return peak_usage(resident, left) + stalled_resident + stalled_left
+
+    def on_decode_step(self) -> None:
+        """Called once per step that decoded something."""
+
+    def on_retract(self, decoded: int, max_total: int) -> None:
+        """Called after retracting: ``decoded`` / ``max_total`` tokens of the running batch."""
+
+
+class PeakMode(AdmissionMode):
+    pass
+
+
+class ReserveMode(AdmissionMode):
+    name = "reserve"
+
+    def estimate(self, resident: np.ndarray, left: np.ndarray, stalled_resident: int, stalled_left: int) -> int:
+        return int(np.sum(resident) + np.sum(left)) + stalled_resident + stalled_left
+
+
+class RatioMode(AdmissionMode):
+    name = "ratio"
+    can_run_out = True
+
+    def __init__(self, init: float, floor: float, decay_steps: int) -> None:
+        self.init, self.floor = init, floor
+        self.step = (init - floor) / decay_steps
+        self.ratio = init
+
+    def estimate(self, resident: np.ndarray, left: np.ndarray, stalled_resident: int, stalled_left: int) -> int:
+        need = float(np.sum(left)) + stalled_left
+        return int(np.sum(resident)) + stalled_resident + int(np.ceil(self.ratio * need))
+
+    def on_decode_step(self) -> None:
+        self.ratio = max(self.floor, self.ratio - self.step)
+
+    def on_retract(self, decoded: int, max_total: int) -> None:
+        self.ratio = min(1.0, max(self.ratio, decoded / max(max_total, 1)))
+
+
+def make_admission(name: str, init_ratio: float = 0.7, min_ratio: float = 0.1, decay_steps: int = 600
+                   ) -> AdmissionMode:
+    if name == "peak":
+        return PeakMode()
+    if name == "reserve":
+        return ReserveMode()
+    if name == "ratio":
+        return RatioMode(init_ratio, min_ratio, decay_steps)
+    raise ValueError(f"unknown admission mode {name!r} (peak, reserve, ratio)")

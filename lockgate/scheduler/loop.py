@@ -32,6 +32,7 @@ class StepInfo:
     num_prefill_tokens: int
     num_decode: int
     seconds: float
+    num_cached_tokens: int = 0
 
 
 class EngineCore:
@@ -40,13 +41,15 @@ class EngineCore:
         self.runner = runner if runner is not None else make_runner(cfg.model, cfg.cache)
         self.scheduler = Scheduler(cfg.scheduler, capacity=self.runner.capacity,
                                    max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
-                                   eos_token_ids=self.runner.eos_token_ids)
+                                   eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed)
         self.check = check_invariants
         self.last_step: StepInfo | None = None
         self.num_steps = 0
-        log.info("engine ready: KV capacity %d tokens, context %d, max running %d, prefill budget %d",
-                 self.runner.capacity, self.runner.max_model_len, cfg.scheduler.max_running_requests,
-                 cfg.scheduler.max_prefill_tokens)
+        sc = cfg.scheduler
+        log.info("engine ready: KV capacity %d tokens, context %d, max running %d, prefill budget %d, "
+                 "admission %s, policy %s, prefix cache %s", self.runner.capacity, self.runner.max_model_len,
+                 sc.max_running_requests, sc.max_prefill_tokens, sc.admission, sc.schedule_policy,
+                 "off" if sc.disable_prefix_cache else "on")
 
     def add_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams,
                     rid: str | None = None) -> Request:
@@ -71,7 +74,7 @@ class EngineCore:
         outs = self.scheduler.update(step, result)
         self.num_steps += 1
         self.last_step = StepInfo(len(step.rows), step.num_new_seqs, step.num_prefill_tokens, step.num_decode,
-                                  time.perf_counter() - t0)
+                                  time.perf_counter() - t0, step.num_cached_tokens)
         if self.check:
             self.scheduler.check_invariants()
         return outs

@@ -199,7 +199,7 @@ class SchedulerProcess:
     def send(self, events: list[StepOutput]) -> None:
         st = self.engine.scheduler.stats()
         stats = EngineStats(running=st.running, waiting=st.waiting, slots_used=st.slots_used,
-                            slots_free=st.slots_free, slots_evictable=0, capacity=st.capacity,
+                            slots_free=st.slots_free, slots_evictable=st.slots_evictable, capacity=st.capacity,
                             headroom=st.headroom, num_steps=self.engine.num_steps)
         self.out.send(StepBatch(self.pending, stats))
         self.pending = []
@@ -212,6 +212,7 @@ class SchedulerProcess:
         out = TokenOut(rid, ev.new_token_ids if ev else [], finish_reason=reason.value if reason else None)
         if req is not None:
             out.num_prompt_tokens, out.num_output_tokens = req.num_prompt, req.num_output
+            out.cached_tokens = req.cached_tokens
             if req.params.logprobs is not None and ev is not None:
                 out.logprobs = ev.new_logprobs
                 out.top = ev.new_top if req.params.logprobs else None
@@ -245,7 +246,7 @@ class SchedulerProcess:
         usage = st.slots_used / max(st.capacity, 1)
         if info.num_prefill_tokens:
             log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                     "#running-req: %d, #queue-req: %d", info.num_new_seqs, info.num_prefill_tokens, 0, usage,
+                     "#running-req: %d, #queue-req: %d", info.num_new_seqs, info.num_prefill_tokens, info.num_cached_tokens, usage,
                      st.running, st.waiting)
         if info.num_decode:
             self.decode_steps += 1

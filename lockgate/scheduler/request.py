@@ -2,8 +2,9 @@
 
 Owns the per-request bookkeeping: prompt and output token ids, the KV slots the request
 holds, and how far its prompt has been computed. Phases are derived, never stored
-(DESIGN.md habit 4): a request is *prefilling* while ``num_computed < num_prompt``; after
-that it decodes, feeding back its last sampled token each step.
+(DESIGN.md habit 4): a request is *prefilling* while ``num_computed < prefill_len`` (the
+prompt; or prompt + output so far when it resumes after a retraction); after that it
+decodes, feeding back its last sampled token each step.
 
 Slot invariant: ``slots[:num_computed]`` are the KV slots of the first ``num_computed``
 tokens of ``prompt_ids + output_ids``, in position order, and the request owns exactly
@@ -16,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -42,10 +44,20 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + params.stop_token_ids
     first_token_time: float | None = None
     admit_time: float | None = None
+    enqueue_step: int = 0  # scheduler step at which it (re)joined the waiting queue
+    # Prefix-cache bookkeeping (scheduler-side; the tree knows nothing of requests):
+    # slots[:tree_len] belong to the radix tree and are locked through ``tree_node``;
+    # slots[tree_len:num_computed] are the request's own.
+    tree_len: int = 0
+    tree_node: Any = None
+    cached_tokens: int = 0  # prompt tokens reused from the cache at first admission (reported in usage)
+    num_retractions: int = 0
+    prefill_len: int = field(init=False)  # tokens to compute before sampling: the prompt, or all tokens on resume
     slots: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
+        self.prefill_len = self.num_prompt
         # Room for every token that can ever need KV: prompt + max_tokens (the last sampled
         # token never does, so this is one more than needed).
         self.slots = np.empty(self.num_prompt + self.params.max_tokens, dtype=np.int64)
@@ -65,7 +77,12 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt
+        return self.num_computed < self.prefill_len
+
+    @property
+    def num_private(self) -> int:
+        """KV slots the request owns itself (not shared through the prefix cache)."""
+        return self.num_computed - self.tree_len
 
     @property
     def finished(self) -> bool:
@@ -73,8 +90,9 @@ class Request:
 
     @property
     def resident(self) -> int:
-        """Tokens whose KV the request holds, or will hold once its prompt is prefilled."""
-        return self.num_tokens
+        """Tokens whose KV the request holds privately, or will once prefilled: all its tokens
+        minus those it shares through the prefix cache (counted once, as locked cache slots)."""
+        return self.num_tokens - self.tree_len
 
     @property
     def left(self) -> int:

@@ -1,26 +1,39 @@
-"""Scheduler: continuous batching over a token-granular KV pool with peak-usage admission.
+"""Scheduler: continuous batching over a token-granular KV pool, with a prefix cache.
 
-Owns the waiting queue, the running set and the slot allocator. Each call to
-``schedule()`` builds one step (a ``ForwardPlan``):
+Owns the waiting queue, the running set, the slot allocator, the radix prefix cache and the
+bookkeeping between requests and that cache. Each call to ``schedule()`` builds one step (a
+``ForwardPlan``):
 
+0. (``ratio`` admission only) **Retract** the most recently admitted requests while the
+   decoding requests would not get a slot each; their KV goes to the prefix cache and they
+   are re-queued first.
 1. **Prefill** prompts already admitted (oldest first) under the ``max_prefill_tokens``
    budget; a prompt longer than what is left of the budget is cut into chunks over
    several steps.
-2. **Admit** waiting requests in queue order while the running set has room
-   (``max_running_requests``), prefill budget is left, and the Efficient Router's peak
-   estimate of the batch's future KV usage, with the candidate included, fits the pool
-   (``admission.py``, including how chunked prompts are charged). Admitted requests get
-   their first prefill chunk in this same step (prefill first: it sets TTFT); every slot
-   they will ever ask for is already counted by the estimate.
-3. **Decode** every running request whose prompt is done: one token each, in the same
+2. **Order** the waiting queue by the policy (``policy.py``: fcfs, lpm, dfs-weight, lof,
+   random, with a starvation bound), then **admit** in that order while the running set has
+   room, prefill budget is left and the admission mode's estimate of the batch's future KV
+   need fits the pool (``admission.py``; cache slots shared by several requests are charged
+   once, to the one that holds them longest: ``Charges``).
+   A candidate first matches its longest cached prefix: those tokens are not recomputed,
+   their slots are locked in the tree and not counted again. The first candidate that does
+   not fit blocks the rest. Admitted requests get their first chunk in this same step.
+3. **Decode** every running request whose prefill is done: one token each, in the same
    step as the prefill chunks, so a long prompt never stalls running decodes.
 
-``update()`` applies the runner's ``ForwardResult``: appends tokens, finishes requests
-(stop token, EOS, max_tokens) and frees their slots at once.
+``update()`` applies the runner's ``ForwardResult``: appends tokens, inserts freshly
+prefilled KV into the tree (so concurrent requests can share it), finishes requests
+(stop token, EOS, max_tokens) and hands their KV to the tree (or frees it) at once.
 
-Invariant (checked by ``check_invariants``, asserted after every step in tests):
-``allocator.num_free + sum(len(r.held_slots()) for r in running) == capacity``, and no
-``alloc`` ever fails (the consequence of peak admission).
+Slot ownership (the one place that joins requests and the tree; DESIGN.md habit 3): a
+running request's ``slots[:tree_len]`` belong to the tree and are locked through
+``tree_node``; ``slots[tree_len:num_computed]`` are its own. Waiting requests hold nothing.
+When the allocator runs short, unlocked tree nodes are evicted (LRU). Invariant (checked by
+``check_invariants`` after every step in tests)::
+
+    allocator.num_free + tree.total_size + sum(r.num_private for r in running) == capacity
+
+and, for ``peak`` and ``reserve`` admission, no ``alloc`` ever fails.
 """
 
 from __future__ import annotations
@@ -30,13 +43,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from lockgate.config import SchedulerConfig
-from lockgate.kvcache.allocator import SlotAllocator
+from lockgate.kvcache.allocator import OutOfSlots, SlotAllocator
+from lockgate.kvcache.radix import RadixCache
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
-from lockgate.scheduler.admission import peak_usage
+from lockgate.scheduler.admission import AdmissionMode, make_admission
+from lockgate.scheduler.policy import QueueDelayBound, make_policy
 from lockgate.scheduler.request import FinishReason, Request
 
 log = logging.getLogger("lockgate.scheduler")
@@ -58,6 +74,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -69,34 +86,44 @@ class ScheduledStep:
     plan: ForwardPlan
     rows: list[Request]  # row b of the plan
     sampled: list[Request]  # one per plan.sample_rows entry
-    num_new_seqs: int  # requests whose first chunk is in this step
+    num_new_seqs: int  # requests admitted in this step
     num_prefill_tokens: int
     num_decode: int
+    num_cached_tokens: int = 0  # prompt tokens the new requests took from the prefix cache
 
 
 @dataclass(frozen=True)
 class SchedulerStats:
     running: int
     waiting: int
-    slots_used: int
+    slots_used: int  # held by running requests (their own + locked cache nodes)
     slots_free: int
+    slots_evictable: int  # cached, unlocked: reclaimable on demand
     capacity: int
-    headroom: int  # capacity - peak estimate of the running batch
+    headroom: int  # capacity - (admission estimate of the running batch + locked cache slots)
+    retractions: int = 0
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, capacity: int, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
         self.cfg = cfg
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = SlotAllocator(capacity)
+        self.tree: RadixCache | None = None if cfg.disable_prefix_cache else RadixCache()
+        self.admission = make_admission(cfg.admission, cfg.init_new_token_ratio, cfg.min_new_token_ratio,
+                                        cfg.new_token_ratio_decay_steps)
+        steps, seconds = cfg.queue_delay_bound
+        self.policy = make_policy(cfg.schedule_policy, QueueDelayBound(steps, seconds), seed=seed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self._by_id: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_retractions = 0
 
     # ---- intake ----------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -117,7 +144,7 @@ class Scheduler:
                 f"cache capacity of {self.capacity} tokens (--max-total-tokens / --kv-cache-memory)")
         lo, hi = int(np.min(prompt_ids)), int(np.max(prompt_ids))
         if lo < 0 or hi >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size}), got {lo}..{hi}")
+            raise RequestRejected(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
 
     def submit(self, req: Request) -> None:
         if req.rid in self._by_id:
@@ -125,11 +152,12 @@ class Scheduler:
         self.validate(req.prompt_ids, req.params.max_tokens)
         eos = frozenset() if req.params.ignore_eos else self.eos_token_ids
         req.stop_token_ids = eos | frozenset(req.params.stop_token_ids)
+        req.enqueue_step = self.num_steps
         self.waiting.append(req)
         self._by_id[req.rid] = req
 
     def abort(self, rid: str) -> Request | None:
-        """Cancel a request wherever it is; its slots return to the pool at once."""
+        """Cancel a request wherever it is; its slots return to the pool (or cache) at once."""
         req = self._by_id.get(rid)
         if req is None:
             return None
@@ -144,30 +172,63 @@ class Scheduler:
     def get(self, rid: str) -> Request | None:
         return self._by_id.get(rid)
 
+    @property
+    def protected(self) -> int:
+        return self.tree.protected_size if self.tree is not None else 0
+
+    @property
+    def evictable(self) -> int:
+        return self.tree.evictable_size if self.tree is not None else 0
+
     def stats(self) -> SchedulerStats:
+        free, evictable = self.allocator.num_free, self.evictable
         return SchedulerStats(running=len(self.running), waiting=len(self.waiting),
-                              slots_used=self.allocator.num_used, slots_free=self.allocator.num_free,
-                              capacity=self.capacity, headroom=self.capacity - self.peak_estimate())
+                              slots_used=self.capacity - free - evictable, slots_free=free,
+                              slots_evictable=evictable, capacity=self.capacity,
+                              headroom=self.capacity - self.usage_estimate(), retractions=self.num_retractions)
+
+    def usage_estimate(self) -> int:
+        """The admission mode's estimate of the running batch's future KV need (cache slots
+        the batch locks included, each counted once)."""
+        return self._charges().estimate(self.admission)
 
     def check_invariants(self) -> None:
         self.allocator.check_invariants()
-        held = sum(r.num_computed for r in self.running)
-        assert self.allocator.num_free + held == self.capacity, (
-            f"slot accounting broken: free {self.allocator.num_free} + held {held} != capacity {self.capacity}")
-        peak = self.peak_estimate()
-        assert peak <= self.capacity, f"running batch's peak estimate {peak} exceeds capacity {self.capacity}"
+        cached = 0
+        if self.tree is not None:
+            self.tree.check_invariants()
+            cached = self.tree.total_size
+        private = sum(r.num_private for r in self.running)
+        assert self.allocator.num_free + cached + private == self.capacity, (
+            f"slot accounting broken: free {self.allocator.num_free} + cached {cached} + in use {private} "
+            f"!= capacity {self.capacity}")
+        for r in self.running:
+            assert 0 <= r.tree_len <= r.num_computed
+            assert (r.tree_node is None) == (r.tree_len == 0) or self.tree is None
+            if r.tree_node is not None:
+                assert r.tree_node.lock_ref > 0
+        for r in self.waiting:
+            assert r.num_computed == 0 and r.tree_node is None, f"waiting request {r.rid} holds KV"
+        if not self.admission.can_run_out:
+            est = self.usage_estimate()
+            assert est <= self.capacity, f"running batch's estimate {est} exceeds capacity {self.capacity}"
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
+        self.num_steps += 1
+        if self.admission.can_run_out:
+            self._retract_if_short()
         budget = self.cfg.max_prefill_tokens
         prefill: list[tuple[Request, int]] = []
         for r in self.running:  # prompts already admitted continue first, oldest first
             if budget <= 0:
                 break
             if r.is_prefilling:
-                n = min(r.num_prompt - r.num_computed, budget)
+                n = min(r.prefill_len - r.num_computed, budget)
                 prefill.append((r, n))
                 budget -= n
+        n_old = len(prefill)
+        cached_before = sum(r.cached_tokens for r in self.running)
         budget = self._admit(budget, prefill)
         if not self.running:
             return None
@@ -175,14 +236,21 @@ class Scheduler:
         decode = [r for r in self.running if not r.is_prefilling and id(r) not in chosen]
         if not decode and not prefill:
             return None
-        return self._build(decode, prefill)
+        step = self._build(decode, prefill)
+        step.num_new_seqs = len(prefill) - n_old
+        step.num_cached_tokens = sum(r.cached_tokens for r in self.running) - cached_before
+        if decode:
+            self.admission.on_decode_step()
+        return step
 
     def update(self, step: ScheduledStep, result: ForwardResult) -> list[StepOutput]:
         """Apply a step's result; returns one StepOutput per request that got a token or finished."""
         now = time.monotonic()
-        for r, q in zip(step.rows, step.plan.query_lens.tolist(), strict=True):
+        for b, (r, q) in enumerate(zip(step.rows, step.plan.query_lens.tolist(), strict=True)):
             if not r.finished:
                 r.num_computed += q
+                if b >= step.num_decode and self.tree is not None:
+                    self._cache(r, keep_lock=True)  # share freshly prefilled KV with later requests
         outs: list[StepOutput] = []
         k = result.top_ids.shape[1] if result.top_ids.ndim == 2 else 0
         tokens, lps = result.tokens.tolist(), result.logprobs.tolist()
@@ -205,76 +273,157 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(r, reason)
-            outs.append(StepOutput(r.rid, [tok], [lps[i]], [top], reason, r.num_prompt, r.num_output))
+            outs.append(StepOutput(r.rid, [tok], [lps[i]], [top], reason, r.num_prompt, r.num_output,
+                                   r.cached_tokens))
         return outs
 
-    # ---- internals -------------------------------------------------------------------
+    # ---- admission -------------------------------------------------------------------
     def _admit(self, budget: int, prefill: list[tuple[Request, int]]) -> int:
-        """Move waiting requests (queue order) into the running set while they fit.
+        """Move waiting requests (policy order) into the running set while they fit.
 
-        A candidate whose whole prompt is prefilled this step advances in lockstep with the
-        decoders from now on and is judged by the peak formula; one whose prompt must be
-        chunked is charged as a constant block until it decodes (see admission.py). The
-        queue head that does not fit blocks the rest (first come, first served). Appends the
-        admitted requests' prefill chunks to ``prefill``; returns the budget left.
+        A candidate whose whole remaining prefill runs this step advances in lockstep with
+        the decoders from now on; one whose prompt must be chunked is charged as a stalled
+        block until it decodes (see admission.py). A candidate's cached prefix is locked
+        before the check (``Charges`` then counts those slots once) and unlocked if it does
+        not fit. Appends the admitted requests' prefill chunks to ``prefill``; returns the
+        budget left.
         """
         if not self.waiting or budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
             return budget
-        res, left, blocked = self._batch_split()
-        res_l, left_l = res.tolist(), left.tolist()
+        if len(self.waiting) > 1:
+            self.waiting = deque(self.policy.order(list(self.waiting), self.tree, self.num_steps, time.monotonic()))
+        charges = self._charges()
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             cand = self.waiting[0]
-            n = min(cand.num_prompt - cand.num_computed, budget)
-            if n == cand.num_prompt - cand.num_computed:
-                peak = peak_usage(np.array(res_l + [cand.resident], I64), np.array(left_l + [cand.left], I64))
-                if peak + blocked > self.capacity:
-                    break
-                res_l.append(cand.resident)
-                left_l.append(cand.left)
-            else:
-                if peak_usage(np.array(res_l, I64), np.array(left_l, I64)) + blocked + cand.resident + cand.left \
-                        > self.capacity:
-                    break
-                blocked += cand.resident + cand.left
+            matched, node, slots = self._match(cand)
+            n = min(cand.prefill_len - matched, budget)
+            trial = charges.copy()
+            trial.add(cand.num_tokens - matched, cand.left, stalled=n < cand.prefill_len - matched, node=node)
+            if trial.estimate(self.admission) > self.capacity:
+                if node is not None:
+                    self._unlock(node)
+                break
+            charges = trial
             self.waiting.popleft()
-            cand.admit_time = now
+            cand.tree_node, cand.tree_len, cand.num_computed = node, matched, matched
+            cand.slots[:matched] = slots
+            if cand.num_retractions == 0:
+                cand.cached_tokens = matched
+            cand.admit_time = cand.admit_time or now
             self.running.append(cand)
             prefill.append((cand, n))
             budget -= n
         return budget
 
-    def _batch_split(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(resident, left) of the requests advancing every step, and the blocked total."""
-        lock = [r for r in self.running if not r.is_prefilling]
-        blocked = sum(r.resident + r.left for r in self.running if r.is_prefilling)
-        res = np.fromiter((r.resident for r in lock), dtype=I64, count=len(lock))
-        left = np.fromiter((r.left for r in lock), dtype=I64, count=len(lock))
-        return res, left, blocked
+    def _match(self, r: Request) -> tuple[int, Any, np.ndarray]:
+        """Longest cached prefix of what ``r`` must prefill, leaving at least one token to
+        compute (its logits give the next token). Locks the match; (0, None, []) if none."""
+        if self.tree is None or r.prefill_len < 2:
+            return 0, None, np.zeros(0, I64)
+        m = self.tree.match_prefix(r.token_at(0, r.prefill_len - 1))
+        if m.length == 0:
+            return 0, None, np.zeros(0, I64)
+        self.tree.lock(m.node)
+        return m.length, m.node, m.slots
 
-    def peak_estimate(self) -> int:
-        res, left, blocked = self._batch_split()
-        return peak_usage(res, left) + blocked
+    def _unlock(self, node: Any) -> None:
+        assert self.tree is not None
+        self.tree.unlock(node)
+
+    def _charges(self) -> Charges:
+        """The running batch as admission rows, longest-living first (stalled ones count as
+        longest), so each shared cache node is charged to the request that holds it longest."""
+        ch = Charges()
+        for r in sorted(self.running, key=lambda r: (r.is_prefilling, r.left), reverse=True):
+            ch.add(r.num_tokens - r.tree_len, r.left, stalled=r.is_prefilling, node=r.tree_node)
+        return ch
+
+
+    # ---- prefix cache and retraction -------------------------------------------------
+    def _cache(self, r: Request, keep_lock: bool) -> None:
+        """Insert ``r``'s computed KV into the tree. Its slots the tree already had (another
+        request cached the same tokens) are freed and replaced by the tree's. With
+        ``keep_lock`` the request keeps using (and locking) the whole cached path;
+        otherwise it lets go of the tree entirely."""
+        tree = self.tree
+        assert tree is not None
+        n = r.num_computed
+        if n > r.tree_len:
+            toks = r.token_at(0, n)
+            mine = r.slots[:n].copy()
+            had = tree.insert(toks, mine)
+            if had > r.tree_len:
+                self.allocator.free(mine[r.tree_len:had])
+            if keep_lock:
+                m = tree.match_prefix(toks)
+                assert m.length == n, f"inserted {n} tokens but matched {m.length}"
+                r.slots[:n] = m.slots
+                tree.lock(m.node)
+                if r.tree_node is not None:
+                    tree.unlock(r.tree_node)
+                r.tree_node, r.tree_len = m.node, n
+        if not keep_lock and r.tree_node is not None:
+            tree.unlock(r.tree_node)
+            r.tree_node, r.tree_len = None, 0
+
+    def _release(self, r: Request) -> None:
+        """``r`` leaves the running set: its KV goes to the tree (or back to the pool)."""
+        if self.tree is not None:
+            self._cache(r, keep_lock=False)
+        elif r.num_computed:
+            self.allocator.free(r.held_slots())
+        r.num_computed, r.tree_len, r.tree_node = 0, 0, None
+
+    def _retract_if_short(self) -> None:
+        """Ratio admission: while the decoders would not each get a slot, retract the most
+        recently admitted request (its KV stays in the prefix cache) and re-queue it first."""
+        while len(self.running) > 1:
+            need = sum(1 for r in self.running if not r.is_prefilling)
+            if need <= self.allocator.num_free + self.evictable:
+                return
+            victim = self.running.pop()
+            self._release(victim)
+            victim.prefill_len = victim.num_tokens  # resume: recompute prompt + output, then sample
+            victim.num_retractions += 1
+            victim.enqueue_step = self.num_steps
+            self.waiting.appendleft(victim)
+            self.num_retractions += 1
+            decoded = sum(r.num_output for r in self.running) + self.admission_retract_steps * len(self.running)
+            self.admission.on_retract(decoded, sum(r.params.max_tokens for r in self.running))
+            log.info("retracted request %s (%d tokens) to free KV slots; %d running, new-token ratio now %.2f",
+                     victim.rid, victim.num_tokens, len(self.running), getattr(self.admission, "ratio", 1.0))
+
+    admission_retract_steps = 20  # SGLang: headroom the raised ratio leaves for the remaining batch
 
     def _finish(self, r: Request, reason: FinishReason) -> None:
         r.finish_reason = reason
         self._by_id.pop(r.rid, None)
         if r in self.running:
             self.running.remove(r)
-            if r.num_computed:
-                self.allocator.free(r.held_slots())
+            self._release(r)
         else:
             try:
                 self.waiting.remove(r)
             except ValueError:
                 pass
 
+    # ---- building the plan -----------------------------------------------------------
+    def _alloc(self, n: int) -> np.ndarray:
+        if self.allocator.num_free < n and self.tree is not None:
+            freed = self.tree.evict(n - self.allocator.num_free)
+            if freed.size:
+                self.allocator.free(freed)
+        if self.allocator.num_free < n:
+            raise OutOfSlots(f"need {n} KV slots, {self.allocator.num_free} free and nothing evictable")
+        return self.allocator.alloc(n)
+
     def _build(self, decode: list[Request], prefill: list[tuple[Request, int]]) -> ScheduledStep:
         rows = decode + [r for r, _ in prefill]
         q_lens = np.array([1] * len(decode) + [n for _, n in prefill], dtype=I64)
         # Slots for this step's new tokens: one run for all decodes, one run per prefill chunk.
-        new_slots = [self.allocator.alloc(len(decode))] if decode else []
-        new_slots += [self.allocator.alloc(n) for _, n in prefill]
+        new_slots = [self._alloc(len(decode))] if decode else []
+        new_slots += [self._alloc(n) for _, n in prefill]
         d_slots = new_slots[0] if decode else None
         for i, r in enumerate(decode):
             assert d_slots is not None
@@ -291,15 +440,66 @@ class Scheduler:
         kv_offsets = np.zeros(len(rows) + 1, dtype=I64)
         np.cumsum(seq_lens, out=kv_offsets[1:])
         kv_slots = np.concatenate([r.slots[:s] for r, s in zip(rows, seq_lens.tolist(), strict=True)])
-        # A row samples when its prompt is complete after this step.
-        sample_mask = seq_lens >= np.fromiter((r.num_prompt for r in rows), dtype=I64, count=len(rows))
+        # A row samples when its prefill is complete after this step.
+        sample_mask = seq_lens >= np.fromiter((r.prefill_len for r in rows), dtype=I64, count=len(rows))
         sample_rows = np.flatnonzero(sample_mask).astype(I64)
         sampled = [rows[i] for i in sample_rows.tolist()]
         plan = ForwardPlan(input_ids=input_ids.astype(I64, copy=False), positions=positions.astype(I64),
                            out_slots=out_slots, query_lens=q_lens, seq_lens=seq_lens, kv_slots=kv_slots,
                            kv_offsets=kv_offsets, sample_rows=sample_rows, sampling=build_sampling(sampled))
-        n_new = sum(1 for r, _ in prefill if r.num_computed == 0)
-        return ScheduledStep(plan, rows, sampled, n_new, int(q_lens[len(decode):].sum()), len(decode))
+        return ScheduledStep(plan, rows, sampled, 0, int(q_lens[len(decode):].sum()), len(decode))
+
+
+class Charges:
+    """Admission rows of a batch, with the prefix cache's shared slots counted once.
+
+    Row ``i`` is one request: ``res[i]`` = its own resident tokens (prompt + output not in
+    the cache) plus the tokens of the locked cache nodes *charged* to it; ``left[i]`` = the
+    tokens it may still generate; stalled rows (chunked prefill) count as a constant block.
+    A locked node stays in the pool until its last locker leaves, so it is charged to the
+    locker that lives longest in the worst case (largest ``left``; stalled = infinite). The
+    owner key never decreases from a node to its ancestors, so a walk up from a request's
+    node stops at the first node owned by a request that lives at least as long.
+    """
+
+    def __init__(self) -> None:
+        self.res: list[int] = []
+        self.left: list[int] = []
+        self.stalled: list[bool] = []
+        self.key: list[float] = []
+        self.owner: dict[int, int] = {}  # id(node) -> row
+
+    def copy(self) -> Charges:
+        c = Charges()
+        c.res, c.left, c.stalled, c.key = list(self.res), list(self.left), list(self.stalled), list(self.key)
+        c.owner = dict(self.owner)
+        return c
+
+    def add(self, private: int, left: int, stalled: bool, node: Any) -> None:
+        row, key = len(self.res), float("inf") if stalled else float(left)
+        shared = 0
+        while node is not None and node.parent is not None:
+            cur = self.owner.get(id(node))
+            size = int(node.key.shape[0])
+            if cur is not None:
+                if self.key[cur] >= key:
+                    break
+                self.res[cur] -= size
+            self.owner[id(node)] = row
+            shared += size
+            node = node.parent
+        self.res.append(private + shared)
+        self.left.append(left)
+        self.stalled.append(stalled)
+        self.key.append(key)
+
+    def estimate(self, mode: AdmissionMode) -> int:
+        lock = [i for i, st in enumerate(self.stalled) if not st]
+        res = np.fromiter((self.res[i] for i in lock), dtype=I64, count=len(lock))
+        left = np.fromiter((self.left[i] for i in lock), dtype=I64, count=len(lock))
+        st_res = sum(r for r, st in zip(self.res, self.stalled, strict=True) if st)
+        st_left = sum(x for x, st in zip(self.left, self.stalled, strict=True) if st)
+        return mode.estimate(res, left, st_res, st_left)
 
 
 def build_sampling(reqs: list[Request]) -> SamplingBatch:
