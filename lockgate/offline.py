@@ -10,6 +10,7 @@ pool) raises ``ValueError`` before anything runs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from lockgate.config import EngineConfig
 from lockgate.sampling import SamplingParams
 from lockgate.scheduler.loop import EngineCore
-from lockgate.scheduler.request import FinishReason
+from lockgate.scheduler.request import FinishReason, Request
 from lockgate.tokenizer.detokenizer import IncrementalDetokenizer
 from lockgate.tokenizer.tokenizer import Message, Tokenizer, load_tokenizer
 
@@ -38,6 +39,15 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Seconds since the request was submitted (time.monotonic based)."""
+
+    time_to_first_token: float | None = None
+    queue_time: float | None = None  # until the scheduler admitted it
+    e2e: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -45,6 +55,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
 class LLM:
@@ -104,7 +115,7 @@ class LLM:
         for text, p_ids, p in zip(texts, ids, params, strict=True):
             req = self.engine.add_request(p_ids, p)
             order.append(req.rid)
-            live[req.rid] = _Pending(RequestOutput(req.rid, text, list(p_ids)), p,
+            live[req.rid] = _Pending(RequestOutput(req.rid, text, list(p_ids)), p, req,
                                      IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens))
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", unit="req") if use_tqdm else None
@@ -131,6 +142,7 @@ class LLM:
 class _Pending:
     out: RequestOutput
     params: SamplingParams
+    req: Request
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -145,6 +157,12 @@ class _Pending:
 
     def finish(self, reason: FinishReason) -> RequestOutput:
         self.pieces.append(self.detok.flush())
+        r, m = self.req, self.out.metrics
+        m.e2e = time.monotonic() - r.arrival_time
+        if r.first_token_time is not None:
+            m.time_to_first_token = r.first_token_time - r.arrival_time
+        if r.admit_time is not None:
+            m.queue_time = r.admit_time - r.arrival_time
         want = self.params.logprobs
         self.out.outputs = [CompletionOutput(
             0, "".join(self.pieces), self.token_ids, reason.value,
