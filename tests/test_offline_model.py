@@ -67,3 +67,19 @@ def test_bad_prompts_rejected_before_running(smol_fp32) -> None:
         SamplingParams(max_tokens=0)
     assert smol_fp32.engine.scheduler.stats() == free  # nothing was submitted, no slot taken
     assert not smol_fp32.engine.has_work
+
+
+def test_prefix_cache_on_equals_off_greedy(smol_fp32) -> None:
+    from lockgate import LLM
+
+    system = {"role": "system", "content": "You are a terse assistant. Answer in at most one sentence."}
+    convs = [[system, {"role": "user", "content": q}] for q in
+             ("What is 2 + 2?", "Name a planet.", "What color is the sky?", "Who wrote Hamlet?")]
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    first = smol_fp32.chat(convs[:1], sp)  # warms the cache with the system prompt
+    on = first + smol_fp32.chat(convs[1:], sp)
+    assert all(o.num_cached_tokens > 10 for o in on[1:])  # the shared system prompt was reused
+    off_llm = LLM("default", dtype="float32", max_total_tokens=4096, disable_prefix_cache=True)
+    off = off_llm.chat(convs, sp)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert all(o.num_cached_tokens == 0 for o in off)

@@ -289,3 +289,21 @@ def test_api_process_imports_no_torch(server) -> None:
     sched = open(f"/proc/{server.child_pids()['scheduler']}/maps").read()
     assert pid_alive(server.child_pids()["detokenizer"])
     assert "libtorch" not in sched  # the sim runner needs no torch either
+
+
+def test_shared_prefix_reports_cached_tokens(server, client) -> None:
+    system = "You are a helpful assistant. " * 8  # 232 bytes = 232 sim tokens
+    first = client.completions.create(model="sim", prompt=system + "Question one?", max_tokens=3)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model="sim", prompt=system + "Question two?", max_tokens=3)
+    shared = len(system + "Question ")
+    assert second.usage.prompt_tokens_details.cached_tokens == shared
+    chat = [client.chat.completions.create(model="sim", messages=[{"role": "system", "content": system},
+                                                                  {"role": "user", "content": q}], max_tokens=2)
+            for q in ("a?", "b?")]
+    assert chat[1].usage.prompt_tokens_details.cached_tokens > len(system)
+    text = httpx.get(server.url + "/metrics").text
+    hits = next(ln for ln in text.splitlines() if ln.startswith("lockgate:prefix_cache_hits_total"))
+    queries = next(ln for ln in text.splitlines() if ln.startswith("lockgate:prefix_cache_queries_total"))
+    assert float(hits.split()[-1]) >= shared + len(system)
+    assert float(queries.split()[-1]) > float(hits.split()[-1])
