@@ -1,4 +1,4 @@
-"""Command line: ``lockgate serve | generate | chat``.
+"""Command line: ``lockgate serve | generate | chat | bench``.
 
 Owns argument parsing only: engine flags come from the config tree (``config.py``), the
 sampling flags map onto ``SamplingParams`` (whose validation errors are printed as is),
@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     from lockgate.server.launch import add_serve_args
 
     add_serve_args(serve)
+    bench = sub.add_parser("bench", parents=[common],
+                           help="benchmark an OpenAI-compatible server (lockgate bench compare A.json B.json ...)")
+    from lockgate.bench.command import add_bench_args
+
+    add_bench_args(bench)
     return parser
 
 
@@ -62,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     if ns.command == "serve":
         return _serve(ns)
+    if ns.command == "bench":
+        from lockgate.bench.command import run_bench
+
+        return run_bench(ns, list(sys.argv[1:] if argv is None else argv))
     try:
         cfg = config_from_args(ns)
         params = _params(ns)

@@ -83,3 +83,19 @@ def test_prefix_cache_on_equals_off_greedy(smol_fp32) -> None:
     off = off_llm.chat(convs, sp)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert all(o.num_cached_tokens == 0 for o in off)
+
+
+def test_model_spec_forms_load_the_same_model(smol_fp32) -> None:
+    """--model accepts 'default', a .gguf path and a Hugging Face directory (config.json +
+    safetensors + tokenizer): here the directory the GGUF was converted into."""
+    from lockgate import LLM
+    from lockgate.models.loader import default_gguf_path
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    want = smol_fp32.generate("The capital of France is", sp)[0].outputs[0].token_ids
+    model_dir = smol_fp32.engine.runner.model_dir
+    for spec in (str(default_gguf_path()), str(model_dir)):
+        llm = LLM(spec, dtype="float32", max_total_tokens=1024)
+        assert llm.generate("The capital of France is", sp)[0].outputs[0].token_ids == want, spec
+    with pytest.raises(ValueError, match="missing config.json"):
+        LLM(str(model_dir.parent), dtype="float32", max_total_tokens=1024)

@@ -7,9 +7,11 @@ the served model's tokenizer. Deterministic for a given seed.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import random
+import warnings
 from collections.abc import Callable
 
 _MODULES = ["collections", "functools", "itertools", "json", "logging", "os", "pathlib", "re", "shutil",
@@ -18,18 +20,21 @@ _MODULES = ["collections", "functools", "itertools", "json", "logging", "os", "p
             "random", "socket", "sqlite3", "tarfile", "tempfile", "urllib.parse", "uuid", "zipfile"]
 
 
+@functools.cache
 def corpus_text() -> str:
-    """Concatenated docstrings of standard-library modules and their public members."""
+    """Concatenated docstrings of standard-library modules and their public members (built once)."""
     parts: list[str] = []
-    for name in _MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        for obj in [mod, *(getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_"))]:
-            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
-            if doc and len(doc) > 200:
-                parts.append(doc)
+    with warnings.catch_warnings():  # reading typing.io / typing.re warns that they are deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in _MODULES:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+            for obj in [mod, *(getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_"))]:
+                doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
+                if doc and len(doc) > 200:
+                    parts.append(doc)
     return "\n\n".join(dict.fromkeys(parts))
 
 

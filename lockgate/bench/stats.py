@@ -23,14 +23,20 @@ def summarize_ms(values: Sequence[float], prefix: str) -> dict[str, float | None
     return out
 
 
+def meets_slo(ttft: float, tpot: float | None, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether one request met every given SLO (seconds in, milliseconds SLOs; no TPOT meets that SLO)."""
+    if slo_ttft_ms is not None and ttft * 1000.0 > slo_ttft_ms:
+        return False
+    return not (slo_tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo_tpot_ms)
+
+
 def goodput(ttft: Sequence[float], tpot: Sequence[float | None], duration: float,
             slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> float:
     """Requests per second that met every given SLO (a request without a TPOT meets that SLO)."""
-    ok = 0
-    for t, p in zip(ttft, tpot, strict=True):
-        if slo_ttft_ms is not None and t * 1000.0 > slo_ttft_ms:
-            continue
-        if slo_tpot_ms is not None and p is not None and p * 1000.0 > slo_tpot_ms:
-            continue
-        ok += 1
+    ok = sum(meets_slo(t, p, slo_ttft_ms, slo_tpot_ms) for t, p in zip(ttft, tpot, strict=True))
     return ok / duration if duration > 0 else 0.0
+
+
+def tpot(latency: float, ttft: float, output_tokens: int) -> float | None:
+    """Time per output token after the first: (e2e - ttft) / (tokens - 1); None for one token."""
+    return (latency - ttft) / (output_tokens - 1) if output_tokens > 1 else None

@@ -1,0 +1,273 @@
+"""The load generator: sends a workload to an OpenAI-compatible server and times every chunk.
+
+Owns the HTTP side of ``lockgate bench``: one ``httpx.AsyncClient``, streaming requests
+(``stream: true``, ``stream_options.include_usage``) to ``/v1/completions`` or
+``/v1/chat/completions``, and one ``RequestRecord`` per request with the timestamp of every
+chunk that carried text. Not the openai package: its iterator hides when bytes arrived.
+
+Timing (``time.perf_counter``, seconds since the first dispatch):
+
+* TTFT: request sent -> first chunk with text; ITL: the gaps between later text chunks (per
+  chunk, as vLLM reports it: a chunk carrying two tokens is one gap); E2E: sent -> stream end.
+  TPOT = (E2E - TTFT) / (output tokens - 1) (``stats.tpot``).
+* Output tokens: the server's ``usage.completion_tokens`` when it reports it, else the number
+  of text chunks (``tokens_from`` says which).
+
+Load shape: sessions (one per request, one per conversation for multi-turn) start at the
+times of ``arrival_offsets``: a gamma process with shape = burstiness and mean gap 1/rate
+(burstiness 1 = Poisson, < 1 burstier, > 1 more regular; vLLM's definition), all at t = 0
+for rate = inf. ``--max-concurrency`` caps requests in flight with a semaphore. The turns of
+a conversation go one after another; each carries the whole conversation so far, the
+server's replies included. Every request asks for exactly ``output_len`` tokens:
+``max_tokens`` = ``min_tokens`` = output_len and ``ignore_eos`` (fields some servers ignore;
+the report counts the requests that came back shorter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from lockgate.bench.stats import tpot
+from lockgate.bench.workloads import Session, Workload
+
+
+@dataclass
+class LoadConfig:
+    url: str
+    endpoint: str = "completions"  # or "chat"
+    model: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    timeout: float = 600.0
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    session: int
+    turn: int
+    group: int
+    input_len: int            # prompt tokens as the client built them (no template, no special tokens)
+    output_len: int           # tokens asked for
+    start: float = 0.0        # seconds since the first dispatch
+    ttft: float | None = None
+    latency: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    tokens_from: str = "chunks"
+    prompt_tokens: int | None = None  # the server's count (usage), template and special tokens included
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    success: bool = False
+    error: str = ""
+    text: str = ""            # the generated text (kept for multi-turn history; not in the JSON)
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.success or self.latency is None or self.ttft is None:
+            return None
+        return tpot(self.latency, self.ttft, self.output_tokens)
+
+    def chunk_times(self) -> list[float]:
+        """Arrival times (since the first dispatch) of the text chunks."""
+        if self.ttft is None:
+            return []
+        return [float(t) for t in self.start + self.ttft + np.concatenate([[0.0], np.cumsum(self.itl)])]
+
+    def to_json(self) -> dict[str, Any]:
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 6)
+
+        return {"index": self.index, "session": self.session, "turn": self.turn, "group": self.group,
+                "input_len": self.input_len, "output_len": self.output_len, "success": self.success,
+                "error": self.error or None, "start_s": r(self.start), "ttft_s": r(self.ttft),
+                "tpot_s": r(self.tpot), "e2e_s": r(self.latency), "output_tokens": self.output_tokens,
+                "tokens_from": self.tokens_from, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason,
+                "itl_s": [round(x, 6) for x in self.itl]}
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Start times (s) of n sessions: 0, then gamma(shape=burstiness, mean=1/rate) gaps; all 0 for inf."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request rate and burstiness must be positive, got {rate} and {burstiness}")
+    if n <= 0 or np.isinf(rate):
+        return np.zeros(max(n, 0))
+    gaps = np.random.default_rng([seed, 2]).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def request_body(cfg: LoadConfig, history: list[Any], output_len: int) -> dict[str, Any]:
+    """The JSON body for one turn; ``history`` is the prompt pieces so far (user, reply, user, ...)."""
+    body: dict[str, Any] = {"max_tokens": output_len, "temperature": cfg.temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if cfg.model is not None:
+        body["model"] = cfg.model
+    if cfg.ignore_eos:
+        body.update(ignore_eos=True, min_tokens=output_len)
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user" if k % 2 == 0 else "assistant", "content": piece}
+                            for k, piece in enumerate(history)]
+    else:
+        body["prompt"] = "".join(history)
+    return body
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        err = r.json().get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        msg = None
+    return f"HTTP {r.status_code}: {msg or r.text[:300] or r.reason_phrase}"
+
+
+async def send(http: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any], rec: RequestRecord,
+               t0: float) -> None:
+    """One streaming request; fills ``rec`` (success, timings, counts, or the error)."""
+    chat = cfg.endpoint == "chat"
+    st = time.perf_counter()
+    rec.start = st - t0
+    parts: list[str] = []
+    usage: dict[str, Any] | None = None
+    try:
+        async with http.stream("POST", cfg.path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                rec.error = _error_text(r)
+                return
+            last = st
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                now = time.perf_counter()
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    err = obj["error"]
+                    rec.error = "stream error: " + str(err.get("message") if isinstance(err, dict) else err)
+                    return
+                usage = obj.get("usage") or usage
+                for ch in obj.get("choices") or []:
+                    if chat:
+                        delta = ch.get("delta") or {}
+                        text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+                    else:
+                        text = ch.get("text") or ""
+                    if text:
+                        if rec.ttft is None:
+                            rec.ttft = now - st
+                        else:
+                            rec.itl.append(now - last)
+                        last = now
+                        parts.append(text)
+                    rec.finish_reason = ch.get("finish_reason") or rec.finish_reason
+            rec.latency = time.perf_counter() - st
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return
+    rec.text = "".join(parts)
+    if usage is not None and usage.get("completion_tokens") is not None:
+        rec.output_tokens, rec.tokens_from = int(usage["completion_tokens"]), "usage"
+        rec.prompt_tokens = usage.get("prompt_tokens")
+        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    else:
+        rec.output_tokens = len(rec.itl) + (rec.ttft is not None)
+    if rec.ttft is None:
+        rec.error = "the stream ended without any generated text"
+        return
+    rec.success = True
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    duration: float       # first dispatch -> last request done
+    started_at: float     # wall clock (time.time()) of the first dispatch
+    max_in_flight: int
+
+
+def make_records(workload: Workload) -> list[RequestRecord]:
+    recs: list[RequestRecord] = []
+    for s, sess in enumerate(workload.sessions):
+        for t, turn in enumerate(sess.turns):
+            recs.append(RequestRecord(len(recs), s, t, sess.group, turn.input_len, turn.output_len))
+    return recs
+
+
+def _client(cfg: LoadConfig) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency or 256)
+    return httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=cfg.headers, limits=limits,
+                             timeout=httpx.Timeout(cfg.timeout, connect=30.0))
+
+
+async def warmup(cfg: LoadConfig, text: str, n: int) -> list[RequestRecord]:
+    """n short requests before the clock starts (connections, first-call costs); their records."""
+    recs = []
+    async with _client(cfg) as http:
+        for _ in range(n):
+            rec = RequestRecord(-1, -1, 0, -1, 0, 4)
+            await send(http, cfg, request_body(cfg, [text], 4), rec, time.perf_counter())
+            recs.append(rec)
+    return recs
+
+
+async def run_load(cfg: LoadConfig, workload: Workload,
+                   on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+    """Send the whole workload; returns every request's record (failed ones included)."""
+    recs = make_records(workload)
+    by_session: dict[int, list[RequestRecord]] = {}
+    for rec in recs:
+        by_session.setdefault(rec.session, []).append(rec)
+    offsets = arrival_offsets(len(workload.sessions), cfg.request_rate, cfg.burstiness, cfg.seed)
+    sem = asyncio.Semaphore(cfg.max_concurrency or len(recs))
+    in_flight = max_in_flight = 0
+
+    async def one_session(i: int, sess: Session, http: httpx.AsyncClient, t0: float) -> None:
+        nonlocal in_flight, max_in_flight
+        await asyncio.sleep(max(0.0, t0 + float(offsets[i]) - time.perf_counter()))
+        history: list[str] = []
+        for turn, rec in zip(sess.turns, by_session[i], strict=True):
+            if history and len(history) % 2 == 1:  # the previous turn failed: no reply to build on
+                rec.error = "not sent: an earlier turn of this conversation failed"
+            else:
+                history.append(turn.text)
+                if rec.turn:  # the conversation so far is part of this prompt
+                    prev = by_session[i][rec.turn - 1]
+                    rec.input_len = prev.input_len + prev.output_tokens + turn.input_len
+                async with sem:
+                    in_flight += 1
+                    max_in_flight = max(max_in_flight, in_flight)
+                    try:
+                        await send(http, cfg, request_body(cfg, history, turn.output_len), rec, t0)
+                    finally:
+                        in_flight -= 1
+                if rec.success:
+                    history.append(rec.text)
+            if on_done is not None:
+                on_done(rec)
+
+    async with _client(cfg) as http:
+        started_at, t0 = time.time(), time.perf_counter()
+        await asyncio.gather(*(one_session(i, s, http, t0) for i, s in enumerate(workload.sessions)))
+        duration = time.perf_counter() - t0
+    return RunResult(recs, duration, started_at, max_in_flight)
