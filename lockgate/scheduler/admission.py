@@ -37,9 +37,9 @@ Why it is safe
 hold, and requests that stop early (EOS, stop strings, aborts) only free slots sooner,
 so real usage never exceeds the estimate. Admitting a candidate only when the peak *with
 the candidate included* is ``<= capacity`` therefore means decode never runs out of KV
-slots. Tokens a request shares with the prefix cache are already resident and must be
-counted once by the caller (for example by lowering ``capacity`` by the slots the cache
-keeps locked, and leaving shared tokens out of ``resident``).
+slots. Tokens several requests share through the prefix cache must be counted once, and
+only while they can stay locked: ``Charges`` (end of this module) charges each locked cache
+node to the request that can hold it longest and folds it into that request's ``resident``.
 
 Requests that do not advance every step
 ---------------------------------------
@@ -61,6 +61,7 @@ form a prefix of the queue, and ``admit_many`` finds its length by binary search
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import numpy as np
 
@@ -218,3 +219,55 @@ def make_admission(name: str, init_ratio: float = 0.7, min_ratio: float = 0.1, d
     if name == "ratio":
         return RatioMode(init_ratio, min_ratio, decay_steps)
     raise ValueError(f"unknown admission mode {name!r} (peak, reserve, ratio)")
+
+
+class Charges:
+    """Admission rows of a batch, with the prefix cache's shared slots counted once.
+
+    Row ``i`` is one request: ``res[i]`` = its own resident tokens (prompt + output not in
+    the cache) plus the tokens of the locked cache nodes *charged* to it; ``left[i]`` = the
+    tokens it may still generate; stalled rows (chunked prefill) count as a constant block.
+    A locked node stays in the pool until its last locker leaves, so it is charged to the
+    locker that lives longest in the worst case (largest ``left``; stalled = infinite). The
+    owner key never decreases from a node to its ancestors, so a walk up from a request's
+    node stops at the first node owned by a request that lives at least as long.
+    """
+
+    def __init__(self) -> None:
+        self.res: list[int] = []
+        self.left: list[int] = []
+        self.stalled: list[bool] = []
+        self.key: list[float] = []
+        self.owner: dict[int, int] = {}  # id(node) -> row
+
+    def copy(self) -> Charges:
+        c = Charges()
+        c.res, c.left, c.stalled, c.key = list(self.res), list(self.left), list(self.stalled), list(self.key)
+        c.owner = dict(self.owner)
+        return c
+
+    def add(self, private: int, left: int, stalled: bool, node: Any) -> None:
+        row, key = len(self.res), float("inf") if stalled else float(left)
+        shared = 0
+        while node is not None and node.parent is not None:
+            cur = self.owner.get(id(node))
+            size = int(node.key.shape[0])
+            if cur is not None:
+                if self.key[cur] >= key:
+                    break
+                self.res[cur] -= size
+            self.owner[id(node)] = row
+            shared += size
+            node = node.parent
+        self.res.append(private + shared)
+        self.left.append(left)
+        self.stalled.append(stalled)
+        self.key.append(key)
+
+    def estimate(self, mode: AdmissionMode) -> int:
+        lock = [i for i, st in enumerate(self.stalled) if not st]
+        res = np.fromiter((self.res[i] for i in lock), dtype=I64, count=len(lock))
+        left = np.fromiter((self.left[i] for i in lock), dtype=I64, count=len(lock))
+        st_res = sum(r for r, st in zip(self.res, self.stalled, strict=True) if st)
+        st_left = sum(x for x, st in zip(self.left, self.stalled, strict=True) if st)
+        return mode.estimate(res, left, st_res, st_left)

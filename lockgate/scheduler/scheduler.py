@@ -14,7 +14,7 @@ bookkeeping between requests and that cache. Each call to ``schedule()`` builds 
    random, with a starvation bound), then **admit** in that order while the running set has
    room, prefill budget is left and the admission mode's estimate of the batch's future KV
    need fits the pool (``admission.py``; cache slots shared by several requests are charged
-   once, to the one that holds them longest: ``Charges``).
+   once, to the one that holds them longest: ``admission.Charges``).
    A candidate first matches its longest cached prefix: those tokens are not recomputed,
    their slots are locked in the tree and not counted again. The first candidate that does
    not fit blocks the rest. Admitted requests get their first chunk in this same step.
@@ -51,7 +51,7 @@ from lockgate.config import SchedulerConfig
 from lockgate.kvcache.allocator import OutOfSlots, SlotAllocator
 from lockgate.kvcache.radix import RadixCache
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
-from lockgate.scheduler.admission import AdmissionMode, make_admission
+from lockgate.scheduler.admission import Charges, make_admission
 from lockgate.scheduler.policy import QueueDelayBound, make_policy
 from lockgate.scheduler.request import FinishReason, Request
 
@@ -448,58 +448,6 @@ class Scheduler:
                            out_slots=out_slots, query_lens=q_lens, seq_lens=seq_lens, kv_slots=kv_slots,
                            kv_offsets=kv_offsets, sample_rows=sample_rows, sampling=build_sampling(sampled))
         return ScheduledStep(plan, rows, sampled, 0, int(q_lens[len(decode):].sum()), len(decode))
-
-
-class Charges:
-    """Admission rows of a batch, with the prefix cache's shared slots counted once.
-
-    Row ``i`` is one request: ``res[i]`` = its own resident tokens (prompt + output not in
-    the cache) plus the tokens of the locked cache nodes *charged* to it; ``left[i]`` = the
-    tokens it may still generate; stalled rows (chunked prefill) count as a constant block.
-    A locked node stays in the pool until its last locker leaves, so it is charged to the
-    locker that lives longest in the worst case (largest ``left``; stalled = infinite). The
-    owner key never decreases from a node to its ancestors, so a walk up from a request's
-    node stops at the first node owned by a request that lives at least as long.
-    """
-
-    def __init__(self) -> None:
-        self.res: list[int] = []
-        self.left: list[int] = []
-        self.stalled: list[bool] = []
-        self.key: list[float] = []
-        self.owner: dict[int, int] = {}  # id(node) -> row
-
-    def copy(self) -> Charges:
-        c = Charges()
-        c.res, c.left, c.stalled, c.key = list(self.res), list(self.left), list(self.stalled), list(self.key)
-        c.owner = dict(self.owner)
-        return c
-
-    def add(self, private: int, left: int, stalled: bool, node: Any) -> None:
-        row, key = len(self.res), float("inf") if stalled else float(left)
-        shared = 0
-        while node is not None and node.parent is not None:
-            cur = self.owner.get(id(node))
-            size = int(node.key.shape[0])
-            if cur is not None:
-                if self.key[cur] >= key:
-                    break
-                self.res[cur] -= size
-            self.owner[id(node)] = row
-            shared += size
-            node = node.parent
-        self.res.append(private + shared)
-        self.left.append(left)
-        self.stalled.append(stalled)
-        self.key.append(key)
-
-    def estimate(self, mode: AdmissionMode) -> int:
-        lock = [i for i, st in enumerate(self.stalled) if not st]
-        res = np.fromiter((self.res[i] for i in lock), dtype=I64, count=len(lock))
-        left = np.fromiter((self.left[i] for i in lock), dtype=I64, count=len(lock))
-        st_res = sum(r for r, st in zip(self.res, self.stalled, strict=True) if st)
-        st_left = sum(x for x, st in zip(self.left, self.stalled, strict=True) if st)
-        return mode.estimate(res, left, st_res, st_left)
 
 
 def build_sampling(reqs: list[Request]) -> SamplingBatch:

@@ -86,9 +86,17 @@ def usage(prompt_lens: list[int], outs_by_choice: list[list[TextOut]], cached: l
             "prompt_tokens_details": {"cached_tokens": sum(cached)}}
 
 
-def _finish(outs: list[TextOut]) -> tuple[str | None, str | None]:
-    last = outs[-1] if outs else None
-    return (last.finish_reason, last.error) if last else (None, None)
+def finished_ok(results: list[list[TextOut]]) -> list[list[TextOut]]:
+    """The collected outputs of every choice; an engine error becomes a 500."""
+    for outs in results:
+        if outs and outs[-1].finish_reason == "error":
+            raise APIError(500, outs[-1].error or "internal error")
+    return results
+
+
+def error_event(o: TextOut) -> str:
+    """The SSE event that ends a stream whose request failed in the engine."""
+    return sse({"error": {"message": o.error or "internal error", "type": "server_error", "code": 500}})
 
 
 # ---- /v1/completions ----------------------------------------------------------------------
@@ -117,17 +125,14 @@ async def completions(request: Request) -> Response:
         return choice // n
 
     if not body.stream:
-        results = await ctx.collect(request, streams)
+        results = finished_ok(await ctx.collect(request, streams))
         choices = []
         for i, outs in enumerate(results):
-            reason, error = _finish(outs)
-            if reason == "error":
-                raise APIError(500, error or "internal error")
             text = "".join(o.text for o in outs)
             prefix = texts[prompt_of(i)] if body.echo else ""
             choices.append({"index": i, "text": prefix + text,
                             "logprobs": completion_logprobs(tok, outs, len(prefix)),
-                            "finish_reason": reason, "stop_reason": outs[-1].stop_matched})
+                            "finish_reason": outs[-1].finish_reason, "stop_reason": outs[-1].stop_matched})
         cached = [results[k * n][-1].cached_tokens for k in range(len(prompts))]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                              "choices": choices, "usage": usage(prompt_lens, results, cached)})
@@ -145,8 +150,7 @@ async def completions(request: Request) -> Response:
             async for i, o in ctx.merge(streams):
                 by_choice[i].append(o)
                 if o.finish_reason == "error":
-                    yield sse({"error": {"message": o.error or "internal error", "type": "server_error",
-                                         "code": 500}})
+                    yield error_event(o)
                     continue
                 if not o.text and o.finish_reason is None and body.logprobs is None:
                     continue
@@ -186,15 +190,12 @@ async def chat_completions(request: Request) -> Response:
     rid, created = streams[0].rid, int(time.time())
 
     if not body.stream:
-        results = await ctx.collect(request, streams)
+        results = finished_ok(await ctx.collect(request, streams))
         choices = []
         for i, outs in enumerate(results):
-            reason, error = _finish(outs)
-            if reason == "error":
-                raise APIError(500, error or "internal error")
             choices.append({"index": i, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
                             "logprobs": chat_logprobs(tok, outs) if body.logprobs else None,
-                            "finish_reason": reason, "stop_reason": outs[-1].stop_matched})
+                            "finish_reason": outs[-1].finish_reason, "stop_reason": outs[-1].stop_matched})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
                              "choices": choices,
                              "usage": usage([len(ids)], results, [results[0][-1].cached_tokens])})
@@ -211,8 +212,7 @@ async def chat_completions(request: Request) -> Response:
             async for i, o in ctx.merge(streams):
                 by_choice[i].append(o)
                 if o.finish_reason == "error":
-                    yield sse({"error": {"message": o.error or "internal error", "type": "server_error",
-                                         "code": 500}})
+                    yield error_event(o)
                     continue
                 if not o.text and o.finish_reason is None and not body.logprobs:
                     continue
