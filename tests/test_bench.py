@@ -169,21 +169,12 @@ def test_workload_refuses_what_cannot_fit_and_bad_knobs(sim_tok) -> None:
         build_workload(WorkloadSpec("random", 2, input_len=0), sim_tok, 0)
 
 
-def _default_tokenizer() -> LocalTokenizer | None:
-    try:
-        from lockgate.models.loader import cache_dir_for, default_gguf_path
-        from lockgate.tokenizer.tokenizer import HFTokenizer
-
-        d = cache_dir_for(default_gguf_path())
-        return LocalTokenizer(HFTokenizer(d), "default") if (d / "config.json").is_file() else None
-    except Exception:
-        return None
-
-
 def test_exact_lengths_with_a_real_bpe_tokenizer() -> None:
-    tok = _default_tokenizer()
-    if tok is None:
-        pytest.skip("the default model's converted tokenizer is not cached")
+    from lockgate.models.loader import prepare_model_dir
+    from lockgate.tokenizer.tokenizer import HFTokenizer
+
+    # the default model's tokenizer (converted once from the GGUF and cached; a few seconds the first time)
+    tok = LocalTokenizer(HFTokenizer(prepare_model_dir("default")), "default")
     maker = TextMaker(tok, seed=0)
     for n in (1, 2, 7, 33, 128):
         assert len(tok.encode(maker.text(n))) == n

@@ -305,8 +305,9 @@ def test_seconds_bound_admits_the_cold_request() -> None:
 
 # ---- against the real radix tree (compressed edges, splits while matching) -------------
 def radix_tree(seqs: list[list[int]]):  # type: ignore[no-untyped-def]
-    radix = pytest.importorskip("lockgate.kvcache.radix")
-    tree = radix.RadixCache()
+    from lockgate.kvcache.radix import RadixCache
+
+    tree = RadixCache()
     nxt = 0
     for s in seqs:
         tree.insert(np.array(s), np.arange(nxt, nxt + len(s)))
