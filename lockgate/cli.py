@@ -93,12 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _check_model_spec(spec: str) -> None:
+    """Fail fast (before any process starts) on a --model that cannot exist."""
+    from pathlib import Path
+
+    from lockgate.models.loader import DEFAULT_NAMES
+
+    if spec == "sim" or spec in DEFAULT_NAMES or Path(spec).expanduser().exists():
+        return
+    raise ValueError(f"--model {spec!r}: not 'default', 'sim', an existing .gguf file or a model directory")
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from lockgate.config import server_config_from_args
     from lockgate.server.launch import serve
 
     try:
         engine, server = config_from_args(ns), server_config_from_args(ns)
+        _check_model_spec(engine.model.model)
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2

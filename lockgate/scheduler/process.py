@@ -118,7 +118,10 @@ class SchedulerProcess:
             self.engine = EngineCore(args.engine)
             self.engine.runner.warmup()
         except Exception as e:
-            log.exception("failed to start the engine")
+            if isinstance(e, ValueError | OSError):  # bad model, flags or files: the message says it all
+                log.error("failed to start the engine: %s", e)
+            else:
+                log.exception("failed to start the engine")
             self.out.send(Fatal("scheduler", f"failed to start the engine: {e}"))
             raise
         self.watchdog = Watchdog(args.watchdog_timeout)

@@ -86,8 +86,8 @@ class Supervisor:
 
     def _wait(self, c: Child, on_death: object) -> None:
         code = c.proc.wait()
-        if self.stopping:
-            return
+        if self.stopping or self.died is not None:
+            return  # we are stopping it (or another child's death already took the server down)
         why = describe_exit(code)
         message = f"{c.name} process (pid {c.proc.pid}) exited unexpectedly with {why}"
         log.error("%s; shutting the server down", message)
