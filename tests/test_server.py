@@ -307,3 +307,17 @@ def test_shared_prefix_reports_cached_tokens(server, client) -> None:
     queries = next(ln for ln in text.splitlines() if ln.startswith("lockgate:prefix_cache_queries_total"))
     assert float(hits.split()[-1]) >= shared + len(system)
     assert float(queries.split()[-1]) > float(hits.split()[-1])
+
+
+def test_group_sigterm_stops_everything_cleanly() -> None:
+    """A TERM to the whole process group (what a supervisor or a terminal may send) is a clean stop."""
+    s = ServerProc(*SIM)
+    try:
+        s.wait_ready()
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        os.killpg(s.proc.pid, signal.SIGTERM)  # start_new_session: the server leads its own group
+        assert s.proc.wait(30) == 0
+        assert s.wait_children_gone()
+        assert "exited unexpectedly" not in s.log()
+    finally:
+        s.stop()

@@ -11,7 +11,9 @@ Lifecycle:
   scheduler -> detokenizer -> API), then 200.
 * SIGINT / SIGTERM: uvicorn stops accepting connections and gives in-flight requests up to
   ``--shutdown-timeout`` seconds; the rest are aborted; then the children are told to shut
-  down, waited for, and killed if they do not exit within a few seconds. Exit code 0.
+  down, waited for, and killed if they do not exit within a few seconds. Exit code 0. The
+  children ignore SIGINT and SIGTERM, so a signal sent to the whole process group (Ctrl-C,
+  ``kill -- -PGID``) stops the server the same way.
 * A child that dies on its own (crash, kill, watchdog): a supervisor thread logs which one,
   its exit code and what that means, fails every in-flight request with an error, stops the
   server and kills the other child. Exit code 1. Children also exit by themselves when this
@@ -104,13 +106,9 @@ class Supervisor:
             try:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s process (pid %d) did not exit; terminating it", c.name, c.proc.pid)
-                c.proc.terminate()
-                try:
-                    c.proc.wait(2.0)
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait()
+                log.warning("%s process (pid %d) did not exit; killing it", c.name, c.proc.pid)
+                c.proc.kill()  # children ignore SIGTERM (see their main); KILL is the fallback
+                c.proc.wait()
         log.info("all child processes have exited")
 
 

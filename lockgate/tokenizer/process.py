@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     args = msgspec.json.decode(argv[0], type=DetokProcArgs)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [detokenizer] %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C or a TERM sent to the whole process group reaches the children too; the API
+    # process coordinates shutdown (Shutdown message, then SIGKILL), so children ignore both.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     DetokenizerProcess(args).run()
     return 0
 
