@@ -376,11 +376,14 @@ class Scheduler:
         r.num_computed, r.tree_len, r.tree_node = 0, 0, None
 
     def _retract_if_short(self) -> None:
-        """Ratio admission: while the decoders would not each get a slot, retract the most
-        recently admitted request (its KV stays in the prefix cache) and re-queue it first."""
+        """Ratio admission: while this step's decodes (one slot each) and the prefill chunks of
+        admitted prompts would not fit, retract the most recently admitted request (its KV
+        stays in the prefix cache) and re-queue it first."""
         while len(self.running) > 1:
-            need = sum(1 for r in self.running if not r.is_prefilling)
-            if need <= self.allocator.num_free + self.evictable:
+            decode = sum(1 for r in self.running if not r.is_prefilling)
+            chunks = min(self.cfg.max_prefill_tokens,
+                         sum(r.prefill_len - r.num_computed for r in self.running if r.is_prefilling))
+            if decode + chunks <= self.allocator.num_free + self.evictable:
                 return
             victim = self.running.pop()
             self._release(victim)
