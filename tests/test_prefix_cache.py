@@ -142,3 +142,30 @@ def test_cache_aware_policy_cannot_starve_a_cold_request(policy: str) -> None:
         eng2.add_request(np.concatenate([hot, [step + 5]]), SamplingParams(max_tokens=1))
         eng2.step()
     assert cold2.admit_time is None
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_abort_with_a_step_in_flight_returns_its_slots(cache: bool) -> None:
+    """A request ended between schedule() and update() (the server fails the batch when a
+    step raises) gives back the slots allocated for that step too."""
+    eng = make_engine(1000, disable_prefix_cache=not cache)
+    s = eng.scheduler
+    a = eng.add_request(np.arange(3, 203), SamplingParams(max_tokens=50))
+    b = eng.add_request(np.arange(500, 600), SamplingParams(max_tokens=50))
+    eng.step()
+    step = s.schedule()  # decode slots for a and b are allocated ...
+    assert step is not None and a.pending == 1
+    s.abort(a.rid)  # ... and a leaves before the step's result arrives
+    s.check_invariants()
+    s.update(step, eng.runner.execute(step.plan))
+    s.check_invariants()
+    s.abort(b.rid)
+    s.check_invariants()
+    assert s.allocator.num_free + s.evictable == 1000 and s.protected == 0
+    # a failed step: every request of the batch is aborted before update()
+    c = eng.add_request(np.arange(700, 900), SamplingParams(max_tokens=5))
+    step = s.schedule()
+    assert step is not None and c.pending == 200
+    s.abort(c.rid)
+    s.check_invariants()
+    assert s.allocator.num_free + s.evictable == 1000

@@ -52,6 +52,7 @@ class Request:
     tree_node: Any = None
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission (reported in usage)
     num_retractions: int = 0
+    pending: int = 0  # slots[num_computed:num_computed + pending] were allocated for the step in flight
     prefill_len: int = field(init=False)  # tokens to compute before sampling: the prompt, or all tokens on resume
     slots: np.ndarray = field(init=False)
 
@@ -81,8 +82,9 @@ class Request:
 
     @property
     def num_private(self) -> int:
-        """KV slots the request owns itself (not shared through the prefix cache)."""
-        return self.num_computed - self.tree_len
+        """KV slots the request owns itself (not shared through the prefix cache), including
+        those allocated for the step in flight."""
+        return self.num_computed + self.pending - self.tree_len
 
     @property
     def finished(self) -> bool:

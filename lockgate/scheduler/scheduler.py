@@ -124,6 +124,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_retractions = 0
+        self._step_cached = 0  # prompt tokens new requests took from the cache in the step being built
 
     # ---- intake ----------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -228,7 +229,7 @@ class Scheduler:
                 prefill.append((r, n))
                 budget -= n
         n_old = len(prefill)
-        cached_before = sum(r.cached_tokens for r in self.running)
+        self._step_cached = 0
         budget = self._admit(budget, prefill)
         if not self.running:
             return None
@@ -238,7 +239,7 @@ class Scheduler:
             return None
         step = self._build(decode, prefill)
         step.num_new_seqs = len(prefill) - n_old
-        step.num_cached_tokens = sum(r.cached_tokens for r in self.running) - cached_before
+        step.num_cached_tokens = self._step_cached
         if decode:
             self.admission.on_decode_step()
         return step
@@ -249,6 +250,7 @@ class Scheduler:
         for b, (r, q) in enumerate(zip(step.rows, step.plan.query_lens.tolist(), strict=True)):
             if not r.finished:
                 r.num_computed += q
+                r.pending = 0
                 if b >= step.num_decode and self.tree is not None:
                     self._cache(r, keep_lock=True)  # share freshly prefilled KV with later requests
         outs: list[StepOutput] = []
@@ -310,6 +312,7 @@ class Scheduler:
             cand.slots[:matched] = slots
             if cand.num_retractions == 0:
                 cand.cached_tokens = matched
+            self._step_cached += matched
             cand.admit_time = cand.admit_time or now
             self.running.append(cand)
             prefill.append((cand, n))
@@ -368,7 +371,11 @@ class Scheduler:
             r.tree_node, r.tree_len = None, 0
 
     def _release(self, r: Request) -> None:
-        """``r`` leaves the running set: its KV goes to the tree (or back to the pool)."""
+        """``r`` leaves the running set: its KV goes to the tree (or back to the pool).
+        Slots allocated for a step in flight (not computed yet) go straight back."""
+        if r.pending:
+            self.allocator.free(r.slots[r.num_computed:r.num_computed + r.pending].copy())
+            r.pending = 0
         if self.tree is not None:
             self._cache(r, keep_lock=False)
         elif r.num_computed:
@@ -425,14 +432,24 @@ class Scheduler:
         rows = decode + [r for r, _ in prefill]
         q_lens = np.array([1] * len(decode) + [n for _, n in prefill], dtype=I64)
         # Slots for this step's new tokens: one run for all decodes, one run per prefill chunk.
-        new_slots = [self._alloc(len(decode))] if decode else []
-        new_slots += [self._alloc(n) for _, n in prefill]
+        new_slots: list[np.ndarray] = []
+        try:
+            if decode:
+                new_slots.append(self._alloc(len(decode)))
+            for _, n in prefill:
+                new_slots.append(self._alloc(n))
+        except OutOfSlots:
+            for run in new_slots:  # give back what this step took before failing
+                self.allocator.free(run)
+            raise
         d_slots = new_slots[0] if decode else None
         for i, r in enumerate(decode):
             assert d_slots is not None
             r.slots[r.num_computed] = d_slots[i]
+            r.pending = 1
         for (r, n), s in zip(prefill, new_slots[1:] if decode else new_slots, strict=True):
             r.slots[r.num_computed:r.num_computed + n] = s
+            r.pending = n
         starts = np.fromiter((r.num_computed for r in rows), dtype=I64, count=len(rows))
         seq_lens = starts + q_lens
         input_ids = np.concatenate(
