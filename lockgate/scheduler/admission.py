@@ -175,8 +175,9 @@ class AdmissionMode:
     def on_decode_step(self) -> None:
         """Called once per step that decoded something."""
 
-    def on_retract(self, decoded: int, max_total: int) -> None:
-        """Called after retracting: ``decoded`` / ``max_total`` tokens of the running batch."""
+    def on_retract(self, decoded: int, num_running: int, max_total: int) -> None:
+        """Called after retracting: the running batch has generated ``decoded`` of its
+        ``max_total`` tokens over ``num_running`` requests."""
 
 
 class PeakMode(AdmissionMode):
@@ -206,8 +207,11 @@ class RatioMode(AdmissionMode):
     def on_decode_step(self) -> None:
         self.ratio = max(self.floor, self.ratio - self.step)
 
-    def on_retract(self, decoded: int, max_total: int) -> None:
-        self.ratio = min(1.0, max(self.ratio, decoded / max(max_total, 1)))
+    RETRACT_HEADROOM_STEPS = 20  # SGLang: assume every remaining request decodes this many more tokens
+
+    def on_retract(self, decoded: int, num_running: int, max_total: int) -> None:
+        need = decoded + self.RETRACT_HEADROOM_STEPS * num_running
+        self.ratio = min(1.0, max(self.ratio, need / max(max_total, 1)))
 
 
 def make_admission(name: str, init_ratio: float = 0.7, min_ratio: float = 0.1, decay_steps: int = 600

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ import zmq
 
 from lockgate.config import EngineConfig
 from lockgate.ipc.channel import Receiver, Sender
+from lockgate.ipc.child import child_startup
 from lockgate.ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -264,14 +264,7 @@ class SchedulerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = msgspec.json.decode(argv[0], type=SchedulerProcArgs)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
-    # Ctrl-C or a TERM sent to the whole process group reaches the children too; the API
-    # process coordinates shutdown (Shutdown message, then SIGKILL), so children ignore both.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    args = child_startup(argv, SchedulerProcArgs, "scheduler")
     try:
         proc = SchedulerProcess(args)
     except Exception:

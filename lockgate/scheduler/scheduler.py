@@ -399,12 +399,10 @@ class Scheduler:
             victim.enqueue_step = self.num_steps
             self.waiting.appendleft(victim)
             self.num_retractions += 1
-            decoded = sum(r.num_output for r in self.running) + self.admission_retract_steps * len(self.running)
-            self.admission.on_retract(decoded, sum(r.params.max_tokens for r in self.running))
+            self.admission.on_retract(sum(r.num_output for r in self.running), len(self.running),
+                                      sum(r.params.max_tokens for r in self.running))
             log.info("retracted request %s (%d tokens) to free KV slots; %d running, new-token ratio now %.2f",
                      victim.rid, victim.num_tokens, len(self.running), getattr(self.admission, "ratio", 1.0))
-
-    admission_retract_steps = 20  # SGLang: headroom the raised ratio leaves for the remaining batch
 
     def _finish(self, r: Request, reason: FinishReason) -> None:
         r.finish_reason = reason

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 
 import msgspec
 import zmq
 
 from lockgate.ipc.channel import Receiver, Sender
+from lockgate.ipc.child import child_startup
 from lockgate.ipc.messages import (
     AbortRequest,
     DetokenizerReady,
@@ -116,14 +116,7 @@ class DetokenizerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = msgspec.json.decode(argv[0], type=DetokProcArgs)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [detokenizer] %(name)s: %(message)s")
-    # Ctrl-C or a TERM sent to the whole process group reaches the children too; the API
-    # process coordinates shutdown (Shutdown message, then SIGKILL), so children ignore both.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    args = child_startup(argv, DetokProcArgs, "detokenizer")
     DetokenizerProcess(args).run()
     return 0
 
