@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -25,6 +25,7 @@ from lockgate.ipc.messages import TextOut
 from lockgate.sampling import SamplingParams
 from lockgate.server.context import APIError, ServerContext
 from lockgate.server.context import parse_body as parse
+from lockgate.server.frontend import RequestStream
 from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 from lockgate.tokenizer.tokenizer import Tokenizer
 
@@ -99,6 +100,33 @@ def error_event(o: TextOut) -> str:
     return sse({"error": {"message": o.error or "internal error", "type": "server_error", "code": 500}})
 
 
+def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list[str],
+                 render: Callable[[int, TextOut], str | None],
+                 closing: Callable[[list[list[TextOut]]], str | None]) -> StreamingResponse:
+    """The SSE body shared by both endpoints: opening events, one event per output (``render``
+    may skip one), an error event for an engine failure, an optional closing (usage) event,
+    then ``[DONE]``. However it ends (client gone included), unfinished choices are aborted."""
+
+    async def events() -> AsyncIterator[str]:
+        by_choice: list[list[TextOut]] = [[] for _ in streams]
+        try:
+            for e in opening:
+                yield e
+            async for i, o in ctx.merge(streams):
+                by_choice[i].append(o)
+                ev = error_event(o) if o.finish_reason == "error" else render(i, o)
+                if ev is not None:
+                    yield ev
+            last = closing(by_choice)
+            if last is not None:
+                yield last
+            yield "data: [DONE]\n\n"
+        finally:
+            ctx.abort(streams)  # no-op for finished ones
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 # ---- /v1/completions ----------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
@@ -137,37 +165,29 @@ async def completions(request: Request) -> Response:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                              "choices": choices, "usage": usage(prompt_lens, results, cached)})
 
-    async def events() -> AsyncIterator[str]:
-        by_choice: list[list[TextOut]] = [[] for _ in streams]
-        offsets = [0] * len(streams)
-        try:
-            if body.echo:
-                for i in range(len(streams)):
-                    offsets[i] = len(texts[prompt_of(i)])
-                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                               "choices": [{"index": i, "text": texts[prompt_of(i)], "logprobs": None,
-                                            "finish_reason": None}]})
-            async for i, o in ctx.merge(streams):
-                by_choice[i].append(o)
-                if o.finish_reason == "error":
-                    yield error_event(o)
-                    continue
-                if not o.text and o.finish_reason is None and body.logprobs is None:
-                    continue
-                lp = completion_logprobs(tok, [o], offsets[i]) if body.logprobs is not None else None
-                offsets[i] += len(o.text)
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                           "choices": [{"index": i, "text": o.text, "logprobs": lp,
-                                        "finish_reason": o.finish_reason, "stop_reason": o.stop_matched}]})
-            if body.include_usage:
-                cached = [by_choice[k * n][-1].cached_tokens if by_choice[k * n] else 0 for k in range(len(prompts))]
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                           "choices": [], "usage": usage(prompt_lens, by_choice, cached)})
-            yield "data: [DONE]\n\n"
-        finally:
-            ctx.abort(streams)  # no-op for finished ones; a client gone mid-stream lands here
+    def chunk(i: int, text: str, lp: Any = None, o: TextOut | None = None) -> str:
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": o and o.finish_reason,
+                                 "stop_reason": o and o.stop_matched}]})
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    offsets = [len(texts[prompt_of(i)]) if body.echo else 0 for i in range(len(streams))]
+
+    def render(i: int, o: TextOut) -> str | None:
+        if not o.text and o.finish_reason is None and body.logprobs is None:
+            return None
+        lp = completion_logprobs(tok, [o], offsets[i]) if body.logprobs is not None else None
+        offsets[i] += len(o.text)
+        return chunk(i, o.text, lp, o)
+
+    def closing(by_choice: list[list[TextOut]]) -> str | None:
+        if not body.include_usage:
+            return None
+        cached = [by_choice[k * n][-1].cached_tokens if by_choice[k * n] else 0 for k in range(len(prompts))]
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                    "choices": [], "usage": usage(prompt_lens, by_choice, cached)})
+
+    opening = [chunk(i, texts[prompt_of(i)]) for i in range(len(streams))] if body.echo else []
+    return sse_response(ctx, streams, opening, render, closing)
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
@@ -204,29 +224,21 @@ async def chat_completions(request: Request) -> Response:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
 
-    async def events() -> AsyncIterator[str]:
-        by_choice: list[list[TextOut]] = [[] for _ in streams]
-        try:
-            for i in range(len(streams)):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for i, o in ctx.merge(streams):
-                by_choice[i].append(o)
-                if o.finish_reason == "error":
-                    yield error_event(o)
-                    continue
-                if not o.text and o.finish_reason is None and not body.logprobs:
-                    continue
-                yield chunk(i, {"content": o.text} if o.text else {}, o.finish_reason,
-                            chat_logprobs(tok, [o]) if body.logprobs else None)
-            if body.include_usage:
-                cached = by_choice[0][-1].cached_tokens if by_choice[0] else 0
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": ctx.model_name, "choices": [], "usage": usage([len(ids)], by_choice, [cached])})
-            yield "data: [DONE]\n\n"
-        finally:
-            ctx.abort(streams)
+    def render(i: int, o: TextOut) -> str | None:
+        if not o.text and o.finish_reason is None and not body.logprobs:
+            return None
+        return chunk(i, {"content": o.text} if o.text else {}, o.finish_reason,
+                     chat_logprobs(tok, [o]) if body.logprobs else None)
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    def closing(by_choice: list[list[TextOut]]) -> str | None:
+        if not body.include_usage:
+            return None
+        cached = by_choice[0][-1].cached_tokens if by_choice[0] else 0
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                    "choices": [], "usage": usage([len(ids)], by_choice, [cached])})
+
+    opening = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(streams))]
+    return sse_response(ctx, streams, opening, render, closing)
 
 
 @router.get("/v1/models")
