@@ -66,12 +66,16 @@ class ModelConfig:
     device: str = _opt("cpu", "torch device (cpu, cuda, cuda:1, ...)")
     max_model_len: int | None = _opt(None, "cap the context length (default: the model's)")
     seed: int = _opt(0, "global seed for unseeded sampling")
+    num_threads: int | None = _opt(None, "torch intra-op threads of the scheduler process (default: torch's "
+                                   "choice, one per core); 'serve --dp N' gives each replica cores/N")
     sim_step_ms: float = _opt(2.0, "sim model only: fixed cost of one step, milliseconds")
     sim_token_ms: float = _opt(0.05, "sim model only: cost per token in a step, milliseconds")
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.sim_step_ms < 0 or self.sim_token_ms < 0:
             raise ValueError("--sim-step-ms and --sim-token-ms must be >= 0")
 

@@ -81,6 +81,8 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
         t0 = time.perf_counter()
         self.cfg = model_cfg
+        if model_cfg.num_threads is not None:
+            torch.set_num_threads(model_cfg.num_threads)
         self.model_dir: Path = prepare_model_dir(model_cfg.model)
         self.device = torch.device(model_cfg.device)
         self.dtype: torch.dtype = resolve_dtype(model_cfg.dtype, self.device)
