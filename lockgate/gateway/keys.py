@@ -1,0 +1,72 @@
+"""The routing key of a request: the prompt as characters or as the served model's token ids.
+
+Only generation routes have one (OpenAI completions and chat, TGI generate); other routes and
+bodies the gateway cannot read get ``None`` and are routed by load alone (the replica will
+answer a bad body with its own 4xx; the gateway never rejects what a replica might accept).
+
+* ``character``: the prompt text; chat messages are joined as ``role\\ncontent\\n`` so two chats
+  share a key prefix exactly when their leading messages are equal. Token-id prompts are used as
+  they are.
+* ``model``: the token ids the replica will see: the completion prompt encoded with special
+  tokens, or the chat template applied to the messages then encoded (as the engine's API does),
+  so block boundaries fall on the same tokens the replicas' radix trees hold.
+A batch prompt is keyed by its first element (the batch goes to one replica).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from lockgate.tokenizer.tokenizer import Tokenizer
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream")
+Key = str | list[int]
+
+
+def request_key(path: str, body: bytes, tokenizer: Tokenizer | None) -> Key | None:
+    """The prompt key of a generation request, or None (not a generation route, unreadable body)."""
+    if path not in GENERATION_PATHS:
+        return None
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        if path == "/v1/chat/completions":
+            return _chat_key(data.get("messages"), tokenizer)
+        prompt = data.get("prompt") if path == "/v1/completions" else data.get("inputs")
+        return _prompt_key(prompt, tokenizer)
+    except (TypeError, ValueError, KeyError):  # a template or tokenizer refusing odd input
+        return None
+
+
+def _prompt_key(prompt: Any, tokenizer: Tokenizer | None) -> Key | None:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt) if tokenizer is not None else prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    return None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return ""
+
+
+def _chat_key(messages: Any, tokenizer: Tokenizer | None) -> Key | None:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return None
+    plain = [{"role": str(m.get("role", "")), "content": _text(m.get("content"))} for m in messages]
+    if tokenizer is None:
+        return "".join(f"{m['role']}\n{m['content']}\n" for m in plain)
+    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

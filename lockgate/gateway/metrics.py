@@ -1,0 +1,51 @@
+"""Prometheus metrics of the gateway, prefix ``lockgate:gateway_`` (served at the gateway's ``/metrics``).
+
+One private registry per gateway. Counters: requests by replica, policy and route reason; prefix
+blocks looked up and matched (their ratio is the gateway's expected hit rate; the replicas' own
+``lockgate:prefix_cache_*`` counters say what really hit); retries by cause; replica health
+changes; proxy errors by kind. Gauges: each replica's health and load.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from lockgate.gateway.policy import Route
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("lockgate:gateway_requests", "Requests routed, by replica, policy and reason",
+                                ["replica", "policy", "reason"], registry=r)
+        self.blocks_queried = Counter("lockgate:gateway_prefix_blocks_queried",
+                                      "Prompt blocks looked up in the gateway's prefix index", registry=r)
+        self.blocks_matched = Counter("lockgate:gateway_prefix_blocks_matched",
+                                      "Prompt blocks found on the chosen replica", registry=r)
+        self.retries = Counter("lockgate:gateway_retries", "Requests retried on another replica, by cause",
+                               ["replica", "cause"], registry=r)
+        self.health_changes = Counter("lockgate:gateway_replica_health_changes",
+                                      "Replica health transitions", ["replica", "to"], registry=r)
+        self.errors = Counter("lockgate:gateway_errors", "Requests the gateway could not complete, by kind",
+                              ["kind"], registry=r)
+        self.healthy = Gauge("lockgate:gateway_replica_healthy", "1 if the replica takes traffic", ["replica"],
+                             registry=r)
+        self.load = Gauge("lockgate:gateway_replica_load", "Requests in flight on the replica, as routed on",
+                          ["replica"], registry=r)
+        for kind in ("no_replica", "upstream", "midstream"):
+            self.errors.labels(kind)
+
+    def routed(self, route: Route) -> None:
+        self.requests.labels(route.replica, route.policy, route.reason).inc()
+        if route.total_blocks:
+            self.blocks_queried.inc(route.total_blocks)
+            self.blocks_matched.inc(route.matched_blocks)
+
+    def health(self, replica: str, healthy: bool) -> None:
+        self.health_changes.labels(replica, "healthy" if healthy else "unhealthy").inc()
+        self.healthy.labels(replica).set(1 if healthy else 0)
+
+    def render(self, loads: dict[str, int]) -> bytes:
+        for replica, n in loads.items():
+            self.load.labels(replica).set(n)
+        return generate_latest(self.registry)

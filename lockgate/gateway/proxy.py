@@ -1,0 +1,278 @@
+"""The gateway's HTTP app: route each request to a replica, retry once, stream the answer through.
+
+Owns the request path through the gateway:
+
+1. read the body, compute the routing key and its block hashes (``keys``, ``prefix_index``);
+2. ask the ``Router`` for a replica among the healthy ones (``Fleet.candidates``);
+3. forward method, path, query, headers (minus hop-by-hop ones) and body; relay status, headers
+   and body bytes as they arrive (no buffering, so SSE streams keep their pace), adding
+   ``x-lockgate-replica`` and ``x-lockgate-route``.
+
+Failure rules:
+
+* Before the first response byte, a transport error (refused connection, replica gone) or a
+  503 from the replica is retried once on another healthy replica (route reason ``retry``);
+  a refused connection or 503 also marks the replica unhealthy until its next good check.
+  Generation has no side effects, so a retried request loses nothing.
+* After the first byte, a replica dying ends that response: an SSE stream gets a final
+  ``data: {"error": ...}`` event naming the replica; other streams are untouched.
+* No healthy replica: 503 with a message; the retry failing too: 502 naming both errors.
+* A client that goes away closes the upstream request, so the replica aborts it and frees its KV.
+
+Invariant: ``Replica.in_flight`` is incremented exactly once per forwarded attempt and
+decremented exactly once when that attempt's response ends, however it ends.
+
+The gateway's own routes: ``/health`` (200 while any replica is healthy), ``/v1/models`` (the
+union of the healthy replicas' models), ``/metrics`` (the gateway's counters), ``/v1/loads``
+(every replica's state and last reported load). Everything else is proxied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from lockgate.gateway.keys import request_key
+from lockgate.gateway.metrics import GatewayMetrics
+from lockgate.gateway.policy import Route, Router
+from lockgate.gateway.prefix_index import block_hashes
+from lockgate.gateway.replicas import Fleet, Replica
+from lockgate.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger("lockgate.gateway")
+
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+               "transfer-encoding", "upgrade", "host", "content-length"}
+_RESPONSE_DROP = _HOP_BY_HOP - {"content-length"} | {"date", "server"}
+_TGI_PATHS = ("/generate", "/generate_stream")
+
+
+@dataclass
+class Gateway:
+    fleet: Fleet
+    router: Router
+    metrics: GatewayMetrics
+    block_size: int
+    tokenizer: Tokenizer | None = None
+    http: httpx.AsyncClient | None = None
+
+    def hashes(self, path: str, body: bytes) -> list[bytes]:
+        if self.router.policy != "prefix-cache":
+            return []
+        key = request_key(path, body, self.tokenizer)
+        return block_hashes(key, self.block_size) if key is not None else []
+
+
+def _error(status: int, message: str, path: str) -> JSONResponse:
+    if path in _TGI_PATHS:
+        return JSONResponse({"error": message, "error_type": "gateway"}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": "gateway_error", "param": None, "code": status}},
+                        status_code=status)
+
+
+def _sse_error(message: str, path: str) -> bytes:
+    if path in _TGI_PATHS:
+        body: object = {"error": message, "error_type": "gateway"}
+    else:
+        body = {"error": {"message": message, "type": "gateway_error", "param": None, "code": 502}}
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def create_gateway_app(gw: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
+                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                                    trust_env=False)
+        await gw.fleet.start()
+        yield
+        await gw.fleet.stop()
+        await gw.http.aclose()
+
+    app = FastAPI(title="lockgate gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        replicas = [r.view() for r in gw.fleet.replicas.values()]
+        healthy = sum(r["healthy"] for r in replicas)
+        body = {"status": "ok" if healthy else "no healthy replica", "healthy": healthy, "replicas": replicas}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        loads = {u: r.load for u, r in gw.fleet.replicas.items()}
+        return PlainTextResponse(gw.metrics.render(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/loads")
+    async def loads() -> Response:
+        return JSONResponse({"policy": gw.router.policy, "replicas": [r.view() for r in gw.fleet.replicas.values()]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        healthy = [r for r in gw.fleet.replicas.values() if r.healthy]
+        if not healthy:
+            return _error(503, "no healthy replica: the gateway cannot list models", request.url.path)
+        assert gw.http is not None
+        headers = _forward_headers(request)
+        answers = await asyncio.gather(*(gw.http.get(r.url + "/v1/models", headers=headers, timeout=5.0)
+                                         for r in healthy), return_exceptions=True)
+        data: dict[str, object] = {}
+        for a in answers:
+            if isinstance(a, httpx.Response) and a.status_code == 200:
+                for m in a.json().get("data", []):
+                    data.setdefault(m.get("id"), m)
+            elif isinstance(a, httpx.Response) and a.status_code in (401, 403):
+                return Response(a.content, status_code=a.status_code, media_type="application/json")
+        return JSONResponse({"object": "list", "data": list(data.values())})
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def proxy(request: Request, path: str) -> Response:
+        return await _proxy(gw, request)
+
+    return app
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+async def _proxy(gw: Gateway, request: Request) -> Response:
+    assert gw.http is not None
+    path = request.url.path
+    body = await request.body()
+    hashes = gw.hashes(path, body)
+    headers = _forward_headers(request)
+    target = path + (f"?{request.url.query}" if request.url.query else "")
+    tried: list[str] = []
+    first_error = ""
+    for attempt in range(2):
+        loads = gw.fleet.candidates(exclude=tried)
+        if not loads:
+            break
+        route = gw.router.choose(loads, hashes)
+        if attempt:
+            route = replace(route, reason="retry")
+        gw.metrics.routed(route)
+        replica = gw.fleet.replicas[route.replica]
+        replica.in_flight += 1
+        upstream_req = gw.http.build_request(request.method, replica.url + target, headers=headers, content=body)
+        try:
+            upstream = await _send_unless_client_leaves(gw.http, upstream_req, request)
+        except ClientLeft:
+            replica.in_flight -= 1
+            return Response(status_code=499)  # nobody is listening; the replica saw its request closed
+        except httpx.TransportError as e:
+            replica.in_flight -= 1
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if isinstance(e, httpx.ConnectError):
+                gw.fleet.set_health(replica, False, f"connection failed: {why}")
+            first_error = first_error or f"replica {replica.url} failed before answering ({why})"
+            log.warning("%s %s on %s failed before the response (%s); %s", request.method, path, replica.url,
+                        why, "retrying on another replica" if attempt == 0 else "giving up")
+            gw.metrics.retries.labels(replica.url, type(e).__name__).inc()
+            tried.append(replica.url)
+            continue
+        except BaseException:
+            replica.in_flight -= 1
+            raise
+        if upstream.status_code == 503 and attempt == 0 and gw.fleet.candidates(exclude=[replica.url]):
+            text = (await upstream.aread())[:200].decode(errors="replace")
+            await upstream.aclose()
+            replica.in_flight -= 1
+            gw.fleet.set_health(replica, False, f"answered 503: {text}")
+            first_error = f"replica {replica.url} answered 503"
+            gw.metrics.retries.labels(replica.url, "503").inc()
+            log.warning("%s %s: replica %s answered 503; retrying on another replica", request.method, path,
+                        replica.url)
+            tried.append(replica.url)
+            continue
+        return _relay(gw, upstream, replica, route, path)
+    if not tried:
+        gw.metrics.errors.labels("no_replica").inc()
+        return _error(503, f"no healthy replica among {len(gw.fleet.replicas)}: see the gateway's /health", path)
+    gw.metrics.errors.labels("upstream").inc()
+    return _error(502, f"{first_error}; no other replica could take it", path)
+
+
+class ClientLeft(Exception):
+    """The client disconnected before the replica answered."""
+
+
+async def _send_unless_client_leaves(http: httpx.AsyncClient, req: httpx.Request, client: Request) -> httpx.Response:
+    """Send ``req``; if the client disconnects first, cancel it (closing the replica's connection)."""
+    send = asyncio.ensure_future(http.send(req, stream=True))
+    gone = asyncio.ensure_future(_disconnected(client))
+    try:
+        await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not gone.done():
+            gone.cancel()
+        if not send.done():
+            send.cancel()
+            await asyncio.gather(send, return_exceptions=True)
+    if send.cancelled():
+        raise ClientLeft()
+    return send.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Relayed(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends (done, failed, client gone)."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+def _relay(gw: Gateway, upstream: httpx.Response, replica: Replica, route: Route, path: str) -> Response:
+    sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
+    headers["x-lockgate-replica"] = replica.url
+    headers["x-lockgate-route"] = route.header()
+    done = False
+
+    def finish() -> None:  # exactly once, whether the body ended, failed or the client left
+        nonlocal done
+        if not done:
+            done = True
+            replica.in_flight -= 1
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.TransportError as e:
+            gw.metrics.errors.labels("midstream").inc()
+            message = f"replica {replica.url} failed mid-response: {type(e).__name__}"
+            log.warning("%s", message)
+            if sse:
+                yield _sse_error(message, path)
+        finally:
+            finish()
+            await upstream.aclose()
+
+    async def close() -> None:
+        finish()
+        await upstream.aclose()
+
+    return _Relayed(body(), close, status_code=upstream.status_code, headers=headers)

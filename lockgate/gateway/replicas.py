@@ -1,0 +1,219 @@
+"""The live fleet of engine replicas: membership, health and load, as the gateway sees them.
+
+Owns one ``Replica`` per URL and two background loops:
+
+* health: every ``health_interval`` seconds ``GET /health`` on every replica; 200 = healthy.
+  A replica enters the fleet unhealthy and takes traffic from its first good check on; a failed
+  check (or a refused connection seen by the proxy) takes it out until a check passes again.
+  Going unhealthy also drops its blocks from the prefix index (it may come back restarted, cold).
+* load: every ``load_interval`` seconds ``GET /v1/loads`` on healthy replicas. A replica's load
+  is the gateway's own count of requests it has in flight there, plus ``external``: what the
+  replica reports beyond that (traffic that does not come through this gateway). The own count
+  is exact and immediate; the poll corrects it once a second.
+
+Membership is the ``--replica`` URLs plus, if given, the lines of ``--replicas-file`` (one URL per
+line, ``#`` comments), re-read whenever its modification time changes. A removed replica takes
+no new requests; those already running there finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("lockgate.gateway")
+
+
+def normalize_url(text: str) -> str:
+    """A replica URL without trailing slash; raises ValueError naming what is wrong."""
+    url = text.strip().rstrip("/")
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"replica URL {text!r} is not a URL: {e}") from e
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"replica URL {text!r} must look like http://HOST:PORT")
+    if parsed.path not in ("", "/") or parsed.query:
+        raise ValueError(f"replica URL {text!r} must not have a path or query (the gateway adds the route)")
+    return url
+
+
+def read_replicas_file(path: Path) -> list[str]:
+    """URLs listed in ``path``: one per line, blank lines and ``#`` comments ignored."""
+    urls = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            urls.append(normalize_url(line))
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from e
+    return urls
+
+
+@dataclass
+class Replica:
+    url: str
+    healthy: bool = False
+    in_flight: int = 0  # requests this gateway has open there now
+    external: int = 0  # the replica's own in-flight count beyond ours, at the last poll
+    last_error: str | None = None
+    reported: dict[str, Any] = field(default_factory=dict)  # last /v1/loads body
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.external
+
+    def view(self) -> dict[str, Any]:
+        return {"url": self.url, "healthy": self.healthy, "load": self.load, "in_flight": self.in_flight,
+                "external": self.external, "last_error": self.last_error, "reported": self.reported}
+
+
+HealthHook = Callable[[Replica, bool], None]
+
+
+class Fleet:
+    def __init__(self, urls: Iterable[str], replicas_file: Path | None = None, *, health_interval: float = 2.0,
+                 load_interval: float = 1.0, on_health: HealthHook | None = None,
+                 on_removed: Callable[[str], None] | None = None, api_key: str | None = None) -> None:
+        self.static = [normalize_url(u) for u in urls]
+        self.replicas_file = replicas_file
+        self.health_interval = health_interval
+        self.load_interval = load_interval
+        self.on_health = on_health
+        self.on_removed = on_removed
+        self._poll_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.replicas: dict[str, Replica] = {}
+        self._file_mtime: float | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: httpx.AsyncClient | None = None
+        self._health_wakeup = asyncio.Event()
+        file_urls = read_replicas_file(replicas_file) if replicas_file is not None else []
+        if replicas_file is not None:
+            self._file_mtime = replicas_file.stat().st_mtime
+        self._set_members([*self.static, *file_urls])
+        if not self.replicas:
+            raise ValueError("no replica: give --replica URL (repeatable) or a --replicas-file listing some")
+
+    # ---- membership -----------------------------------------------------------------------
+    def _set_members(self, urls: list[str]) -> None:
+        wanted = list(dict.fromkeys(urls))
+        for url in wanted:
+            if url not in self.replicas:
+                self.replicas[url] = Replica(url)
+                log.info("replica %s added", url)
+                self._health_wakeup.set()
+        for url in [u for u in self.replicas if u not in wanted]:
+            del self.replicas[url]
+            log.info("replica %s removed", url)
+            if self.on_removed is not None:
+                self.on_removed(url)
+
+    def _reload_file(self) -> None:
+        path = self.replicas_file
+        if path is None:
+            return
+        try:
+            mtime = path.stat().st_mtime
+            if mtime == self._file_mtime:
+                return
+            urls = read_replicas_file(path)
+        except (OSError, ValueError) as e:
+            log.warning("replicas file not re-read (keeping the current fleet): %s", e)
+            return
+        self._file_mtime = mtime
+        log.info("replicas file %s changed: %d replicas listed", path, len(urls))
+        self._set_members([*self.static, *urls])
+
+    # ---- the view the router uses ---------------------------------------------------------
+    def candidates(self, exclude: Iterable[str] = ()) -> dict[str, int]:
+        """Healthy replicas (minus ``exclude``) -> load."""
+        skip = set(exclude)
+        return {u: r.load for u, r in self.replicas.items() if r.healthy and u not in skip}
+
+    def set_health(self, replica: Replica, healthy: bool, error: str | None = None) -> None:
+        replica.last_error = error
+        if replica.healthy == healthy:
+            return
+        replica.healthy = healthy
+        if healthy:
+            log.info("replica %s is healthy", replica.url)
+        else:
+            log.warning("replica %s is unhealthy: %s", replica.url, error)
+            replica.external = 0
+        if self.on_health is not None:
+            self.on_health(replica, healthy)
+
+    # ---- background loops -----------------------------------------------------------------
+    async def start(self) -> None:
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(2.0), trust_env=False, headers=self._poll_headers)
+        self._tasks = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._load_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+
+    async def _check(self, r: Replica) -> None:
+        assert self._http is not None
+        try:
+            resp = await self._http.get(r.url + "/health")
+        except httpx.HTTPError as e:
+            self.set_health(r, False, f"health check failed: {type(e).__name__}: {e}")
+            return
+        if resp.status_code == 200:
+            self.set_health(r, True)
+        else:
+            self.set_health(r, False, f"health check answered {resp.status_code}: {resp.text[:200]}")
+
+    async def _health_loop(self) -> None:
+        while True:
+            self._reload_file()
+            await self.check_all()
+            self._health_wakeup.clear()
+            try:
+                await asyncio.wait_for(self._health_wakeup.wait(), self.health_interval)
+            except TimeoutError:
+                pass
+
+    async def _poll_load(self, r: Replica) -> None:
+        assert self._http is not None
+        ours = r.in_flight
+        try:
+            resp = await self._http.get(r.url + "/v1/loads")
+            body = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return  # the health loop decides about health; a missed poll keeps the last correction
+        if isinstance(body, dict):
+            r.reported = body
+            theirs = body.get("in_flight")
+            if isinstance(theirs, int):
+                r.external = max(0, theirs - ours)
+
+    async def _load_loop(self) -> None:
+        while True:
+            self._reload_file()
+            await asyncio.gather(*(self._poll_load(r) for r in list(self.replicas.values()) if r.healthy))
+            await asyncio.sleep(self.load_interval)
+
+
+def file_path(text: str | None) -> Path | None:
+    if text is None:
+        return None
+    path = Path(os.path.expanduser(text))
+    if not path.is_file():
+        raise ValueError(f"--replicas-file {text!r}: no such file")
+    return path

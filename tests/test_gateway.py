@@ -1,0 +1,323 @@
+"""The gateway live: real ``lockgate serve`` replicas (sim model), a real ``lockgate gateway``, real HTTP.
+
+Covers routing by prefix while balanced and by load past the imbalance threshold, retry when a
+replica refuses, a replica killed under load, ``--replicas-file`` changes, no healthy replica,
+client disconnects through the gateway, and ``serve --dp`` on the sim model and (one end-to-end
+check) on the default model with the official openai client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_util import ServerProc, free_port, free_port_run, pid_alive
+
+SIM = ("--model", "sim", "--max-model-len", "4096", "--sim-step-ms", "5", "--max-total-tokens", "65536")
+PREFIX = "You are a careful assistant. " * 20  # 580 characters: 4 full blocks of 128
+
+
+def start_replicas(n: int, *extra: str) -> list[ServerProc]:
+    reps = [ServerProc(*SIM, *extra) for _ in range(n)]
+    for r in reps:
+        r.wait_ready()
+    return reps
+
+
+def start_gateway(*args: str) -> ServerProc:
+    return ServerProc(*args, "--health-interval", "0.5", command="gateway")
+
+
+def wait_healthy(gw: ServerProc, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            body = httpx.get(gw.url + "/health", timeout=2).json()
+            if body.get("healthy") == n:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if gw.proc.poll() is not None:
+            raise RuntimeError(gw.log())
+        time.sleep(0.1)
+    raise TimeoutError(f"gateway never saw {n} healthy replicas:\n{gw.log()[-3000:]}")
+
+
+@contextlib.contextmanager
+def fleet(n: int, *gateway_args: str):
+    reps = start_replicas(n)
+    gw = None
+    try:
+        gw = start_gateway(*(a for r in reps for a in ("--replica", r.url)), *gateway_args)
+        wait_healthy(gw, n)
+        yield gw, reps
+    finally:
+        if gw is not None:
+            gw.stop()
+        for r in reps:
+            r.stop()
+
+
+def complete(url: str, prompt: str, max_tokens: int = 4, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": max_tokens, **kw},
+                      timeout=60)
+
+
+def route_of(resp: httpx.Response) -> dict[str, str]:
+    fields = dict(part.strip().split("=", 1) for part in resp.headers["x-lockgate-route"].split(";"))
+    return {"replica": resp.headers["x-lockgate-replica"], **fields}
+
+
+# ---- prefix-cache routing ---------------------------------------------------------------------
+def test_prefix_cache_keeps_groups_together_and_replicas_hit_their_cache() -> None:
+    with fleet(2, "--policy", "prefix-cache") as (gw, reps):
+        homes: dict[str, set[str]] = {}
+        cached = 0
+        for i in range(12):
+            group = "ABC"[i % 3]
+            r = complete(gw.url, group * 300 + PREFIX + f" question {i}")
+            assert r.status_code == 200, r.text
+            route = route_of(r)
+            homes.setdefault(group, set()).add(route["replica"])
+            if i >= 3:  # every group was seen once: the rest match their group's replica
+                assert route["reason"] == "match" and route["matched_blocks"] == route["total_blocks"], route
+                cached += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert all(len(h) == 1 for h in homes.values()), homes
+        assert cached >= 9 * 800  # the replica really had the prefix: ~880 of ~890 tokens cached each
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'reason="match"' in metrics and "lockgate:gateway_prefix_blocks_matched_total" in metrics
+
+
+def test_load_wins_over_cache_past_the_imbalance_threshold() -> None:
+    with fleet(2, "--policy", "prefix-cache", "--imbalance-abs-count", "2") as (gw, reps):
+        prompt = PREFIX * 2
+        routes = []
+        with contextlib.ExitStack() as stack, httpx.Client(timeout=60) as client:
+            for _ in range(5):  # long streams held open: each adds one to its replica's load
+                resp = stack.enter_context(client.stream(
+                    "POST", gw.url + "/v1/completions",
+                    json={"model": "sim", "prompt": prompt, "max_tokens": 2500, "ignore_eos": True, "stream": True}))
+                assert resp.status_code == 200
+                routes.append(route_of(resp))
+        first = routes[0]["replica"]
+        # loads (first, other): (0,0) no-match, (1,0) match, (2,0) match; at (3,0) the spread 3 > 2 sends the
+        # 4th to the other replica, which then holds the prefix too: the 5th matches both equally and takes
+        # the less loaded one (3,1)
+        assert [r["reason"] for r in routes] == ["no-match", "match", "match", "imbalance", "match"], routes
+        assert [r["replica"] == first for r in routes] == [True, True, True, False, False], routes
+
+
+# ---- failures ------------------------------------------------------------------------------------
+def test_refused_connection_is_retried_on_another_replica() -> None:
+    reps = start_replicas(2)
+    gw = None
+    try:
+        gw = ServerProc(*(a for r in reps for a in ("--replica", r.url)), "--policy", "round-robin",
+                        "--health-interval", "60", command="gateway")  # slow checks: only the proxy notices
+        wait_healthy(gw, 2)
+        dead = reps[0]
+        assert dead.stop() == 0
+        outs = [complete(gw.url, f"after the kill {i}") for i in range(4)]
+        assert all(o.status_code == 200 for o in outs), [o.text for o in outs]
+        routes = [route_of(o) for o in outs]
+        assert all(r["replica"] == reps[1].url for r in routes)
+        assert [r["reason"] for r in routes].count("retry") == 1  # the first refusal marks it unhealthy
+        health = httpx.get(gw.url + "/health").json()
+        assert health["healthy"] == 1 and "connection failed" in next(
+            r["last_error"] for r in health["replicas"] if r["url"] == dead.url)
+    finally:
+        if gw is not None:
+            gw.stop()
+        for r in reps:
+            r.stop()
+
+
+def test_replica_killed_under_load_fails_only_streams_it_had_started() -> None:
+    with fleet(2, "--policy", "least-request") as (gw, reps):
+        victim = reps[0]
+        results: list[tuple[str, str | None, str]] = []  # (kind, replica, outcome)
+        lock = threading.Lock()
+
+        def streamed(i: int) -> None:
+            replica, text = None, ""
+            try:
+                with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
+                        "model": "sim", "prompt": f"stream {i}", "max_tokens": 400, "ignore_eos": True,
+                        "stream": True}) as resp:
+                    replica = resp.headers.get("x-lockgate-replica")
+                    text = "".join(resp.iter_text())
+                outcome = "ok" if text.rstrip().endswith("data: [DONE]") else (
+                    "error-event" if '"error"' in text else "truncated")
+            except httpx.HTTPError as e:
+                outcome = f"exception {type(e).__name__}"
+            with lock:
+                results.append(("stream", replica, outcome))
+
+        def whole(i: int) -> None:
+            r = complete(gw.url, f"whole {i}", max_tokens=300, ignore_eos=True)
+            with lock:
+                results.append(("whole", r.headers.get("x-lockgate-replica"), "ok" if r.status_code == 200 else
+                                f"{r.status_code} {r.text[:200]}"))
+
+        with ThreadPoolExecutor(24) as pool:
+            futures = [pool.submit(streamed if i % 2 else whole, i) for i in range(16)]
+            time.sleep(1.0)  # everything is running on both replicas (300-400 tokens at ~5 ms a step)
+            os.killpg(victim.proc.pid, signal.SIGKILL)  # the whole replica: API, scheduler, detokenizer
+            futures += [pool.submit(streamed if i % 2 else whole, i) for i in range(16, 32)]
+            for f in futures:
+                f.result()
+        for kind, replica, outcome in results:
+            if kind == "stream" and replica == victim.url:
+                assert outcome == "error-event", results  # started there: it ends with a clear error event
+            else:
+                assert outcome == "ok", (kind, replica, outcome)
+        assert any(k == "stream" and r == victim.url for k, r, _ in results)  # the kill did hit live streams
+        assert httpx.get(gw.url + "/health").json()["healthy"] == 1
+
+
+def test_replicas_file_changes_are_picked_up_live(tmp_path: Path) -> None:
+    reps = start_replicas(2)
+    listing = tmp_path / "replicas.txt"
+    listing.write_text(f"# the fleet\n{reps[0].url}\n")
+    gw = None
+    try:
+        gw = start_gateway("--replicas-file", str(listing), "--policy", "round-robin")
+        wait_healthy(gw, 1)
+        assert {route_of(complete(gw.url, f"a{i}"))["replica"] for i in range(4)} == {reps[0].url}
+        listing.write_text(f"{reps[0].url}\n{reps[1].url}/\n")
+        wait_healthy(gw, 2)
+        assert {route_of(complete(gw.url, f"b{i}"))["replica"] for i in range(4)} == {reps[0].url, reps[1].url}
+        listing.write_text(f"{reps[1].url}\n")
+        deadline = time.monotonic() + 10
+        while len(httpx.get(gw.url + "/health").json()["replicas"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert {route_of(complete(gw.url, f"c{i}"))["replica"] for i in range(4)} == {reps[1].url}
+        assert "replicas file" in gw.log() and "removed" in gw.log()
+    finally:
+        if gw is not None:
+            gw.stop()
+        for r in reps:
+            r.stop()
+
+
+def test_no_healthy_replica_is_a_503_with_a_message() -> None:
+    gw = start_gateway("--replica", f"http://127.0.0.1:{free_port()}")
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                h = httpx.get(gw.url + "/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert h.status_code == 503 and h.json()["status"] == "no healthy replica"
+        r = complete(gw.url, "hello")
+        assert r.status_code == 503 and "no healthy replica" in r.json()["error"]["message"]
+        t = httpx.post(gw.url + "/generate", json={"inputs": "hi"}, timeout=10)
+        assert t.status_code == 503 and "no healthy replica" in t.json()["error"]  # TGI's error shape
+    finally:
+        assert gw.stop() == 0
+
+
+def test_bad_gateway_flags_fail_fast(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_text("http://127.0.0.1:1\nftp://nope\n")
+    for args, needle in ((["--replicas-file", str(bad)], "bad.txt:2"),
+                         (["--replica", "http://127.0.0.1:1/v1"], "must not have a path"),
+                         ([], "no replica"),
+                         (["--replica", "http://127.0.0.1:1", "--std-dev-factor", "-1"], "--std-dev-factor")):
+        gw = ServerProc(*args, command="gateway")
+        try:
+            assert gw.proc.wait(30) == 2
+            assert needle in gw.log(), gw.log()
+        finally:
+            gw.stop()
+
+
+def test_client_disconnect_through_the_gateway_frees_the_replica() -> None:
+    with fleet(1) as (gw, reps):
+        for stream in (True, False):
+            with httpx.Client(timeout=60) as client:
+                if stream:
+                    with client.stream("POST", gw.url + "/v1/completions", json={
+                            "model": "sim", "prompt": "bye", "max_tokens": 3000, "ignore_eos": True,
+                            "stream": True}) as resp:
+                        next(resp.iter_bytes())
+                else:
+                    with pytest.raises(httpx.ReadTimeout):
+                        client.post(gw.url + "/v1/completions", timeout=1.0, json={
+                            "model": "sim", "prompt": "bye", "max_tokens": 3000, "ignore_eos": True})
+            deadline = time.monotonic() + 10
+            while True:
+                ld = httpx.get(reps[0].url + "/v1/loads").json()
+                gl = httpx.get(gw.url + "/v1/loads").json()["replicas"][0]
+                if ld["in_flight"] == 0 and ld["slots_used"] == 0 and gl["in_flight"] == 0:
+                    break
+                assert time.monotonic() < deadline, (stream, ld, gl)
+                time.sleep(0.05)
+
+
+# ---- serve --dp -------------------------------------------------------------------------------------
+def test_serve_dp_on_sim_routes_and_stops_everything() -> None:
+    port = free_port_run(4)
+    s = ServerProc(*SIM, "--dp", "3", "--policy", "round-robin", port=port)
+    try:
+        s.wait_ready()
+        wait_healthy(s, 3)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert raw.parse().choices[0].message.content
+        seen = {route_of(complete(s.url, f"p{i}"))["replica"] for i in range(6)}
+        assert seen == {f"http://127.0.0.1:{port + i}" for i in (1, 2, 3)}
+        models = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["sim"]
+        assert "--num-threads" not in s.log() and "torch threads" in s.log()
+    finally:
+        pids = s.child_pids()
+        code = s.stop()
+    assert code == 0
+    assert len([k for k in pids if k.startswith("replica")]) == 3 and len(pids) == 3 + 3 * 2  # each replica: scheduler + detokenizer
+    assert not any(pid_alive(p) for p in pids.values()), pids
+
+
+def test_serve_dp_default_model_end_to_end() -> None:
+    port = free_port_run(3)
+    s = ServerProc("--model", "default", "--dp", "2", "--prefix-tokenizer", "model", "--max-total-tokens",
+                   "8192", port=port)
+    try:
+        s.wait_ready(timeout=300)
+        wait_healthy(s, 2, timeout=300)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "system", "content": "You are a geography teacher who answers in one sentence. " * 8},
+                    {"role": "user", "content": "What is the capital of France?"}]
+        answers, replicas, cached = [], [], []
+        for _ in range(3):
+            raw = client.chat.completions.with_raw_response.create(model="default", messages=messages,
+                                                                   max_tokens=12, temperature=0)
+            r = raw.parse()
+            answers.append(r.choices[0].message.content)
+            replicas.append(raw.headers["x-lockgate-replica"])
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            route = dict(p.strip().split("=", 1) for p in raw.headers["x-lockgate-route"].split(";"))
+        assert "Paris" in answers[0] and len(set(answers)) == 1
+        assert len(set(replicas)) == 1  # model-token keys: the same chat prompt stays on its replica
+        assert cached[0] == 0 and cached[1] > 100 and cached[2] > 100
+        # keys are the model's tokens (16 per block): exactly the replica's prompt, cut into blocks
+        assert route["reason"] == "match" and int(route["total_blocks"]) == r.usage.prompt_tokens // 16
+        stream = client.completions.create(model="default", prompt="The capital of Italy is", max_tokens=5,
+                                           temperature=0, stream=True)
+        assert "Rome" in "".join(c.choices[0].text for c in stream if c.choices)
+        usage = json.loads(httpx.get(s.url + "/v1/loads").text)
+        assert sum(1 for r in usage["replicas"] if r["healthy"]) == 2
+    finally:
+        assert s.stop() == 0
