@@ -9,6 +9,7 @@ check) on the default model with the official openai client.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import signal
@@ -151,7 +152,7 @@ def test_replica_killed_under_load_fails_only_streams_it_had_started() -> None:
             replica, text = None, ""
             try:
                 with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
-                        "model": "sim", "prompt": f"stream {i}", "max_tokens": 400, "ignore_eos": True,
+                        "model": "sim", "prompt": f"stream {i}", "max_tokens": 1500, "ignore_eos": True,
                         "stream": True}) as resp:
                     replica = resp.headers.get("x-lockgate-replica")
                     text = "".join(resp.iter_text())
@@ -163,14 +164,17 @@ def test_replica_killed_under_load_fails_only_streams_it_had_started() -> None:
                 results.append(("stream", replica, outcome))
 
         def whole(i: int) -> None:
-            r = complete(gw.url, f"whole {i}", max_tokens=300, ignore_eos=True)
+            r = complete(gw.url, f"whole {i}", max_tokens=1500, ignore_eos=True)
             with lock:
                 results.append(("whole", r.headers.get("x-lockgate-replica"), "ok" if r.status_code == 200 else
                                 f"{r.status_code} {r.text[:200]}"))
 
         with ThreadPoolExecutor(24) as pool:
             futures = [pool.submit(streamed if i % 2 else whole, i) for i in range(16)]
-            time.sleep(1.0)  # everything is running on both replicas (300-400 tokens at ~5 ms a step)
+            deadline = time.monotonic() + 30
+            while gateway_in_flight(gw).get(victim.url, 0) < 6:  # both kinds are running on the victim
+                assert time.monotonic() < deadline, gateway_in_flight(gw)
+                time.sleep(0.05)
             os.killpg(victim.proc.pid, signal.SIGKILL)  # the whole replica: API, scheduler, detokenizer
             futures += [pool.submit(streamed if i % 2 else whole, i) for i in range(16, 32)]
             for f in futures:
@@ -182,6 +186,58 @@ def test_replica_killed_under_load_fails_only_streams_it_had_started() -> None:
                 assert outcome == "ok", (kind, replica, outcome)
         assert any(k == "stream" and r == victim.url for k, r, _ in results)  # the kill did hit live streams
         assert httpx.get(gw.url + "/health").json()["healthy"] == 1
+        assert gateway_in_flight(gw) == {victim.url: 0, reps[1].url: 0}  # every attempt's count released
+
+
+def gateway_in_flight(gw: ServerProc) -> dict[str, int]:
+    return {r["url"]: r["in_flight"] for r in httpx.get(gw.url + "/v1/loads").json()["replicas"]}
+
+
+class _Answers503(http.server.BaseHTTPRequestHandler):
+    """A replica whose engine has failed: healthy at the last check, 503 on generation (a stand-in:
+    a real replica cannot be made to do this on cue)."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = b'{"error": {"message": "engine failed"}}'
+        self.send_response(503)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_503_before_the_first_byte_is_retried_and_headers_pass_through() -> None:
+    reps = start_replicas(1)
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers503)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    fake_url = f"http://127.0.0.1:{fake.server_address[1]}"
+    gw = None
+    try:
+        gw = ServerProc("--replica", fake_url, "--replica", reps[0].url, "--policy", "round-robin",
+                        "--health-interval", "60", command="gateway")
+        wait_healthy(gw, 2)
+        # a header value that is not ASCII reaches the replica as the client sent it
+        outs = [httpx.post(gw.url + "/v1/completions", json={"model": "sim", "prompt": f"p{i}", "max_tokens": 3},
+                           headers={"x-note": "caf\u00e9".encode()}, timeout=30) for i in range(3)]
+        assert [o.status_code for o in outs] == [200, 200, 200], [o.text for o in outs]
+        reasons = [route_of(o)["reason"] for o in outs]
+        assert reasons.count("retry") == 1 and {route_of(o)["replica"] for o in outs} == {reps[0].url}
+        assert gateway_in_flight(gw) == {fake_url: 0, reps[0].url: 0}
+        assert 'cause="503"' in httpx.get(gw.url + "/metrics").text
+    finally:
+        if gw is not None:
+            gw.stop()
+        fake.shutdown()
+        for r in reps:
+            r.stop()
 
 
 def test_replicas_file_changes_are_picked_up_live(tmp_path: Path) -> None:
@@ -234,7 +290,8 @@ def test_bad_gateway_flags_fail_fast(tmp_path: Path) -> None:
     for args, needle in ((["--replicas-file", str(bad)], "bad.txt:2"),
                          (["--replica", "http://127.0.0.1:1/v1"], "must not have a path"),
                          ([], "no replica"),
-                         (["--replica", "http://127.0.0.1:1", "--std-dev-factor", "-1"], "--std-dev-factor")):
+                         (["--replica", "http://127.0.0.1:1", "--std-dev-factor", "-1"], "--std-dev-factor"),
+                         (["--replica", "http://127.0.0.1:1", "--health-interval", "nan"], "--health-interval")):
         gw = ServerProc(*args, command="gateway")
         try:
             assert gw.proc.wait(30) == 2

@@ -69,6 +69,10 @@ def test_index_is_bounded_and_evicts_least_recently_used() -> None:
     assert len(idx) == 4
     assert idx.match(old, ["r1"]) == {"r1": 1}  # old[1] was evicted, old[0] survived
     assert idx.match(new, ["r2"]) == {"r2": 3}
+    small = PrefixIndex(2)
+    long = block_hashes("aabbcc", 2)
+    small.record(long, "r1")  # too long for the index: its tail goes, its head stays matchable
+    assert small.match(long, ["r1"]) == {"r1": 2}
 
 
 # ---- routing keys ------------------------------------------------------------------------
@@ -88,6 +92,8 @@ def test_request_keys() -> None:
     assert request_key("/v1/completions", b"not json", None) is None
     assert request_key("/v1/completions", b'{"prompt": 3}', None) is None
     assert request_key("/tokenize", b'{"prompt": "x"}', None) is None
+    assert request_key("/v1/completions", b'{"prompt": "caf\xe9"}', None) is None  # not UTF-8
+    assert request_key("/v1/completions", b"[" * 5000 + b"]" * 5000, None) is None  # absurdly deep
 
 
 # ---- prefix-cache policy with made-up loads -------------------------------------------------

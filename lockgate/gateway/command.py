@@ -2,7 +2,7 @@
 
 ``GatewayConfig`` holds the routing knobs (validated when built, each error naming its flag).
 ``run_gateway`` serves the gateway app on uvicorn until SIGINT/SIGTERM. ``serve_dp`` starts N
-``lockgate serve`` replicas on the ports after ``--port`` (each scheduler with cores/N torch
+``lockgate serve`` replicas on the loopback ports after ``--port`` (each scheduler with cores/N torch
 threads unless ``--num-threads`` is given) and the gateway on ``--port``; a signal stops the
 gateway, then the replicas (SIGTERM, so they finish in-flight work within their
 ``--shutdown-timeout``), then kills what is left. A replica that dies on its own is logged and
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -60,10 +61,10 @@ class RoutingConfig:
             raise ValueError(f"--prefix-block-number must be >= 1, got {self.prefix_block_number}")
         if self.imbalance_abs_count < 0:
             raise ValueError(f"--imbalance-abs-count must be >= 0, got {self.imbalance_abs_count}")
-        if self.std_dev_factor < 0:
-            raise ValueError(f"--std-dev-factor must be >= 0, got {self.std_dev_factor}")
-        if self.health_interval <= 0:
-            raise ValueError(f"--health-interval must be > 0 seconds, got {self.health_interval}")
+        if not (math.isfinite(self.std_dev_factor) and self.std_dev_factor >= 0):
+            raise ValueError(f"--std-dev-factor must be a finite number >= 0, got {self.std_dev_factor}")
+        if not (math.isfinite(self.health_interval) and self.health_interval > 0):
+            raise ValueError(f"--health-interval must be a finite number of seconds > 0, got {self.health_interval}")
 
     @property
     def block_size(self) -> int:
@@ -113,8 +114,12 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
         if not healthy:
             router.forget(replica.url)  # it may come back restarted, with a cold cache
 
+    def on_removed(url: str) -> None:
+        router.forget(url)
+        metrics.forget(url)
+
     fleet = Fleet(urls, file_path(replicas_file), health_interval=routing.health_interval, on_health=on_health,
-                  on_removed=router.forget, api_key=os.environ.get("LOCKGATE_API_KEY") or None)
+                  on_removed=on_removed, api_key=os.environ.get("LOCKGATE_API_KEY") or None)
     tokenizer = None
     if routing.policy == "prefix-cache" and routing.prefix_tokenizer == "model":
         t0 = time.perf_counter()
@@ -173,13 +178,14 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
     try:
         for i in range(1, dp + 1):
             port = server.port + i
-            rserver = dataclasses.replace(server, port=port, dp=1, api_key=None)  # the key goes by env, not argv
+            # replicas listen on loopback only (clients go through the gateway); the key goes by env, not argv
+            rserver = dataclasses.replace(server, host="127.0.0.1", port=port, dp=1, api_key=None)
             cmd = [sys.executable, "-m", "lockgate.cli", "serve", "--log-level", log_level,
                    *config_to_args(replica_engine), *config_to_args(rserver, ServerConfig)]
             env = {**os.environ, **({"LOCKGATE_API_KEY": server.api_key} if server.api_key else {})}
             procs.append(subprocess.Popen(cmd, env=env))
             _watch_replica(procs[-1], i, stopping)
-            urls.append(f"http://{_loopback(server.host)}:{port}")
+            urls.append(f"http://127.0.0.1:{port}")
             log.info("started replica %d/%d on port %d (pid %d, %d torch threads)", i, dp, port, procs[-1].pid,
                      threads)
         gw = build_gateway(urls, None, routing, engine.model.model)
@@ -198,10 +204,6 @@ def _watch_replica(proc: subprocess.Popen[bytes], i: int, stopping: threading.Ev
                       i, proc.pid, code)
 
     threading.Thread(target=wait, name=f"watch-replica-{i}", daemon=True).start()
-
-
-def _loopback(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def _stop_replicas(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:

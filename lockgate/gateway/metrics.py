@@ -45,6 +45,14 @@ class GatewayMetrics:
         self.health_changes.labels(replica, "healthy" if healthy else "unhealthy").inc()
         self.healthy.labels(replica).set(1 if healthy else 0)
 
+    def forget(self, replica: str) -> None:
+        """The replica left the fleet: drop its gauges (its counters stay, they are history)."""
+        for gauge in (self.healthy, self.load):
+            try:
+                gauge.remove(replica)
+            except KeyError:
+                pass
+
     def render(self, loads: dict[str, int]) -> bytes:
         for replica, n in loads.items():
             self.load.labels(replica).set(n)

@@ -7,7 +7,7 @@ equal prefixes and a match is the longest run of leading blocks a replica holds.
 
 ``PrefixIndex`` maps block hash -> the replicas a request with that prefix was sent to, bounded
 to ``max_blocks`` entries and evicted least-recently-used (a block is used when it is matched or
-recorded). Invariants: ``len(index) <= max_blocks``; no entry has an empty replica set.
+recorded; a prompt's blocks are touched deepest first, so its tail is evicted before its head). Invariants: ``len(index) <= max_blocks``; no entry has an empty replica set.
 
 The gateway cannot see the replicas' radix trees; this is its guess of them, right while the
 replicas keep what they were sent. When a replica evicts, the guess costs one cold prefill there.
@@ -50,21 +50,21 @@ class PrefixIndex:
         """Leading blocks of ``hashes`` each of ``replicas`` holds; only replicas with >= 1 block appear."""
         alive = set(replicas)
         matched: dict[str, int] = {}
-        for depth, h in enumerate(hashes):
+        depth = 0
+        for h in hashes:
             holders = self._blocks.get(h)
-            if holders is None:
+            if holders is None or not alive & holders:
                 break
-            self._blocks.move_to_end(h)
             alive &= holders
-            if not alive:
-                break
+            depth += 1
             for r in alive:
-                matched[r] = depth + 1
+                matched[r] = depth
+        self._touch(hashes[:depth])
         return matched
 
     def record(self, hashes: Sequence[bytes], replica: str) -> None:
         """``replica`` now holds every block of ``hashes`` (it was sent that prompt)."""
-        for h in hashes:
+        for h in reversed(hashes):
             holders = self._blocks.get(h)
             if holders is None:
                 self._blocks[h] = {replica}
@@ -73,6 +73,12 @@ class PrefixIndex:
                 self._blocks.move_to_end(h)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
+
+    def _touch(self, hashes: Sequence[bytes]) -> None:
+        # Deepest first, so a prompt's first block is its most recent one: eviction takes tails first
+        # and never leaves a tail whose head is gone (a tail alone can never match).
+        for h in reversed(hashes):
+            self._blocks.move_to_end(h)
 
     def forget(self, replica: str) -> None:
         """Drop ``replica`` everywhere (it left the fleet or restarted with an empty cache)."""

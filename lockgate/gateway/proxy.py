@@ -10,12 +10,14 @@ Owns the request path through the gateway:
 
 Failure rules:
 
-* Before the first response byte, a transport error (refused connection, replica gone) or a
-  503 from the replica is retried once on another healthy replica (route reason ``retry``);
-  a refused connection or 503 also marks the replica unhealthy until its next good check.
+* Before the first response byte, a transport error (refused connection, connection dropped
+  without an answer: the replica died while the request queued or ran) or a 503 from the replica
+  is retried once on another healthy replica (route reason ``retry``); a refused connection or a
+  503 also marks the replica unhealthy until its next good check.
   Generation has no side effects, so a retried request loses nothing.
 * After the first byte, a replica dying ends that response: an SSE stream gets a final
-  ``data: {"error": ...}`` event naming the replica; other streams are untouched.
+  ``data: {"error": ...}`` event naming the replica; any other body is cut by aborting the
+  connection (so it cannot look complete); other requests are untouched.
 * No healthy replica: 503 with a message; the retry failing too: 502 naming both errors.
 * A client that goes away closes the upstream request, so the replica aborts it and frees its KV.
 
@@ -30,6 +32,7 @@ union of the healthy replicas' models), ``/metrics`` (the gateway's counters), `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -53,7 +56,7 @@ log = logging.getLogger("lockgate.gateway")
 
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                "transfer-encoding", "upgrade", "host", "content-length"}
-_RESPONSE_DROP = _HOP_BY_HOP - {"content-length"} | {"date", "server"}
+_RESPONSE_DROP = (_HOP_BY_HOP - {"content-length"}) | {"date", "server"}  # uvicorn adds its own
 _TGI_PATHS = ("/generate", "/generate_stream")
 
 
@@ -142,8 +145,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     return app
 
 
-def _forward_headers(request: Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+def _forward_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    """The client's headers as sent (bytes, repeats kept), minus hop-by-hop ones."""
+    return [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP_BY_HOP]
 
 
 async def _proxy(gw: Gateway, request: Request) -> Response:
@@ -164,15 +168,11 @@ async def _proxy(gw: Gateway, request: Request) -> Response:
             route = replace(route, reason="retry")
         gw.metrics.routed(route)
         replica = gw.fleet.replicas[route.replica]
-        replica.in_flight += 1
-        upstream_req = gw.http.build_request(request.method, replica.url + target, headers=headers, content=body)
         try:
-            upstream = await _send_unless_client_leaves(gw.http, upstream_req, request)
+            upstream = await _forward(gw.http, request, replica, replica.url + target, headers, body)
         except ClientLeft:
-            replica.in_flight -= 1
             return Response(status_code=499)  # nobody is listening; the replica saw its request closed
         except httpx.TransportError as e:
-            replica.in_flight -= 1
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if isinstance(e, httpx.ConnectError):
                 gw.fleet.set_health(replica, False, f"connection failed: {why}")
@@ -182,13 +182,12 @@ async def _proxy(gw: Gateway, request: Request) -> Response:
             gw.metrics.retries.labels(replica.url, type(e).__name__).inc()
             tried.append(replica.url)
             continue
-        except BaseException:
-            replica.in_flight -= 1
-            raise
         if upstream.status_code == 503 and attempt == 0 and gw.fleet.candidates(exclude=[replica.url]):
-            text = (await upstream.aread())[:200].decode(errors="replace")
-            await upstream.aclose()
             replica.in_flight -= 1
+            text = ""
+            with contextlib.suppress(httpx.HTTPError):
+                text = (await upstream.aread())[:200].decode(errors="replace")
+            await upstream.aclose()
             gw.fleet.set_health(replica, False, f"answered 503: {text}")
             first_error = f"replica {replica.url} answered 503"
             gw.metrics.retries.labels(replica.url, "503").inc()
@@ -206,6 +205,18 @@ async def _proxy(gw: Gateway, request: Request) -> Response:
 
 class ClientLeft(Exception):
     """The client disconnected before the replica answered."""
+
+
+async def _forward(http: httpx.AsyncClient, request: Request, replica: Replica, url: str,
+                   headers: list[tuple[bytes, bytes]], body: bytes) -> httpx.Response:
+    """One attempt: on return the caller holds one ``replica.in_flight`` count; on any exception, none."""
+    replica.in_flight += 1
+    try:
+        req = http.build_request(request.method, url, headers=headers, content=body)
+        return await _send_unless_client_leaves(http, req, request)
+    except BaseException:
+        replica.in_flight -= 1
+        raise
 
 
 async def _send_unless_client_leaves(http: httpx.AsyncClient, req: httpx.Request, client: Request) -> httpx.Response:
@@ -265,8 +276,9 @@ def _relay(gw: Gateway, upstream: httpx.Response, replica: Replica, route: Route
             gw.metrics.errors.labels("midstream").inc()
             message = f"replica {replica.url} failed mid-response: {type(e).__name__}"
             log.warning("%s", message)
-            if sse:
-                yield _sse_error(message, path)
+            if not sse:
+                raise  # abort the connection: a cut body must not look complete
+            yield _sse_error(message, path)
         finally:
             finish()
             await upstream.aclose()

@@ -12,7 +12,7 @@ Owns one ``Replica`` per URL and two background loops:
   is exact and immediate; the poll corrects it once a second.
 
 Membership is the ``--replica`` URLs plus, if given, the lines of ``--replicas-file`` (one URL per
-line, ``#`` comments), re-read whenever its modification time changes. A removed replica takes
+line, ``#`` comments), re-read every poll and applied once a changed text reads the same twice. A removed replica takes
 no new requests; those already running there finish.
 """
 
@@ -45,10 +45,10 @@ def normalize_url(text: str) -> str:
     return url
 
 
-def read_replicas_file(path: Path) -> list[str]:
-    """URLs listed in ``path``: one per line, blank lines and ``#`` comments ignored."""
+def parse_replicas(text: str, path: Path) -> list[str]:
+    """URLs listed in a replicas file's ``text``: one per line, blank lines and ``#`` comments ignored."""
     urls = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
@@ -64,13 +64,14 @@ class Replica:
     url: str
     healthy: bool = False
     in_flight: int = 0  # requests this gateway has open there now
-    external: int = 0  # the replica's own in-flight count beyond ours, at the last poll
+    external: int = 0  # the replica's reported in-flight count minus ours, at the last poll (may be < 0)
     last_error: str | None = None
     reported: dict[str, Any] = field(default_factory=dict)  # last /v1/loads body
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.external
+        """What the replica reported at the last poll plus what we opened (or closed) there since."""
+        return max(0, self.in_flight + self.external)
 
     def view(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "load": self.load, "in_flight": self.in_flight,
@@ -92,13 +93,16 @@ class Fleet:
         self.on_removed = on_removed
         self._poll_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.replicas: dict[str, Replica] = {}
-        self._file_mtime: float | None = None
+        self._file_seen: str | None = None  # the text of the last read
+        self._file_applied: str | None = None  # the text the fleet reflects
+        self._file_error: str | None = None  # the last problem logged (logged once, not every poll)
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
         self._health_wakeup = asyncio.Event()
-        file_urls = read_replicas_file(replicas_file) if replicas_file is not None else []
+        file_urls: list[str] = []
         if replicas_file is not None:
-            self._file_mtime = replicas_file.stat().st_mtime
+            self._file_applied = self._file_seen = replicas_file.read_text()
+            file_urls = parse_replicas(self._file_applied, replicas_file)
         self._set_members([*self.static, *file_urls])
         if not self.replicas:
             raise ValueError("no replica: give --replica URL (repeatable) or a --replicas-file listing some")
@@ -118,18 +122,32 @@ class Fleet:
                 self.on_removed(url)
 
     def _reload_file(self) -> None:
+        """Apply the replicas file when its text changed and reads the same twice in a row.
+
+        Comparing text (the file is small) catches changes within one mtime tick; waiting for two
+        equal reads skips a half-written file (truncate, then write) instead of emptying the fleet.
+        """
         path = self.replicas_file
         if path is None:
             return
         try:
-            mtime = path.stat().st_mtime
-            if mtime == self._file_mtime:
-                return
-            urls = read_replicas_file(path)
-        except (OSError, ValueError) as e:
-            log.warning("replicas file not re-read (keeping the current fleet): %s", e)
+            text = path.read_text()
+        except OSError as e:
+            if self._file_error != str(e):
+                log.warning("replicas file not readable (keeping the current fleet): %s", e)
+            self._file_error = str(e)
             return
-        self._file_mtime = mtime
+        previous, self._file_seen = self._file_seen, text
+        if text == self._file_applied or text != previous:
+            return
+        try:
+            urls = parse_replicas(text, path)
+        except ValueError as e:
+            if self._file_error != str(e):
+                log.warning("replicas file not applied (keeping the current fleet): %s", e)
+            self._file_error = str(e)
+            return
+        self._file_applied, self._file_error = text, None
         log.info("replicas file %s changed: %d replicas listed", path, len(urls))
         self._set_members([*self.static, *urls])
 
@@ -191,7 +209,6 @@ class Fleet:
 
     async def _poll_load(self, r: Replica) -> None:
         assert self._http is not None
-        ours = r.in_flight
         try:
             resp = await self._http.get(r.url + "/v1/loads")
             body = resp.json() if resp.status_code == 200 else None
@@ -201,7 +218,7 @@ class Fleet:
             r.reported = body
             theirs = body.get("in_flight")
             if isinstance(theirs, int):
-                r.external = max(0, theirs - ours)
+                r.external = theirs - r.in_flight  # others' traffic (> 0), or our count running ahead (< 0)
 
     async def _load_loop(self) -> None:
         while True:
