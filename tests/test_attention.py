@@ -13,14 +13,19 @@ from lockgate.layers.attention import AttentionMetadata, paged_attention, refere
 
 
 def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], h: int, hkv: int, d: int,
-              capacity: int = 4096):
-    """Random step. ``seqs`` = [(seq_len, query_len)]; context slots scattered over the pool.
+              capacity: int = 4096, runs: bool = False):
+    """Random step. ``seqs`` = [(seq_len, query_len)]; context slots scattered over the pool, or
+    with ``runs`` each sequence's context one contiguous slot run (as the allocator hands them out).
 
     Returns the plan arrays, the step's q/k/v, the pool (NaN where never written, old context
     written) and each sequence's full dense q/k/v for the dense reference.
     """
     total = sum(s for s, _ in seqs)
-    slots = rng.permutation(capacity)[:total].astype(np.int64)
+    if runs:
+        starts = np.cumsum([0] + [s + 3 for s, _ in seqs[:-1]]) + 5  # gaps between the runs
+        slots = np.concatenate([np.arange(a, a + s) for a, (s, _) in zip(starts, seqs, strict=True)]).astype(np.int64)
+    else:
+        slots = rng.permutation(capacity)[:total].astype(np.int64)
     k_cache = torch.full((capacity, hkv, d), float("nan"))
     v_cache = torch.full((capacity, hkv, d), float("nan"))
     kv_offsets = np.concatenate([[0], np.cumsum([s for s, _ in seqs])]).astype(np.int64)
@@ -83,6 +88,18 @@ def test_fast_matches_reference_and_dense(case: str, h: int, hkv: int) -> None:
     # The step's new K/V landed in its out_slots.
     slots = torch.from_numpy(plan["out_slots"])
     assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+
+
+@pytest.mark.parametrize("seqs", [[(300, 1)], [(80, 80)], [(100, 30)], [(50, 1), (40, 12)], [(9, 1), (7, 1)]])
+def test_contiguous_runs_read_the_pool_in_place(seqs: list[tuple[int, int]]) -> None:
+    rng = np.random.default_rng(len(seqs) * 1000 + seqs[0][0])
+    plan, q, k, v, k_cache, v_cache, dense = make_step(rng, seqs, 9, 3, 16, runs=True)
+    meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
+                                   plan["out_slots"], num_queries_per_kv=3)
+    # A group of one sequence on a slot run skips the gather; several sequences never do.
+    assert [g.run_start is not None for g in meta.groups] == [g.num_seqs == 1 for g in meta.groups]
+    fast = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(fast, dense_causal(dense, seqs, 9, 3), atol=1e-5, rtol=1e-5)
 
 
 def test_groups_split_decode_and_prefill() -> None:

@@ -21,7 +21,11 @@ Two implementations:
   (query_len == 1) and prefilling ones (query_len > 1). Per group it precomputes a padded
   gather index [Bg, L] into the pool and a boolean mask. Per layer, ``paged_attention``
   writes the step's K/V with ``index_copy_``, gathers each group's context K/V, and runs one
-  ``scaled_dot_product_attention`` per group. There is no per-sequence Python loop.
+  ``scaled_dot_product_attention`` per group. There is no per-sequence Python loop. A group of
+  one sequence whose context is one contiguous slot run (batch-1 decode and a fresh prompt's
+  prefill, as the allocator hands out runs) reads the pool in place instead of gathering, and a
+  whole prompt in one chunk (one sequence, Q == L) uses SDPA's own causal mask with
+  ``enable_gqa`` (no mask tensor, masked blocks skipped).
 
 GQA without expanding K/V: query heads h = kv * G + g (G = H // Hkv) share kv head ``kv``, so
 the queries are reshaped to [Bg, Hkv, G * Q, D] (the G heads of a kv group become extra query
@@ -47,9 +51,11 @@ class AttentionGroup:
 
     token_idx: torch.Tensor | None  # [Tg] i64: rows of the step's T tokens in this group; None = all, in order
     gather: torch.Tensor  # [Bg, L] i64: pool slot of key j of sequence b (padded with the sequence's last slot)
-    mask: torch.Tensor | None  # bool [Bg, 1, G * Q, L] (prefill) or [Bg, 1, 1, L] (decode); None = all visible
+    mask: torch.Tensor | None  # bool [Bg, 1, G * Q, L] (prefill) or [Bg, 1, 1, L] (decode); None = all visible or causal
     q_index: torch.Tensor | None  # [Tg] i64: row of each group token in the padded [Bg * Q] layout (prefill only)
     max_q: int  # Q: longest query run in the group (1 for decode)
+    run_start: int | None = None  # one sequence whose context is the slot run [run_start, run_start + L): no gather
+    causal: bool = False  # one sequence whose queries are its whole context: SDPA's causal mask, no mask tensor
 
     @property
     def num_seqs(self) -> int:
@@ -104,7 +110,10 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
     seq_of_tok = np.repeat(np.arange(b, dtype=np.int64), qlen)  # [Tg]
     tok_in_seq = np.arange(int(qlen.sum()), dtype=np.int64) - np.repeat(np.cumsum(qlen) - qlen, qlen)  # [Tg]
     token_idx = q_offsets[sel][seq_of_tok] + tok_in_seq  # [Tg]
-    if q == 1:
+    causal = b == 1 and q == length > 1  # a whole prompt in one chunk: plain causal attention
+    if causal:
+        mask, q_index = None, None
+    elif q == 1:
         # Decode: the query at position seq_len - 1 sees keys j < seq_len.
         mask = None if np.all(slen == length) else (j < slen[:, None])[:, None, None, :]  # [Bg, 1, 1, L]
         q_index = None
@@ -117,12 +126,16 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
         # Row r = g * Q + i of the GQA-folded queries is query i of head g in the kv group.
         mask = np.repeat(visible[:, None], group_size, axis=1).reshape(b, 1, group_size * q, length)  # [Bg, 1, G*Q, L]
         q_index = torch.from_numpy(seq_of_tok * q + tok_in_seq).to(device)
+    first = int(gather[0, 0])
+    run = b == 1 and bool(np.array_equal(gather[0], np.arange(first, first + length, dtype=np.int64)))
     return AttentionGroup(
         token_idx=None if whole else torch.from_numpy(token_idx).to(device),
         gather=torch.from_numpy(np.ascontiguousarray(gather)).to(device),
         mask=None if mask is None else torch.from_numpy(np.ascontiguousarray(mask)).to(device),
         q_index=q_index,
         max_q=q,
+        run_start=first if run else None,
+        causal=causal,
     )
 
 
@@ -156,15 +169,23 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, h, d = q.shape
     hkv = k_cache.shape[1]
     gs = h // hkv
+    if g.run_start is not None:  # one sequence on a slot run: read the pool in place
+        kc = k_cache[g.run_start:g.run_start + length].view(1, length, hkv, d).transpose(1, 2)  # [1, Hkv, L, D]
+        vc = v_cache[g.run_start:g.run_start + length].view(1, length, hkv, d).transpose(1, 2)
+    else:
+        flat = g.gather.view(-1)  # [Bg * L]
+        kc = k_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)  # [Bg, Hkv, L, D]
+        vc = v_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)  # [Bg, Hkv, L, D]
+    if g.causal:  # Q == L: SDPA's own causal mask skips the masked blocks (~1.5x faster than a mask tensor)
+        o = F.scaled_dot_product_attention(q.view(1, qn, h, d).transpose(1, 2), kc, vc, is_causal=True,
+                                           scale=scale, enable_gqa=gs > 1)  # [1, H, Q, D]
+        return o.transpose(1, 2).reshape(qn, h, d)
     if g.q_index is None:  # decode: Q == 1
         qp = q.reshape(b, 1, h, d)  # [Bg, 1, H, D]: one token per sequence, no padding
     else:
         qp = q.new_zeros(b * qn, h, d).index_copy_(0, g.q_index, q).view(b, qn, h, d)  # [Bg, Q, H, D]
     # Fold each kv group's G query heads into the row axis: [Bg, Hkv, G * Q, D] (a view when Q == 1).
     qf = qp.view(b, qn, hkv, gs, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, gs * qn, d)
-    flat = g.gather.view(-1)  # [Bg * L]
-    kc = k_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)  # [Bg, Hkv, L, D]
-    vc = v_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2)  # [Bg, Hkv, L, D]
     o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=g.mask, scale=scale)  # [Bg, Hkv, G * Q, D]
     o = o.view(b, hkv, gs, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, h, d)  # [Bg * Q, H, D]
     return o if g.q_index is None else o.index_select(0, g.q_index)  # [Tg, H, D]

@@ -7,7 +7,8 @@ and the forward pass over one step of flat tokens.
 Invariants:
 
 * Weights are fused at load: one QKV matmul ([(H + 2 Hkv) D, hidden]) and one gate/up matmul
-  ([2 F, hidden]) per layer. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
+  ([2 F, hidden]) per layer, each run through ``lockgate.layers.linear.Linear`` (which packs
+  bf16 weights for oneDNN once at load). Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
   Llama ``attention_bias`` / ``mlp_bias``); the config decides whether they must exist.
 * The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
   ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
@@ -36,6 +37,7 @@ from safetensors import safe_open
 from torch import nn
 
 from lockgate.layers.attention import AttentionMetadata, paged_attention
+from lockgate.layers.linear import Linear
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, rope_type_of
 
@@ -151,7 +153,7 @@ def _frozen_opt(t: torch.Tensor | None) -> nn.Parameter | None:
 
 
 class DecoderLayer(nn.Module):
-    """Weights of one transformer block (fused QKV and gate/up)."""
+    """Weights of one transformer block (fused QKV and gate/up) and their ``Linear`` projections."""
 
     attn_norm: nn.Parameter
     qkv_weight: nn.Parameter
@@ -182,6 +184,10 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _frozen_opt(w["gate_up_bias"])  # [2 F] or None
         self.down_weight = need("down_weight")  # [hidden, F]
         self.down_bias = _frozen_opt(w["down_bias"])  # [hidden] or None
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias)
+        self.o = Linear(self.o_weight, self.o_bias)
+        self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias)
+        self.down = Linear(self.down_weight, self.down_bias)
 
 
 class LlamaModel(nn.Module):
@@ -195,6 +201,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(w) for w in layers)
         self.norm = _frozen(norm)  # [hidden]
         self.lm_head = self.embed if lm_head is None else _frozen(lm_head)  # [V, hidden] (tied: same tensor)
+        self.head = Linear(self.lm_head)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
 
@@ -225,19 +232,18 @@ class LlamaModel(nn.Module):
         layers = typing.cast(list[DecoderLayer], self.layers)
         for i, layer in enumerate(layers):
             y = rms_norm(x, layer.attn_norm, a.rms_norm_eps)  # [T, hidden]
-            qkv = F.linear(y, layer.qkv_weight, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
-            q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-            q = apply_rope(q.view(t, h, d), cos, sin)  # [T, H, D]
-            k = apply_rope(k.view(t, hkv, d), cos, sin)  # [T, Hkv, D]
-            o = paged_attention(q, k, v.view(t, hkv, d), k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
-            x = x + F.linear(o.reshape(t, h * d), layer.o_weight, layer.o_bias)  # [T, hidden]
+            qkv = layer.qkv(y)  # [T, (H + 2 Hkv) D]
+            qk = apply_rope(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), cos, sin)  # [T, H + Hkv, D]: one pass
+            v = qkv[:, (h + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
+            o = paged_attention(qk[:, :h], qk[:, h:], v, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
+            x = x + layer.o(o.reshape(t, h * d))  # [T, hidden]
             y = rms_norm(x, layer.mlp_norm, a.rms_norm_eps)
-            gate, up = F.linear(y, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # [T, F] each
-            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)  # [T, hidden]
+            gate, up = layer.gate_up(y).chunk(2, dim=-1)  # [T, F] each
+            x = x + layer.down(F.silu(gate) * up)  # [T, hidden]
         if logits_rows is None:
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
-        return F.linear(x, self.lm_head).float()  # [S, V]
+        return self.head(x).float()  # [S, V]
 
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,

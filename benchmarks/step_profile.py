@@ -1,0 +1,174 @@
+"""Engine step times: decode at batch 1 / 32 / 64 and one long prefill, per dtype and thread count.
+
+Prints one JSON line (machine, command, median milliseconds per step for every case and
+variant). Plans are built directly (no scheduler) so the figures are the runner's own cost:
+metadata, the model forward, the LM head and the sampler. Decode contexts are laid out the way
+the scheduler lays them out: each sequence's prompt in one contiguous run, then the decoded
+tokens interleaved with the other sequences' (one run per decode step). Variants (dtype x
+threads) are measured interleaved, round by round, so a noisy machine hits them alike.
+
+``--profile`` adds a torch.profiler breakdown per case and variant: the share of the step's wall
+time in matmuls, attention, K/V gathers and writes, other ops, and what is left (Python and
+dispatch), plus the top ops.
+
+Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--threads 2,1]
+        [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from _common import command, machine
+
+from lockgate.config import CacheConfig, ModelConfig
+from lockgate.plan import ForwardPlan, SamplingBatch
+from lockgate.runner.model_runner import ModelRunner
+
+I64 = np.int64
+
+# torch.profiler op name -> bucket (first matching prefix wins; the rest is "other ops").
+BUCKETS = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear")),
+    ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product")),
+    ("kv gather/write", ("aten::index_select", "aten::index_copy", "aten::index")),
+    ("sampler", ("aten::argmax", "aten::logsumexp", "aten::topk")),
+)
+
+
+def greedy(s: int) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.zeros(s, I64),
+        min_p=np.zeros(s, np.float32), repetition_penalty=np.ones(s, np.float32),
+        frequency_penalty=np.zeros(s, np.float32), presence_penalty=np.zeros(s, np.float32),
+        seeds=np.zeros(s, I64), has_seed=np.zeros(s, bool), seed_steps=np.zeros(s, I64),
+        num_logprobs=np.full(s, -1, I64))
+
+
+def decode_plan(batch: int, prompt_len: int, decoded: int, vocab: int) -> ForwardPlan:
+    """``batch`` sequences of prompt_len + decoded tokens, each decoding its next token."""
+    ctx = []
+    for b in range(batch):
+        prompt = np.arange(b * prompt_len, (b + 1) * prompt_len, dtype=I64)  # one run per prompt
+        steps = batch * prompt_len + np.arange(decoded + 1, dtype=I64) * batch + b  # one run per step
+        ctx.append(np.concatenate([prompt, steps]))
+    seq_len = prompt_len + decoded + 1
+    kv_slots = np.concatenate(ctx)
+    return ForwardPlan(
+        input_ids=(np.arange(batch, dtype=I64) * 7919) % vocab, positions=np.full(batch, seq_len - 1, I64),
+        out_slots=np.array([c[-1] for c in ctx], I64), query_lens=np.ones(batch, I64),
+        seq_lens=np.full(batch, seq_len, I64), kv_slots=kv_slots,
+        kv_offsets=np.arange(batch + 1, dtype=I64) * seq_len, sample_rows=np.arange(batch, dtype=I64),
+        sampling=greedy(batch))
+
+
+def prefill_plan(n: int, first_slot: int, vocab: int) -> ForwardPlan:
+    """One sequence prefilling ``n`` prompt tokens into a contiguous slot run."""
+    slots = np.arange(first_slot, first_slot + n, dtype=I64)
+    return ForwardPlan(
+        input_ids=(np.arange(n, dtype=I64) * 7919) % vocab, positions=np.arange(n, dtype=I64), out_slots=slots,
+        query_lens=np.array([n], I64), seq_lens=np.array([n], I64), kv_slots=slots, kv_offsets=np.array([0, n], I64),
+        sample_rows=np.zeros(1, I64), sampling=greedy(1))
+
+
+def bucket_of(name: str) -> str:
+    for bucket, prefixes in BUCKETS:
+        if name.startswith(prefixes):
+            return bucket
+    return "other ops"
+
+
+def profile(runner: ModelRunner, plan: ForwardPlan, steps: int) -> dict[str, Any]:
+    """Share of wall time per bucket (self CPU time of top-level aten ops) and the top ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(plan)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    per_bucket: dict[str, float] = defaultdict(float)
+    per_op: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        per_op[ev.key] += ev.self_cpu_time_total
+        per_bucket[bucket_of(ev.key)] += ev.self_cpu_time_total
+    covered = sum(per_bucket.values())
+    share = {k: round(100 * v / wall_us, 1) for k, v in sorted(per_bucket.items(), key=lambda kv: -kv[1])}
+    share["python/dispatch (rest)"] = round(100 * (wall_us - covered) / wall_us, 1)
+    top = sorted(per_op.items(), key=lambda kv: -kv[1])[:8]
+    return {"step_ms_profiled": round(wall_us / steps / 1e3, 2), "share_pct": share,
+            "top_ops_ms_per_step": {k: round(v / steps / 1e3, 2) for k, v in top}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
+    ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
+    ap.add_argument("--decoded", type=int, default=64, help="tokens each decoding sequence generated so far")
+    ap.add_argument("--prefill", type=int, default=1024, help="tokens of the prefill case (0: skip)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each times every case")
+    ap.add_argument("--steps", type=int, default=0, help="steps per timing (default: by batch size)")
+    ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown")
+    args = ap.parse_args()
+
+    batches = [int(b) for b in args.batches.split(",") if b]
+    threads = [int(t) for t in args.threads.split(",")]
+    seq = args.prompt_len + args.decoded + 1
+    capacity = max(batches) * seq + max(batches) + args.prefill + 8
+    runners = {d: ModelRunner(ModelConfig(model=args.model, dtype=d), CacheConfig(max_total_tokens=capacity))
+               for d in args.dtypes.split(",")}
+    for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
+        r.k_cache.normal_()
+        r.v_cache.normal_()
+    vocab = next(iter(runners.values())).vocab_size
+    cases: dict[str, ForwardPlan] = {f"decode_b{b}": decode_plan(b, args.prompt_len, args.decoded, vocab)
+                                     for b in batches}
+    if args.prefill:
+        cases[f"prefill_{args.prefill}"] = prefill_plan(args.prefill, capacity - args.prefill, vocab)
+    variants = list(itertools.product(runners, threads))
+
+    def steps_for(plan: ForwardPlan) -> int:
+        return args.steps or max(2, min(10, 512 // plan.num_tokens))
+
+    for (dtype, n_threads), plan in itertools.product(variants, cases.values()):  # warm-up: every shape once
+        torch.set_num_threads(n_threads)
+        runners[dtype].execute(plan)
+    times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for _ in range(args.rounds):
+        for (dtype, n_threads), (name, plan) in itertools.product(variants, cases.items()):
+            torch.set_num_threads(n_threads)
+            n = steps_for(plan)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                runners[dtype].execute(plan)
+            times[f"{dtype}/t{n_threads}"][name].append((time.perf_counter() - t0) / n * 1e3)
+    result: dict[str, Any] = {
+        "benchmark": "step_profile", "command": command(), "machine": machine(),
+        "setup": {"prompt_len": args.prompt_len, "decoded": args.decoded, "context": seq, "rounds": args.rounds},
+        "median_step_ms": {v: {c: round(statistics.median(ts), 2) for c, ts in per.items()}
+                           for v, per in times.items()},
+    }
+    if args.profile:
+        result["profile"] = {}
+        for (dtype, n_threads), (name, plan) in itertools.product(variants, cases.items()):
+            torch.set_num_threads(n_threads)
+            result["profile"][f"{dtype}/t{n_threads}/{name}"] = profile(runners[dtype], plan, steps_for(plan))
+    json.dump(result, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()
