@@ -1,7 +1,8 @@
 """lockgate against vLLM's CPU build: same weights, same client, same workloads, one server after the other.
 
 Each server is started on a free loopback port, waited for through ``GET /health``, measured with
-``lockgate bench`` on every selected workload (same seed, prompts cut locally with ``--tokenizer
+``lockgate bench`` on every selected workload (the same seeds for both servers, one per workload so a
+workload never repeats another's prompts into a warm prefix cache; prompts cut locally with ``--tokenizer
 default`` so both get identical token counts), and stopped (SIGTERM to its process group, SIGKILL
 after a grace period; also on failure, Ctrl-C or SIGTERM) before the next one starts. Prints a table
 (workload x server, with lockgate/vLLM ratios) and, last, one JSON line: machine, command, servers,
@@ -320,7 +321,7 @@ def run_bench(a: argparse.Namespace, srv: Server, wl: str, workdir: Path) -> dic
     out = workdir / f"bench-{wl}-{srv.name}.json"
     out.unlink(missing_ok=True)
     argv = [*lockgate_cmd(), "bench", "--url", srv.url, "--model", SERVED_NAME, "--tokenizer", a.tokenizer,
-            "--seed", str(a.seed), "--warmup-requests", str(a.warmup), "--no-progress", "--log-level", "WARNING",
+            "--seed", str(a.seed + WORKLOADS.index(wl)), "--warmup-requests", str(a.warmup), "--no-progress", "--log-level", "WARNING",
             "--label", f"{wl}-{srv.name}", "--out", str(out), *flags]
     row: dict[str, Any] = {"workload": wl, "server": srv.name, "concurrency": conc}
     log(f"{srv.name} / {wl}: {shlex.join(argv[len(lockgate_cmd()):])}")
