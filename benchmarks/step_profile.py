@@ -11,7 +11,7 @@ threads) are measured interleaved, round by round, so a noisy machine hits them 
 time in matmuls, attention, K/V gathers and writes, other ops, and what is left (Python and
 dispatch), plus the top ops.
 
-Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--threads 2,1]
+Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--quantization auto,none] [--threads 2,1]
         [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
 """
 
@@ -38,7 +38,8 @@ I64 = np.int64
 
 # torch.profiler op name -> bucket (first matching prefix wins; the rest is "other ops").
 BUCKETS = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear",
+                "aten::_weight_int4pack_mm")),
     ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product")),
     ("kv gather/write", ("aten::index_select", "aten::index_copy", "aten::index")),
     ("sampler", ("aten::argmax", "aten::logsumexp", "aten::topk")),
@@ -114,6 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--quantization", default="auto", help="comma list of --quantization modes (auto,none,int4)")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
@@ -128,8 +130,9 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     seq = args.prompt_len + args.decoded + 1
     capacity = max(batches) * seq + max(batches) + args.prefill + 8
-    runners = {d: ModelRunner(ModelConfig(model=args.model, dtype=d), CacheConfig(max_total_tokens=capacity))
-               for d in args.dtypes.split(",")}
+    runners = {f"{d}/{q}": ModelRunner(ModelConfig(model=args.model, dtype=d, quantization=q),
+                                       CacheConfig(max_total_tokens=capacity))
+               for d in args.dtypes.split(",") for q in args.quantization.split(",")}
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()

@@ -64,6 +64,10 @@ class ModelConfig:
     dtype: str = option("auto", "weights and KV dtype: auto (bf16 where the CPU has native bf16), bfloat16, float32",
                       choices=["auto", "bfloat16", "float32", "float16"])
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    quantization: str = option("auto", "weight-only int4 (groups of 32) for steps of <= 16 rows, i.e. decode: "
+                               "auto = where it loses nothing (a Q4_0/Q4_1 GGUF's projections, e.g. the default "
+                               "model) and dtype is 16-bit; int4 = every projection (lossy for 16-bit checkpoints); "
+                               "none = dense weights only", choices=["auto", "none", "int4"])
     max_model_len: int | None = option(None, "cap the context length (default: the model's)")
     seed: int = option(0, "global seed for unseeded sampling")
     num_threads: int | None = option(None, "torch intra-op threads of the scheduler process (default: torch's "

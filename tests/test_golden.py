@@ -7,7 +7,8 @@ The reference is transformers' own implementation loading the same GGUF file wit
   other requests of different lengths under a small prefill budget (so prompts are chunked
   and chunks share steps with decodes); first-step logits within 1e-4 absolute (measured
   differences are ~1e-5: only summation order differs).
-* bfloat16 (the default dtype on this CPU) against the float32 reference: the first-step
+* bfloat16 (the default dtype on this CPU), with and without the int4 form of the
+  projections (``--quantization auto``, the default, vs ``none``), against the float32 reference: the first-step
   top-1 token is the same for every prompt, first-step log-probabilities of the reference's
   top-20 tokens within 0.6 nats (measured up to ~0.35), and the greedy continuations share at
   least their first 4 tokens (measured 6 to 24 of 24). bf16 keeps 8 bits of mantissa, so
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from lockgate import LLM, SamplingParams
+from lockgate.layers.linear import INT4_MAX_ROWS
 
 N_NEW = 24
 RAW_PROMPTS = [
@@ -104,9 +106,16 @@ def test_fp32_first_step_logits_and_logprobs(smol_fp32, hf_reference, prompts, p
     assert out.logprobs[0] == pytest.approx(float(ref[out.token_ids[0]]), abs=1e-4)
 
 
-def test_bf16_close_to_fp32_reference(hf_reference, prompts, reference, pool_driver) -> None:
-    llm = LLM("default", dtype="bfloat16", max_total_tokens=4096)
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_bf16_close_to_fp32_reference(hf_reference, prompts, reference, pool_driver, quantization) -> None:
+    # auto (the default) gives the default model's Q4_1 projections an int4 form used by every
+    # call of <= 16 rows: here the first step of each short prompt and every batched decode step.
+    llm = LLM("default", dtype="bfloat16", max_total_tokens=4096, quantization=quantization)
     assert llm.engine.runner.dtype == torch.bfloat16
+    lins = [lin for layer in llm.engine.runner.model.layers for lin in layer.projections().values()]
+    assert all((lin.int4 is not None) == (quantization == "auto") for lin in lins)
+    assert all(lin.int4.error == 0 for lin in lins if lin.int4 is not None)  # lossless: Q4_1 blocks re-gridded
+    assert min(len(p) for p in prompts) <= INT4_MAX_ROWS < max(len(p) for p in prompts)
     for ids in prompts:
         with torch.no_grad():
             want = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)

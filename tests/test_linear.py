@@ -1,4 +1,5 @@
-"""Linear: the packed oneDNN path (bf16 on CPU) and the plain path both equal F.linear."""
+"""Linear: the packed oneDNN path (bf16 on CPU) and the plain path both equal F.linear; the int4
+form re-grids 4-bit weights exactly and serves calls of up to INT4_MAX_ROWS rows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockgate.layers.linear import Linear, onednn_packs
+from lockgate.layers.linear import (
+    INT4_GROUP,
+    INT4_MAX_ROWS,
+    LOSSLESS_TOLERANCE,
+    Int4Weight,
+    Linear,
+    int4_unfit_reason,
+    onednn_packs,
+    quantize_int4,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,3 +36,69 @@ def test_linear_equals_f_linear(dtype: torch.dtype, rows: int, with_bias: bool) 
 
 def test_float32_is_never_packed() -> None:
     assert not onednn_packs(torch.float32, torch.device("cpu"))
+
+
+def _on_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight that already is 4-bit blocks of 32 (like a Q4_1 GGUF tensor): code * step + low,
+    with codes 0 and 15 present in every block."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // INT4_GROUP, INT4_GROUP), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    step = torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 1e-3
+    low = -7.5 * step + torch.randn(n, k // INT4_GROUP, 1, generator=g) * 1e-3
+    return (codes * step + low).view(n, k)
+
+
+def test_quantize_int4_recovers_a_4bit_grid_exactly() -> None:
+    w = _on_grid(64, 96, seed=1)
+    codes, step, low = quantize_int4(w)
+    back = (codes.view(64, 3, INT4_GROUP).float() * step[..., None] + low[..., None]).view(64, 96)
+    assert codes.min() == 0 and codes.max() == 15
+    torch.testing.assert_close(back, w, atol=1e-7, rtol=0)
+    assert Int4Weight.from_weight(w, torch.bfloat16).error < LOSSLESS_TOLERANCE
+
+
+def test_auto_takes_int4_only_when_lossless() -> None:
+    grid, dense = _on_grid(64, 96, seed=2), torch.randn(64, 96)
+    assert Int4Weight.choose(grid, "auto", torch.bfloat16) is not None
+    assert Int4Weight.choose(dense, "auto", torch.bfloat16) is None  # off-grid: would lose precision
+    forced = Int4Weight.choose(dense, "int4", torch.bfloat16)
+    assert forced is not None and 0.3 < forced.error <= 0.5 + 1e-3  # round to nearest: at most half a step
+    assert Int4Weight.choose(grid, "none", torch.bfloat16) is None
+    with pytest.raises(ValueError, match="not one of"):
+        Int4Weight.choose(grid, "int3", torch.bfloat16)
+
+
+def test_int4_unfit_shapes_are_named() -> None:
+    cpu = torch.device("cpu")
+    assert int4_unfit_reason((64, 96), torch.bfloat16, cpu) is None
+    assert "rows % 16" in (int4_unfit_reason((100, 96), torch.bfloat16, cpu) or "")
+    assert "columns % 32" in (int4_unfit_reason((64, 48), torch.bfloat16, cpu) or "")
+    assert Int4Weight.choose(_on_grid(64, 96, 3)[:40], "int4", torch.bfloat16) is None  # 40 rows: kernel unfit
+    with pytest.raises(ValueError, match="rows % 16"):
+        Int4Weight.from_weight(torch.randn(40, 64), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_uses_int4_up_to_max_rows_and_dense_above(dtype: torch.dtype, with_bias: bool) -> None:
+    # The int4 form is made from a *different* weight than the dense one, so each call's
+    # result shows which kernel ran.
+    torch.manual_seed(0)
+    w_int4, w_dense = _on_grid(96, 64, seed=4), torch.randn(96, 64) * 0.05
+    b = torch.randn(96) if with_bias else None
+    q = Int4Weight.from_weight(w_int4, dtype)
+    lin = Linear(w_dense.to(dtype), None if b is None else b.to(dtype), q)
+    deq = q.dequantize(96, 64)  # what the kernel multiplies by: w_int4 up to the scales' rounding to dtype
+    torch.testing.assert_close(deq, w_int4, atol=0.02 if dtype == torch.bfloat16 else 1e-6, rtol=0.01)
+    tol = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    bias = None if b is None else b.to(dtype).float()
+    with torch.inference_mode():
+        for rows in (1, 5, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64):
+            x = torch.randn(rows, 64).to(dtype)
+            want = F.linear(x.float(), deq if rows <= INT4_MAX_ROWS else w_dense.to(dtype).float(), bias)
+            got = lin(x)
+            assert got.dtype == dtype and got.shape == (rows, 96)
+            torch.testing.assert_close(got.float(), want, **tol)
+        x3 = torch.randn(1, 3, 64).to(dtype)  # any leading shape
+        torch.testing.assert_close(lin(x3), lin(x3.view(3, 64)).view(1, 3, 96))

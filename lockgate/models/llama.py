@@ -8,7 +8,10 @@ Invariants:
 
 * Weights are fused at load: one QKV matmul ([(H + 2 Hkv) D, hidden]) and one gate/up matmul
   ([2 F, hidden]) per layer, each run through ``lockgate.layers.linear.Linear`` (which packs
-  bf16 weights for oneDNN once at load). Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
+  bf16 weights for oneDNN once at load). With ``quantization`` auto/int4 each projection also
+  gets an int4 form for small steps, quantized from the checkpoint's full-precision values
+  (read as float32 one layer at a time, before rounding to the run dtype); auto takes it only
+  where nothing is lost (a Q4_0/Q4_1 GGUF's projections). The LM head stays dense. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
   Llama ``attention_bias`` / ``mlp_bias``); the config decides whether they must exist.
 * The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
   ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
@@ -37,7 +40,14 @@ from safetensors import safe_open
 from torch import nn
 
 from lockgate.layers.attention import AttentionMetadata, paged_attention
-from lockgate.layers.linear import Linear
+from lockgate.layers.linear import (
+    INT4_GROUP,
+    INT4_MAX_ROWS,
+    INT4_MODES,
+    LOSSLESS_TOLERANCE,
+    Int4Weight,
+    Linear,
+)
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, rope_type_of
 
@@ -148,10 +158,6 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _frozen_opt(t: torch.Tensor | None) -> nn.Parameter | None:
-    return None if t is None else _frozen(t)
-
-
 class DecoderLayer(nn.Module):
     """Weights of one transformer block (fused QKV and gate/up) and their ``Linear`` projections."""
 
@@ -166,39 +172,52 @@ class DecoderLayer(nn.Module):
     down_weight: nn.Parameter
     down_bias: nn.Parameter | None
 
-    def __init__(self, w: dict[str, torch.Tensor | None]):
+    def __init__(self, w: dict[str, torch.Tensor | None], dtype: torch.dtype, quantization: str = "none"):
+        """``w``: this layer's tensors at full precision (any float dtype), cast here to ``dtype``."""
         super().__init__()
 
         def need(name: str) -> nn.Parameter:
             t = w[name]
             assert t is not None, name
-            return _frozen(t)
+            return _frozen(t.to(dtype))
+
+        def opt(name: str) -> nn.Parameter | None:
+            t = w[name]
+            return None if t is None else _frozen(t.to(dtype))
+
+        def int4(name: str) -> Int4Weight | None:
+            t = w[name]
+            assert t is not None, name
+            return Int4Weight.choose(t, quantization, dtype)
 
         self.attn_norm = need("attn_norm")  # [hidden]
         self.qkv_weight = need("qkv_weight")  # [(H + 2 Hkv) D, hidden]
-        self.qkv_bias = _frozen_opt(w["qkv_bias"])  # [(H + 2 Hkv) D] or None
+        self.qkv_bias = opt("qkv_bias")  # [(H + 2 Hkv) D] or None
         self.o_weight = need("o_weight")  # [hidden, H D]
-        self.o_bias = _frozen_opt(w["o_bias"])  # [hidden] or None
+        self.o_bias = opt("o_bias")  # [hidden] or None
         self.mlp_norm = need("mlp_norm")  # [hidden]
         self.gate_up_weight = need("gate_up_weight")  # [2 F, hidden]
-        self.gate_up_bias = _frozen_opt(w["gate_up_bias"])  # [2 F] or None
+        self.gate_up_bias = opt("gate_up_bias")  # [2 F] or None
         self.down_weight = need("down_weight")  # [hidden, F]
-        self.down_bias = _frozen_opt(w["down_bias"])  # [hidden] or None
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias)
-        self.o = Linear(self.o_weight, self.o_bias)
-        self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias)
-        self.down = Linear(self.down_weight, self.down_bias)
+        self.down_bias = opt("down_bias")  # [hidden] or None
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, int4("qkv_weight"))
+        self.o = Linear(self.o_weight, self.o_bias, int4("o_weight"))
+        self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias, int4("gate_up_weight"))
+        self.down = Linear(self.down_weight, self.down_bias, int4("down_weight"))
+
+    def projections(self) -> dict[str, Linear]:
+        return {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
 
 
 class LlamaModel(nn.Module):
     """Decoder-only Llama-family model over the slot-indexed KV pool."""
 
-    def __init__(self, args: LlamaArgs, embed: torch.Tensor, layers: list[dict[str, torch.Tensor | None]],
+    def __init__(self, args: LlamaArgs, embed: torch.Tensor, layers: list[DecoderLayer],
                  norm: torch.Tensor, lm_head: torch.Tensor | None):
         super().__init__()
         self.args = args
         self.embed = _frozen(embed)  # [V, hidden]
-        self.layers = nn.ModuleList(DecoderLayer(w) for w in layers)
+        self.layers = nn.ModuleList(layers)
         self.norm = _frozen(norm)  # [hidden]
         self.lm_head = self.embed if lm_head is None else _frozen(lm_head)  # [V, hidden] (tied: same tensor)
         self.head = Linear(self.lm_head)
@@ -247,8 +266,15 @@ class LlamaModel(nn.Module):
 
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> LlamaModel:
-        """Load config.json + safetensors (all shards) from a Hugging Face model directory."""
+                        device: torch.device | str = "cpu", quantization: str = "none") -> LlamaModel:
+        """Load config.json + safetensors (all shards) from a Hugging Face model directory.
+
+        ``quantization`` (``lockgate.layers.linear.INT4_MODES``): none, int4 (every projection the
+        kernel fits), auto (only projections already on a 4-bit grid: nothing lost).
+        """
+        if quantization not in INT4_MODES:
+            raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
+        source = dtype if quantization == "none" else torch.float32  # quantize from unrounded values
         model_dir = Path(model_dir)
         cfg_path = model_dir / "config.json"
         if not cfg_path.is_file():
@@ -260,18 +286,18 @@ class LlamaModel(nn.Module):
                 p = f"model.layers.{i}."
                 qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
                 gu = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-                layers.append({
+                layers.append(DecoderLayer({
                     "attn_norm": w.get(p + "input_layernorm.weight"),
-                    "qkv_weight": w.cat([n + ".weight" for n in qkv]),
+                    "qkv_weight": w.cat([n + ".weight" for n in qkv], source),
                     "qkv_bias": w.cat([n + ".bias" for n in qkv]) if args.qkv_bias else None,
-                    "o_weight": w.get(p + "self_attn.o_proj.weight"),
+                    "o_weight": w.get(p + "self_attn.o_proj.weight", source),
                     "o_bias": w.get(p + "self_attn.o_proj.bias") if args.o_bias else None,
                     "mlp_norm": w.get(p + "post_attention_layernorm.weight"),
-                    "gate_up_weight": w.cat([n + ".weight" for n in gu]),
+                    "gate_up_weight": w.cat([n + ".weight" for n in gu], source),
                     "gate_up_bias": w.cat([n + ".bias" for n in gu]) if args.mlp_bias else None,
-                    "down_weight": w.get(p + "mlp.down_proj.weight"),
+                    "down_weight": w.get(p + "mlp.down_proj.weight", source),
                     "down_bias": w.get(p + "mlp.down_proj.bias") if args.mlp_bias else None,
-                })
+                }, dtype, quantization))
             embed = w.get("model.embed_tokens.weight")
             lm_head = None
             if args.tie_word_embeddings:
@@ -286,7 +312,23 @@ class LlamaModel(nn.Module):
             log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])
         model = LlamaModel(args, embed, layers, norm, lm_head)
         _check_shapes(model)
+        if quantization != "none":
+            _log_int4(model, quantization)
         return model
+
+
+def _log_int4(m: LlamaModel, mode: str) -> None:
+    """One line on how many projections got an int4 form, and how much it cost in precision."""
+    lins = [lin for layer in typing.cast(list[DecoderLayer], m.layers) for lin in layer.projections().values()]
+    q = [lin.int4 for lin in lins if lin.int4 is not None]
+    if not q:
+        log.info("quantization=%s: no projection has an int4 form (%s)", mode,
+                 "not already 4-bit" if mode == "auto" else "the int4 kernel does not fit this device/dtype")
+        return
+    worst = max(x.error for x in q)
+    log.info("quantization=%s: %d of %d projections also int4 (groups of %d) for steps of <= %d rows; "
+             "largest re-quantization error %.3g steps (%s); LM head dense", mode, len(q), len(lins), INT4_GROUP,
+             INT4_MAX_ROWS, worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
 
 
 def _check_shapes(m: LlamaModel) -> None:
@@ -329,17 +371,18 @@ class _Weights:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor in ``dtype`` (default: the run dtype)."""
         if name not in self._where:
             raise ValueError(f"weights are missing tensor {name!r}")
         self._used.add(name)
-        return self._where[name].get_tensor(name).to(device=self.device, dtype=self.dtype)
+        return self._where[name].get_tensor(name).to(device=self.device, dtype=dtype or self.dtype)
 
     def skip(self, name: str) -> None:
         self._used.add(name)
 
-    def cat(self, names: list[str]) -> torch.Tensor:
-        return torch.cat([self.get(n) for n in names], dim=0)
+    def cat(self, names: list[str], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.cat([self.get(n, dtype) for n in names], dim=0)
 
     def unused(self) -> set[str]:
         return {k for k in self._where if k not in self._used and not k.endswith("rotary_emb.inv_freq")}
