@@ -68,6 +68,10 @@ class ModelConfig:
                                "auto = where it loses nothing (a Q4_0/Q4_1 GGUF's projections, e.g. the default "
                                "model) and dtype is 16-bit; int4 = every projection (lossy for 16-bit checkpoints); "
                                "none = dense weights only", choices=["auto", "none", "int4"])
+    fp32_matmul_rows: str = option("auto", "projections called with at least this many rows (prefill, big "
+                                   "batches) multiply in float32 against a float32 copy of the weights (+4 bytes "
+                                   "per parameter): faster than bf16 on CPUs with AVX512-BF16 but no AMX. "
+                                   "auto = 64 on such a CPU for a 16-bit dtype, else off; off; or a row count")
     max_model_len: int | None = option(None, "cap the context length (default: the model's)")
     seed: int = option(0, "global seed for unseeded sampling")
     num_threads: int | None = option(None, "torch intra-op threads of the scheduler process (default: torch's "
@@ -78,6 +82,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.fp32_matmul_rows not in ("auto", "off") and not (
+                self.fp32_matmul_rows.isdigit() and int(self.fp32_matmul_rows) >= 1):
+            raise ValueError(f"--fp32-matmul-rows must be auto, off or a row count >= 1, got {self.fp32_matmul_rows!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.sim_step_ms < 0 or self.sim_token_ms < 0:

@@ -8,11 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from lockgate.layers.linear import (
+    FP32_MIN_ROWS,
     INT4_GROUP,
     INT4_MAX_ROWS,
     LOSSLESS_TOLERANCE,
     Int4Weight,
     Linear,
+    cpu_has_amx,
+    fp32_min_rows_for,
     int4_unfit_reason,
     onednn_packs,
     quantize_int4,
@@ -102,3 +105,42 @@ def test_linear_uses_int4_up_to_max_rows_and_dense_above(dtype: torch.dtype, wit
             torch.testing.assert_close(got.float(), want, **tol)
         x3 = torch.randn(1, 3, 64).to(dtype)  # any leading shape
         torch.testing.assert_close(lin(x3), lin(x3.view(3, 64)).view(1, 3, 96))
+
+
+def test_linear_three_forms_by_rows() -> None:
+    # int4, dense bf16 and float32 forms made from three different weights: each call's result
+    # shows which one ran (int4 <= INT4_MAX_ROWS < dense < fp32_min_rows <= float32).
+    torch.manual_seed(0)
+    w_int4, w_dense, w_fp32 = _on_grid(96, 64, seed=5), torch.randn(96, 64) * 0.05, torch.randn(96, 64) * 0.05
+    b = torch.randn(96)
+    q = Int4Weight.from_weight(w_int4, torch.bfloat16)
+    lin = Linear(w_dense.bfloat16(), b.bfloat16(), q, fp32_min_rows=40, source=w_fp32, source_bias=b)
+    assert lin.weight32 is not None and lin.weight32.dtype == torch.float32
+    with torch.inference_mode():
+        for rows, want_w in ((1, q.dequantize(96, 64)), (INT4_MAX_ROWS + 1, w_dense.bfloat16().float()),
+                             (39, w_dense.bfloat16().float()), (40, w_fp32), (300, w_fp32)):
+            x = torch.randn(rows, 64).bfloat16()
+            bias = b if want_w is w_fp32 else b.bfloat16().float()
+            got = lin(x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), F.linear(x.float(), want_w, bias), atol=0.05, rtol=0.02)
+    assert Linear(w_dense, None, None, fp32_min_rows=1).weight32 is None  # already float32: nothing to add
+
+
+def test_fp32_min_rows_setting() -> None:
+    cpu = torch.device("cpu")
+    assert fp32_min_rows_for("off", torch.bfloat16, cpu) is None
+    assert fp32_min_rows_for("100", torch.bfloat16, cpu) == 100
+    assert fp32_min_rows_for("auto", torch.float32, cpu) is None  # float32 runs need no copy
+    want = FP32_MIN_ROWS if onednn_packs(torch.bfloat16, cpu) and not cpu_has_amx() else None
+    assert fp32_min_rows_for("auto", torch.bfloat16, cpu) == want
+    with pytest.raises(ValueError, match="fp32-matmul-rows"):
+        fp32_min_rows_for("0", torch.bfloat16, cpu)
+
+
+def test_fp32_matmul_rows_flag_is_validated() -> None:
+    from lockgate.config import ModelConfig
+    for bad in ("0", "-3", "many", "1.5"):
+        with pytest.raises(ValueError, match="--fp32-matmul-rows must be auto, off or a row count"):
+            ModelConfig(fp32_matmul_rows=bad)
+    assert ModelConfig(fp32_matmul_rows="128").fp32_matmul_rows == "128"

@@ -11,6 +11,12 @@ load) and the choice between them per call:
   bit-identical to ``F.linear`` (the same oneDNN kernel family).
 * dense, everything else (float32, where MKL's sgemm is already the fastest path, CUDA, a torch
   without oneDNN): ``F.linear`` on the weight as loaded.
+* float32 for large calls (optional, ``fp32_min_rows``): a float32 copy of the weight (from the
+  checkpoint's unrounded values) multiplied by MKL's sgemm, activations cast up and the result
+  back. On a CPU with AVX512-BF16 but no AMX (this machine), oneDNN's bf16 matmul reaches fewer
+  FLOP/s than sgemm: measured over the default model's 30 layers, fp32 is 1.15x faster at 64
+  rows, 1.38x at 256 and 1.5x at 512-1024 (bf16 wins below ~48 rows, where bytes dominate).
+  With AMX, bf16 is several times faster and this form should stay off.
 * weight-only int4 (``Int4Weight``, optional): the weight in groups of ``INT4_GROUP`` input
   columns, each group stored as 4-bit codes with a scale and an offset, multiplied by torch's
   CPU kernel ``_weight_int4pack_mm_for_cpu``. A step with few rows (decode) is bound by reading
@@ -20,15 +26,19 @@ load) and the choice between them per call:
   bytes it saves, so calls with more than ``INT4_MAX_ROWS`` rows (prefill, mixed steps, big decode
   batches) use the dense weight.
 
-Invariants: ``weight`` (run dtype) stays the source of truth for shapes and tests; without int4,
-``Linear(w, b)(x)`` equals ``F.linear(x, w, b)``; with int4, a call of at most ``INT4_MAX_ROWS``
-rows equals ``F.linear(x, dequantize(int4), b)`` up to the kernel's accumulation order.
+Invariants: ``weight`` (run dtype) stays the source of truth for shapes and tests; a call of r
+rows uses int4 if it has that form and r <= ``INT4_MAX_ROWS``, else float32 if it has that form
+and r >= ``fp32_min_rows``, else the dense run-dtype weight; each equals ``F.linear`` with the
+corresponding weight (dequantized int4, the float32 source, ``weight``) up to accumulation order
+and the output's rounding to x's dtype.
 Called by ``lockgate.models.llama`` (every projection and the LM head).
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +53,31 @@ def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether dense projections of ``dtype`` on ``device`` run on oneDNN-packed weights."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+FP32_MIN_ROWS = 64  # auto: calls of at least this many rows multiply in float32 (measured crossover 48-56)
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU advertises AMX tiles for bf16 (Linux /proc/cpuinfo; False when unknown)."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def fp32_min_rows_for(setting: str, dtype: torch.dtype, device: torch.device) -> int | None:
+    """Resolve ``--fp32-matmul-rows`` (auto | off | N): the row count from which projections
+    multiply in float32, or None for never. auto: ``FP32_MIN_ROWS`` for a 16-bit run on a CPU
+    whose bf16 matmul is slower than sgemm (oneDNN bf16 support without AMX), else None."""
+    if setting == "off" or dtype == torch.float32:
+        return None
+    if setting == "auto":
+        return FP32_MIN_ROWS if onednn_packs(dtype, device) and not cpu_has_amx() else None
+    rows = int(setting)
+    if rows < 1:
+        raise ValueError(f"--fp32-matmul-rows must be auto, off or a row count >= 1, got {setting!r}")
+    return rows
 
 
 def int4_unfit_reason(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> str | None:
@@ -118,25 +153,40 @@ class Int4Weight:
 
 
 class Linear:
-    """One projection: weight [N, K], optional bias [N], optional int4 form; call with x [..., K] -> [..., N]."""
+    """One projection: weight [N, K], optional bias [N], optional int4 and float32 forms;
+    call with x [..., K] -> [..., N] in x's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Weight | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Weight | None = None,
+                 fp32_min_rows: int | None = None, source: torch.Tensor | None = None,
+                 source_bias: torch.Tensor | None = None) -> None:
+        """``source``/``source_bias``: the unrounded values the float32 form is made from
+        (default: ``weight``/``bias``); used only when ``fp32_min_rows`` is set."""
         self.weight = weight
         self.bias = bias
         self.int4 = int4
+        self.fp32_min_rows = fp32_min_rows
+        self.weight32: torch.Tensor | None = None
+        self.bias32: torch.Tensor | None = None
+        if fp32_min_rows is not None and weight.dtype != torch.float32:
+            self.weight32 = (weight if source is None else source).detach().float().contiguous()
+            b = bias if source_bias is None else source_bias
+            self.bias32 = None if b is None else b.detach().float()
         self.packed: torch.Tensor | None = None  # oneDNN blocked copy of weight, or None
         if onednn_packs(weight.dtype, weight.device):
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.numel() <= INT4_MAX_ROWS * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if self.int4 is not None and rows <= INT4_MAX_ROWS:
             q = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), q.packed, q.group,
                                                            q.scales_zeros)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], y.shape[-1])
+        if self.weight32 is not None and rows >= typing.cast(int, self.fp32_min_rows):
+            return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

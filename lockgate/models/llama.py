@@ -11,7 +11,9 @@ Invariants:
   bf16 weights for oneDNN once at load). With ``quantization`` auto/int4 each projection also
   gets an int4 form for small steps, quantized from the checkpoint's full-precision values
   (read as float32 one layer at a time, before rounding to the run dtype); auto takes it only
-  where nothing is lost (a Q4_0/Q4_1 GGUF's projections). The LM head stays dense. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
+  where nothing is lost (a Q4_0/Q4_1 GGUF's projections). The LM head has no int4 form. With
+  ``fp32_min_rows`` every projection and the LM head also keep a float32 copy of those values
+  for large calls (prefill), which sgemm runs faster than bf16 on CPUs without AMX. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
   Llama ``attention_bias`` / ``mlp_bias``); the config decides whether they must exist.
 * The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
   ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
@@ -172,8 +174,10 @@ class DecoderLayer(nn.Module):
     down_weight: nn.Parameter
     down_bias: nn.Parameter | None
 
-    def __init__(self, w: dict[str, torch.Tensor | None], dtype: torch.dtype, quantization: str = "none"):
-        """``w``: this layer's tensors at full precision (any float dtype), cast here to ``dtype``."""
+    def __init__(self, w: dict[str, torch.Tensor | None], dtype: torch.dtype, quantization: str = "none",
+                 fp32_min_rows: int | None = None):
+        """``w``: this layer's tensors at full precision (any float dtype), cast here to ``dtype``;
+        ``quantization`` and ``fp32_min_rows`` pick the projections' extra forms (``Linear``)."""
         super().__init__()
 
         def need(name: str) -> nn.Parameter:
@@ -200,10 +204,14 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = opt("gate_up_bias")  # [2 F] or None
         self.down_weight = need("down_weight")  # [hidden, F]
         self.down_bias = opt("down_bias")  # [hidden] or None
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias, int4("qkv_weight"))
-        self.o = Linear(self.o_weight, self.o_bias, int4("o_weight"))
-        self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias, int4("gate_up_weight"))
-        self.down = Linear(self.down_weight, self.down_bias, int4("down_weight"))
+        def linear(name: str) -> Linear:
+            weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
+            return Linear(weight, bias, int4(f"{name}_weight"), fp32_min_rows, w[f"{name}_weight"], w[f"{name}_bias"])
+
+        self.qkv = linear("qkv")
+        self.o = linear("o")
+        self.gate_up = linear("gate_up")
+        self.down = linear("down")
 
     def projections(self) -> dict[str, Linear]:
         return {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
@@ -213,14 +221,17 @@ class LlamaModel(nn.Module):
     """Decoder-only Llama-family model over the slot-indexed KV pool."""
 
     def __init__(self, args: LlamaArgs, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: torch.Tensor | None):
+                 norm: torch.Tensor, lm_head: torch.Tensor | None, dtype: torch.dtype | None = None,
+                 fp32_min_rows: int | None = None):
+        """embed/norm/lm_head at full precision, cast to ``dtype`` (default: embed's)."""
         super().__init__()
+        dtype = dtype or embed.dtype
         self.args = args
-        self.embed = _frozen(embed)  # [V, hidden]
+        self.embed = _frozen(embed.to(dtype))  # [V, hidden]
         self.layers = nn.ModuleList(layers)
-        self.norm = _frozen(norm)  # [hidden]
-        self.lm_head = self.embed if lm_head is None else _frozen(lm_head)  # [V, hidden] (tied: same tensor)
-        self.head = Linear(self.lm_head)
+        self.norm = _frozen(norm.to(dtype))  # [hidden]
+        self.lm_head = self.embed if lm_head is None else _frozen(lm_head.to(dtype))  # [V, hidden] (tied: same)
+        self.head = Linear(self.lm_head, None, None, fp32_min_rows, embed if lm_head is None else lm_head)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
 
@@ -266,15 +277,19 @@ class LlamaModel(nn.Module):
 
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu", quantization: str = "none") -> LlamaModel:
+                        device: torch.device | str = "cpu", quantization: str = "none",
+                        fp32_min_rows: int | None = None) -> LlamaModel:
         """Load config.json + safetensors (all shards) from a Hugging Face model directory.
 
+        ``fp32_min_rows``: calls with at least this many rows multiply in float32 against a copy
+        made from the checkpoint's values (``Linear``); None: never.
         ``quantization`` (``lockgate.layers.linear.INT4_MODES``): none, int4 (every projection the
         kernel fits), auto (only projections already on a 4-bit grid: nothing lost).
         """
         if quantization not in INT4_MODES:
             raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
-        source = dtype if quantization == "none" else torch.float32  # quantize from unrounded values
+        # int4 and float32 forms are made from the unrounded values (read one layer at a time)
+        source = dtype if quantization == "none" and fp32_min_rows is None else torch.float32
         model_dir = Path(model_dir)
         cfg_path = model_dir / "config.json"
         if not cfg_path.is_file():
@@ -297,20 +312,21 @@ class LlamaModel(nn.Module):
                     "gate_up_bias": w.cat([n + ".bias" for n in gu]) if args.mlp_bias else None,
                     "down_weight": w.get(p + "mlp.down_proj.weight", source),
                     "down_bias": w.get(p + "mlp.down_proj.bias") if args.mlp_bias else None,
-                }, dtype, quantization))
-            embed = w.get("model.embed_tokens.weight")
+                }, dtype, quantization, fp32_min_rows))
+            embed = w.get("model.embed_tokens.weight", source)
             lm_head = None
             if args.tie_word_embeddings:
                 w.skip("lm_head.weight")  # some checkpoints store the tied copy too
             else:
                 if not w.has("lm_head.weight"):
                     raise ValueError(f"{model_dir}: tie_word_embeddings is false but lm_head.weight is missing")
-                lm_head = w.get("lm_head.weight")
+                lm_head = w.get("lm_head.weight", source)
             norm = w.get("model.norm.weight")
             unused = w.unused()
         if unused:
             log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])
-        model = LlamaModel(args, embed, layers, norm, lm_head)
+        model = LlamaModel(args, embed, layers, norm, lm_head, dtype, fp32_min_rows)
+        del embed, lm_head  # the float32 copies (if any) live on only in the Linear forms
         _check_shapes(model)
         if quantization != "none":
             _log_int4(model, quantization)

@@ -31,6 +31,7 @@ import torch
 
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.layers.attention import AttentionMetadata
+from lockgate.layers.linear import fp32_min_rows_for
 from lockgate.models.llama import LlamaModel
 from lockgate.models.loader import prepare_model_dir
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
@@ -92,7 +93,12 @@ class ModelRunner:
         # auto keeps float32 runs dense: float32 is what one asks for to match a reference exactly.
         self.quantization = "none" if model_cfg.quantization == "auto" and self.dtype == torch.float32 \
             else model_cfg.quantization
-        self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization).eval()
+        self.fp32_min_rows = fp32_min_rows_for(model_cfg.fp32_matmul_rows, self.dtype, self.device)
+        self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
+                                                self.fp32_min_rows).eval()
+        if self.fp32_min_rows is not None:
+            log.info("projections of >= %d rows multiply in float32 (--fp32-matmul-rows %s)", self.fp32_min_rows,
+                     model_cfg.fp32_matmul_rows)
         args = self.model.args
         self.vocab_size: int = args.vocab_size
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
