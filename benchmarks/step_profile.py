@@ -14,6 +14,7 @@ dispatch), plus the top ops.
 Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--quantization auto,none]
         [--fp32-matmul-rows auto,off] [--threads 2,1]
         [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
+        [--shared-prefix 1024 --group-size 8 [--no-prefix-attention]]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from _common import command, machine
 
 from lockgate.config import CacheConfig, ModelConfig
+from lockgate.layers import attention
 from lockgate.plan import ForwardPlan, SamplingBatch
 from lockgate.runner.model_runner import ModelRunner
 
@@ -56,12 +58,22 @@ def greedy(s: int) -> SamplingBatch:
         num_logprobs=np.full(s, -1, I64))
 
 
-def decode_plan(batch: int, prompt_len: int, decoded: int, vocab: int) -> ForwardPlan:
-    """``batch`` sequences of prompt_len + decoded tokens, each decoding its next token."""
+def decode_plan(batch: int, prompt_len: int, decoded: int, vocab: int, shared: int = 0,
+                group: int = 8) -> ForwardPlan:
+    """``batch`` sequences of prompt_len + decoded tokens, each decoding its next token.
+
+    With ``shared`` > 0, sequences come in groups of ``group`` whose first ``shared`` prompt tokens
+    are the same slot run (prefix-cache hits on one prompt prefix)."""
     ctx = []
+    own = prompt_len - shared
+    groups = -(-batch // group) if shared else 0
+    base = groups * shared  # slots 0 .. base - 1: the groups' shared prefixes
     for b in range(batch):
-        prompt = np.arange(b * prompt_len, (b + 1) * prompt_len, dtype=I64)  # one run per prompt
-        steps = batch * prompt_len + np.arange(decoded + 1, dtype=I64) * batch + b  # one run per step
+        prompt = base + np.arange(b * own, (b + 1) * own, dtype=I64)  # one run per prompt (its own part)
+        if shared:
+            g = b // group
+            prompt = np.concatenate([np.arange(g * shared, (g + 1) * shared, dtype=I64), prompt])
+        steps = base + batch * own + np.arange(decoded + 1, dtype=I64) * batch + b  # one run per step
         ctx.append(np.concatenate([prompt, steps]))
     seq_len = prompt_len + decoded + 1
     kv_slots = np.concatenate(ctx)
@@ -123,10 +135,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
     ap.add_argument("--decoded", type=int, default=64, help="tokens each decoding sequence generated so far")
     ap.add_argument("--prefill", type=int, default=1024, help="tokens of the prefill case (0: skip)")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="decode cases: the first N prompt tokens are shared by groups of --group-size sequences")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--no-prefix-attention", action="store_true",
+                    help="attend to shared prefixes like any other keys (gathered per sequence): the old path")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each times every case")
     ap.add_argument("--steps", type=int, default=0, help="steps per timing (default: by batch size)")
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown")
     args = ap.parse_args()
+    if args.no_prefix_attention:
+        attention.MIN_SHARED_PREFIX = 1 << 40
 
     batches = [int(b) for b in args.batches.split(",") if b]
     threads = [int(t) for t in args.threads.split(",")]
@@ -141,7 +160,8 @@ def main() -> None:
         r.k_cache.normal_()
         r.v_cache.normal_()
     vocab = next(iter(runners.values())).vocab_size
-    cases: dict[str, ForwardPlan] = {f"decode_b{b}": decode_plan(b, args.prompt_len, args.decoded, vocab)
+    cases: dict[str, ForwardPlan] = {f"decode_b{b}": decode_plan(b, args.prompt_len, args.decoded, vocab,
+                                                                  args.shared_prefix, args.group_size)
                                      for b in batches}
     if args.prefill:
         cases[f"prefill_{args.prefill}"] = prefill_plan(args.prefill, capacity - args.prefill, vocab)
@@ -164,7 +184,9 @@ def main() -> None:
             times[f"{dtype}/t{n_threads}"][name].append((time.perf_counter() - t0) / n * 1e3)
     result: dict[str, Any] = {
         "benchmark": "step_profile", "command": command(), "machine": machine(),
-        "setup": {"prompt_len": args.prompt_len, "decoded": args.decoded, "context": seq, "rounds": args.rounds},
+        "setup": {"prompt_len": args.prompt_len, "decoded": args.decoded, "context": seq, "rounds": args.rounds,
+                  "shared_prefix": args.shared_prefix, "group_size": args.group_size,
+                  "prefix_attention": not args.no_prefix_attention},
         "median_step_ms": {v: {c: round(statistics.median(ts), 2) for c, ts in per.items()}
                            for v, per in times.items()},
     }

@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockgate.layers.attention import AttentionMetadata, paged_attention, reference_attention, write_kv
+from lockgate.layers.attention import (
+    MIN_SHARED_PREFIX,
+    AttentionMetadata,
+    paged_attention,
+    reference_attention,
+    write_kv,
+)
 
 
 def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], h: int, hkv: int, d: int,
@@ -132,3 +138,77 @@ def test_bf16_close_to_reference() -> None:
                               plan["kv_offsets"], 0.125)
     assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def make_shared_step(rng: np.random.Generator, groups: list[tuple[int, list[int]]], loners: list[int], h: int,
+                     hkv: int, d: int, run: bool, capacity: int = 4096):
+    """A decode step where each group [(prefix_len, [own_len, ...])] shares its prefix's pool slots
+    (one slot run when ``run``, else scattered), as prefix-cache hits do; ``loners`` share nothing.
+    Every sequence decodes one token (its last own key). Returns what make_step returns."""
+    free = list(rng.permutation(np.arange(1000, capacity)))
+    seqs, ctxs, dense = [], [], []
+    k_cache = torch.full((capacity, hkv, d), float("nan"))
+    v_cache = torch.full((capacity, hkv, d), float("nan"))
+    next_run = 0
+    for prefix_len, owns in groups:
+        if run:
+            pslots = np.arange(next_run, next_run + prefix_len)
+            next_run += prefix_len + 7
+        else:
+            pslots = np.array([free.pop() for _ in range(prefix_len)])
+        pk, pv = torch.randn(prefix_len, hkv, d), torch.randn(prefix_len, hkv, d)
+        write_kv(k_cache, v_cache, torch.from_numpy(pslots), pk, pv)
+        for own in owns:
+            oslots = np.array([free.pop() for _ in range(own)])
+            ok, ov = torch.randn(own, hkv, d), torch.randn(own, hkv, d)
+            seqs.append((prefix_len + own, 1))
+            ctxs.append(np.concatenate([pslots, oslots]))
+            dense.append((torch.randn(prefix_len + own, h, d), torch.cat([pk, ok]), torch.cat([pv, ov])))
+    for n in loners:
+        slots = np.array([free.pop() for _ in range(n)])
+        seqs.append((n, 1))
+        ctxs.append(slots)
+        dense.append((torch.randn(n, h, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)))
+    order = rng.permutation(len(seqs))  # members of a group need not be neighbours in the batch
+    seqs, ctxs, dense = [seqs[i] for i in order], [ctxs[i] for i in order], [dense[i] for i in order]
+    for ctx, (_, fk, fv) in zip(ctxs, dense, strict=True):  # each sequence's own old keys (prefix written above)
+        write_kv(k_cache, v_cache, torch.from_numpy(ctx[:-1]), fk[:-1], fv[:-1])
+    plan = dict(query_lens=np.ones(len(seqs), np.int64), seq_lens=np.array([s for s, _ in seqs], np.int64),
+                kv_slots=np.concatenate(ctxs).astype(np.int64),
+                kv_offsets=np.concatenate([[0], np.cumsum([len(c) for c in ctxs])]).astype(np.int64),
+                out_slots=np.array([c[-1] for c in ctxs], np.int64))
+    q = torch.stack([fq[-1] for fq, _, _ in dense])
+    k = torch.stack([fk[-1] for _, fk, _ in dense])
+    v = torch.stack([fv[-1] for _, _, fv in dense])
+    return plan, seqs, q, k, v, k_cache, v_cache, dense
+
+
+@pytest.mark.parametrize("run", [True, False])
+@pytest.mark.parametrize("h,hkv", [(9, 3), (4, 4)])
+def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv: int) -> None:
+    rng = np.random.default_rng(11 + run + h)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    d = 16
+    groups = [(100, [1, 5, 30]), (MIN_SHARED_PREFIX, [2, 2]), (MIN_SHARED_PREFIX - 1, [3, 4])]  # last: too short
+    plan, seqs, q, k, v, k_cache, v_cache, dense = make_shared_step(rng, groups, [50, 120], h, hkv, d, run)
+    meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
+                                   plan["out_slots"], num_queries_per_kv=h // hkv)
+    (dec,) = meta.groups
+    assert sorted((p.length, p.members.numel(), p.run_start is not None) for p in dec.prefixes) == \
+        [(MIN_SHARED_PREFIX, 2, run), (100, 3, run)]
+    # The group's own call covers only each member's keys after its prefix (the rest: everything).
+    assert dec.mask is not None
+    own = [1, 5, 30, 2, 2, MIN_SHARED_PREFIX - 1 + 3, MIN_SHARED_PREFIX - 1 + 4, 50, 120]
+    assert sorted(dec.mask[:, 0, 0].sum(-1).tolist()) == sorted(own) and dec.max_len == 120
+    scale = d ** -0.5
+    fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    want = dense_causal(dense, seqs, h, hkv)
+    torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
+    ref = reference_attention(q, k_cache, v_cache, plan["query_lens"], plan["seq_lens"], plan["kv_slots"],
+                              plan["kv_offsets"], scale)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    # bf16 pool and queries: close to the float32 reference
+    fb = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta,
+                         scale)
+    assert fb.dtype == torch.bfloat16
+    torch.testing.assert_close(fb.float(), want, atol=3e-2, rtol=3e-2)

@@ -69,16 +69,24 @@ def test_bad_prompts_rejected_before_running(smol_fp32) -> None:
     assert not smol_fp32.engine.has_work
 
 
-def test_prefix_cache_on_equals_off_greedy(smol_fp32) -> None:
+def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch) -> None:
+    # With the cache on, the last three conversations decode together on the cached system
+    # prompt's slots (> MIN_SHARED_PREFIX tokens): attention reads it once per step for all three
+    # (shared-prefix path) and must give the same greedy tokens as the cache-off run.
     from lockgate import LLM
+    from lockgate.layers import attention
 
-    system = {"role": "system", "content": "You are a terse assistant. Answer in at most one sentence."}
+    calls = []
+    real = attention._attend_with_prefixes
+    monkeypatch.setattr(attention, "_attend_with_prefixes", lambda *a: calls.append(len(a[5].prefixes)) or real(*a))
+    system = {"role": "system", "content": "You are a terse assistant. Answer in at most one sentence. " * 8}
     convs = [[system, {"role": "user", "content": q}] for q in
              ("What is 2 + 2?", "Name a planet.", "What color is the sky?", "Who wrote Hamlet?")]
     sp = SamplingParams(max_tokens=24, temperature=0.0)
     first = smol_fp32.chat(convs[:1], sp)  # warms the cache with the system prompt
     on = first + smol_fp32.chat(convs[1:], sp)
-    assert all(o.num_cached_tokens > 10 for o in on[1:])  # the shared system prompt was reused
+    assert all(o.num_cached_tokens > attention.MIN_SHARED_PREFIX for o in on[1:])  # the system prompt was reused
+    assert calls and max(calls) == 1  # one shared prefix, attended once per layer and step
     off_llm = LLM("default", dtype="float32", max_total_tokens=4096, disable_prefix_cache=True)
     off = off_llm.chat(convs, sp)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]

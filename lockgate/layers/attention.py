@@ -27,6 +27,14 @@ Two implementations:
   whole prompt in one chunk (one sequence, Q == L) uses SDPA's own causal mask with
   ``enable_gqa`` (no mask tensor, masked blocks skipped).
 
+Shared prefixes at decode (cascade attention): decoding sequences whose contexts begin with the
+same pool slots (prefix-cache hits on one prompt prefix: the radix cache hands every request the
+same slots) form a ``SharedPrefix``. Their queries attend to that prefix in one SDPA call that
+reads it once (in place when its slots are one run), and to the rest of their own contexts in the
+group's batched call; the two partial results are merged exactly with their log-sum-exps
+(softmax over a union of disjoint key sets). Without this, every member gathers and reads the
+prefix's K/V again: with 8 requests on a 1,024-token prefix, 8x the bytes.
+
 GQA without expanding K/V: query heads h = kv * G + g (G = H // Hkv) share kv head ``kv``, so
 the queries are reshaped to [Bg, Hkv, G * Q, D] (the G heads of a kv group become extra query
 rows) and attend to K/V [Bg, Hkv, L, D] directly. For decode (Q == 1) this reshape is a free
@@ -38,11 +46,23 @@ the metadata once per step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+MIN_SHARED_PREFIX = 64  # shortest common prefix (tokens) worth a separate SDPA call per layer
+
+
+@dataclass
+class SharedPrefix:
+    """Decoding sequences of one group whose contexts all start with the same ``length`` slots."""
+
+    members: torch.Tensor  # [M] i64: rows of these sequences in the group (0 .. Bg - 1), M >= 2
+    length: int  # Lp: shared keys (positions 0 .. Lp - 1); every member has keys of its own after them
+    run_start: int | None  # the prefix is the slot run [run_start, run_start + Lp): read in place
+    slots: torch.Tensor | None  # [Lp] i64 pool slots of the prefix when it is not one run
 
 
 @dataclass
@@ -56,6 +76,17 @@ class AttentionGroup:
     max_q: int  # Q: longest query run in the group (1 for decode)
     run_start: int | None = None  # one sequence whose context is the slot run [run_start, run_start + L): no gather
     causal: bool = False  # one sequence whose queries are its whole context: SDPA's causal mask, no mask tensor
+    # Decode only: shared prefixes; then ``gather``/``mask`` cover each member's keys *after* its prefix.
+    prefixes: list[SharedPrefix] = field(default_factory=list)
+    _additive: dict[torch.dtype, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` as 0 / -inf in ``dtype`` (what the SDPA op that returns log-sum-exps takes), made once."""
+        if dtype not in self._additive:
+            m = self.mask
+            self._additive[dtype] = None if m is None else torch.zeros(m.shape, dtype=dtype).masked_fill_(
+                ~m, float("-inf"))
+        return self._additive[dtype]
 
     @property
     def num_seqs(self) -> int:
@@ -111,6 +142,14 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
     tok_in_seq = np.arange(int(qlen.sum()), dtype=np.int64) - np.repeat(np.cumsum(qlen) - qlen, qlen)  # [Tg]
     token_idx = q_offsets[sel][seq_of_tok] + tok_in_seq  # [Tg]
     causal = b == 1 and q == length > 1  # a whole prompt in one chunk: plain causal attention
+    prefixes: list[SharedPrefix] = []
+    if q == 1 and b >= 2:
+        prefixes, starts = _shared_prefixes(gather, slen, device)
+        if prefixes:  # the group's own call covers each sequence's keys from starts[b] on
+            slen = slen - starts
+            length = int(slen.max())
+            j = j[:, :length]
+            gather = kv_slots[kv_offsets[sel][:, None] + starts[:, None] + np.minimum(j, slen[:, None] - 1)]
     if causal:
         mask, q_index = None, None
     elif q == 1:
@@ -136,7 +175,33 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
         max_q=q,
         run_start=first if run else None,
         causal=causal,
+        prefixes=prefixes,
     )
+
+
+def _shared_prefixes(gather: np.ndarray, slen: np.ndarray, device: torch.device
+                     ) -> tuple[list[SharedPrefix], np.ndarray]:
+    """Decode sequences (rows of the padded gather [Bg, L]) whose first slot is the same share
+    their longest common slot prefix (the same slot at the same position is the same cached token).
+    Returns the prefixes of at least MIN_SHARED_PREFIX tokens and each row's first key of its own."""
+    starts = np.zeros(len(slen), dtype=np.int64)
+    prefixes = []
+    _, inverse, counts = np.unique(gather[:, 0], return_inverse=True, return_counts=True)
+    for c in np.flatnonzero(counts >= 2):
+        members = np.flatnonzero(inverse == c)
+        limit = int(slen[members].min()) - 1  # every member keeps at least its newest key
+        rows = gather[members, :limit]
+        differs = np.flatnonzero((rows != rows[0]).any(axis=0))
+        lp = int(differs[0]) if differs.size else limit
+        if lp < MIN_SHARED_PREFIX:
+            continue
+        slots = rows[0, :lp]
+        run = bool(slots[-1] - slots[0] == lp - 1 and np.all(np.diff(slots) == 1))
+        prefixes.append(SharedPrefix(
+            members=torch.from_numpy(members).to(device), length=lp, run_start=int(slots[0]) if run else None,
+            slots=None if run else torch.from_numpy(np.ascontiguousarray(slots)).to(device)))
+        starts[members] = lp
+    return prefixes, starts
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -180,6 +245,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o = F.scaled_dot_product_attention(q.view(1, qn, h, d).transpose(1, 2), kc, vc, is_causal=True,
                                            scale=scale, enable_gqa=gs > 1)  # [1, H, Q, D]
         return o.transpose(1, 2).reshape(qn, h, d)
+    if g.prefixes:  # decode with shared prefixes: [Bg, H, D]
+        return _attend_with_prefixes(q.reshape(b, hkv, gs, d), kc, vc, k_cache, v_cache, g, scale).view(b, h, d)
     if g.q_index is None:  # decode: Q == 1
         qp = q.reshape(b, 1, h, d)  # [Bg, 1, H, D]: one token per sequence, no padding
     else:
@@ -189,6 +256,35 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=g.mask, scale=scale)  # [Bg, Hkv, G * Q, D]
     o = o.view(b, hkv, gs, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, h, d)  # [Bg * Q, H, D]
     return o if g.q_index is None else o.index_select(0, g.q_index)  # [Tg, H, D]
+
+
+def _attend_with_prefixes(qf: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, g: AttentionGroup, scale: float) -> torch.Tensor:
+    """Decode queries qf [Bg, Hkv, G, D] over own keys kc/vc [Bg, Hkv, L', D] plus shared prefixes
+    -> [Bg, Hkv, G, D]. Partial softmaxes are merged in float32 by their log-sum-exps."""
+    b, hkv, gs, d = qf.shape
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = sdpa(qf, kc, vc, 0.0, False, attn_mask=g.additive_mask(qf.dtype), scale=scale)  # lse [Bg, Hkv, G]
+    out = out.clone()
+    for p in g.prefixes:
+        m, lp = int(p.members.shape[0]), p.length
+        if p.slots is None:
+            assert p.run_start is not None
+            kp, vp = k_cache[p.run_start:p.run_start + lp], v_cache[p.run_start:p.run_start + lp]  # [Lp, Hkv, D]
+        else:
+            kp, vp = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
+        # The members' G query heads of each kv head become rows: [1, Hkv, M * G, D].
+        qm = qf.index_select(0, p.members).transpose(0, 1).reshape(1, hkv, m * gs, d)
+        op, lsep = sdpa(qm, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0), 0.0, False,
+                        scale=scale)  # [1, Hkv, M * G, D], [1, Hkv, M * G]
+        op = op.view(hkv, m, gs, d).transpose(0, 1).float()  # [M, Hkv, G, D]
+        lsep = lsep.view(hkv, m, gs).transpose(0, 1)  # [M, Hkv, G]
+        lso = lse.index_select(0, p.members)
+        top = torch.maximum(lsep, lso)
+        wp, wo = (lsep - top).exp_().unsqueeze(-1), (lso - top).exp_().unsqueeze(-1)
+        merged = (op * wp + out.index_select(0, p.members).float() * wo) / (wp + wo)
+        out.index_copy_(0, p.members, merged.to(out.dtype))
+    return out
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
