@@ -141,10 +141,10 @@ def test_bf16_close_to_reference() -> None:
 
 
 def make_shared_step(rng: np.random.Generator, groups: list[tuple[int, list[int]]], loners: list[int], h: int,
-                     hkv: int, d: int, run: bool, capacity: int = 4096):
-    """A decode step where each group [(prefix_len, [own_len, ...])] shares its prefix's pool slots
-    (one slot run when ``run``, else scattered), as prefix-cache hits do; ``loners`` share nothing.
-    Every sequence decodes one token (its last own key). Returns what make_step returns."""
+                     hkv: int, d: int, run: bool, capacity: int = 4096, query_len: int = 1):
+    """A step where each group [(prefix_len, [own_len, ...])] shares its prefix's pool slots (one
+    slot run when ``run``, else scattered), as prefix-cache hits do; ``loners`` share nothing. Every
+    sequence brings its last min(query_len, own_len) keys as new tokens (1: decode)."""
     free = list(rng.permutation(np.arange(1000, capacity)))
     seqs, ctxs, dense = [], [], []
     k_cache = torch.full((capacity, hkv, d), float("nan"))
@@ -161,25 +161,25 @@ def make_shared_step(rng: np.random.Generator, groups: list[tuple[int, list[int]
         for own in owns:
             oslots = np.array([free.pop() for _ in range(own)])
             ok, ov = torch.randn(own, hkv, d), torch.randn(own, hkv, d)
-            seqs.append((prefix_len + own, 1))
+            seqs.append((prefix_len + own, min(query_len, own)))
             ctxs.append(np.concatenate([pslots, oslots]))
             dense.append((torch.randn(prefix_len + own, h, d), torch.cat([pk, ok]), torch.cat([pv, ov])))
     for n in loners:
         slots = np.array([free.pop() for _ in range(n)])
-        seqs.append((n, 1))
+        seqs.append((n, min(query_len, n)))
         ctxs.append(slots)
         dense.append((torch.randn(n, h, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)))
     order = rng.permutation(len(seqs))  # members of a group need not be neighbours in the batch
     seqs, ctxs, dense = [seqs[i] for i in order], [ctxs[i] for i in order], [dense[i] for i in order]
-    for ctx, (_, fk, fv) in zip(ctxs, dense, strict=True):  # each sequence's own old keys (prefix written above)
-        write_kv(k_cache, v_cache, torch.from_numpy(ctx[:-1]), fk[:-1], fv[:-1])
-    plan = dict(query_lens=np.ones(len(seqs), np.int64), seq_lens=np.array([s for s, _ in seqs], np.int64),
+    for ctx, (_, fk, fv), (_, ql) in zip(ctxs, dense, seqs, strict=True):  # own old keys (prefix written above)
+        write_kv(k_cache, v_cache, torch.from_numpy(ctx[:-ql]), fk[:-ql], fv[:-ql])
+    plan = dict(query_lens=np.array([q for _, q in seqs], np.int64), seq_lens=np.array([s for s, _ in seqs], np.int64),
                 kv_slots=np.concatenate(ctxs).astype(np.int64),
                 kv_offsets=np.concatenate([[0], np.cumsum([len(c) for c in ctxs])]).astype(np.int64),
-                out_slots=np.array([c[-1] for c in ctxs], np.int64))
-    q = torch.stack([fq[-1] for fq, _, _ in dense])
-    k = torch.stack([fk[-1] for _, fk, _ in dense])
-    v = torch.stack([fv[-1] for _, _, fv in dense])
+                out_slots=np.concatenate([c[-ql:] for c, (_, ql) in zip(ctxs, seqs, strict=True)]))
+    q = torch.cat([fq[-ql:] for (fq, _, _), (_, ql) in zip(dense, seqs, strict=True)])
+    k = torch.cat([fk[-ql:] for (_, fk, _), (_, ql) in zip(dense, seqs, strict=True)])
+    v = torch.cat([fv[-ql:] for (_, _, fv), (_, ql) in zip(dense, seqs, strict=True)])
     return plan, seqs, q, k, v, k_cache, v_cache, dense
 
 
@@ -193,13 +193,15 @@ def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv
     plan, seqs, q, k, v, k_cache, v_cache, dense = make_shared_step(rng, groups, [50, 120], h, hkv, d, run)
     meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
                                    plan["out_slots"], num_queries_per_kv=h // hkv)
-    (dec,) = meta.groups
-    assert sorted((p.length, p.members.numel(), p.run_start is not None) for p in dec.prefixes) == \
+    # Sequences on shared prefixes form their own group (their short own keys are not padded to
+    # the others' full contexts); the too-short group and the loners form the other.
+    shared, rest = sorted(meta.groups, key=lambda g: not g.prefixes)
+    assert rest.prefixes == [] and rest.num_seqs == 4
+    assert sorted((p.length, p.members.numel(), p.run_start is not None) for p in shared.prefixes) == \
         [(MIN_SHARED_PREFIX, 2, run), (100, 3, run)]
-    # The group's own call covers only each member's keys after its prefix (the rest: everything).
-    assert dec.mask is not None
-    own = [1, 5, 30, 2, 2, MIN_SHARED_PREFIX - 1 + 3, MIN_SHARED_PREFIX - 1 + 4, 50, 120]
-    assert sorted(dec.mask[:, 0, 0].sum(-1).tolist()) == sorted(own) and dec.max_len == 120
+    # The shared group's own call covers only each member's keys after its prefix.
+    assert shared.mask is not None and sorted(shared.mask[:, 0, 0].sum(-1).tolist()) == [1, 2, 2, 5, 30]
+    assert shared.max_len == 30
     scale = d ** -0.5
     fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     want = dense_causal(dense, seqs, h, hkv)
@@ -211,4 +213,30 @@ def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv
     fb = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta,
                          scale)
     assert fb.dtype == torch.bfloat16
+    torch.testing.assert_close(fb.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("run", [True, False])
+def test_shared_prefixes_for_prefill_chunks(run: bool) -> None:
+    # Prefix-cache hits prefilling their own suffixes (up to 12 tokens each) beside decodes: the
+    # prefill group attends to each shared prefix once, without a mask, and causally to its own keys.
+    rng = np.random.default_rng(21 + run)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    h, hkv, d = 9, 3, 16
+    groups = [(100, [12, 5, 30]), (80, [1, 9])]  # own_len 1: that member is a decode (one own key)
+    plan, seqs, q, k, v, k_cache, v_cache, dense = make_shared_step(rng, groups, [50, 7], h, hkv, d, run,
+                                                                    query_len=12)
+    meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
+                                   plan["out_slots"], num_queries_per_kv=h // hkv)
+    dec, pre_shared, pre_rest = meta.groups
+    assert dec.num_seqs == 1 and dec.prefixes == []  # the one decoding sequence shares with nobody in its group
+    # Group 1 (3 prefilling members); group 2's other member prefills alone; loners share nothing.
+    assert [(p.length, p.members.numel(), p.run_start is not None) for p in pre_shared.prefixes] == [(100, 3, run)]
+    assert pre_shared.num_seqs == 3 and pre_rest.num_seqs == 3 and pre_rest.prefixes == []
+    scale = d ** -0.5
+    fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    want = dense_causal(dense, seqs, h, hkv)
+    torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
+    fb = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta,
+                         scale)
     torch.testing.assert_close(fb.float(), want, atol=3e-2, rtol=3e-2)

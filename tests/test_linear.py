@@ -144,3 +144,11 @@ def test_fp32_matmul_rows_flag_is_validated() -> None:
         with pytest.raises(ValueError, match="--fp32-matmul-rows must be auto, off or a row count"):
             ModelConfig(fp32_matmul_rows=bad)
     assert ModelConfig(fp32_matmul_rows="128").fp32_matmul_rows == "128"
+
+
+def test_fp32_auto_stays_off_when_the_copy_would_not_fit() -> None:
+    cpu = torch.device("cpu")
+    if fp32_min_rows_for("auto", torch.bfloat16, cpu) is None:
+        pytest.skip("auto is off on this CPU anyway (AMX or no oneDNN bf16): nothing to switch off")
+    assert fp32_min_rows_for("auto", torch.bfloat16, cpu, fp32_copy_bytes=1 << 60) is None
+    assert fp32_min_rows_for("64", torch.bfloat16, cpu, fp32_copy_bytes=1 << 60) == 64  # explicit: obeyed

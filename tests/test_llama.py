@@ -1,4 +1,5 @@
-"""Our Llama-family model vs transformers on tiny random models (fp32, tight tolerance)."""
+"""Our Llama-family model vs transformers on tiny random models (fp32, tight tolerance; the int4
+and float32 projection forms in bf16, bf16 tolerance)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,46 @@ def test_config_parsing_and_errors(tmp_path) -> None:
     save_file(sd, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         LlamaModel.from_pretrained(tmp_path)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kind", ["llama_bias_mha", "qwen2"])
+def test_int4_and_fp32_forms_match_transformers(tmp_path, pool_driver, kind: str) -> None:
+    # Biased projections (Qwen2 q/k/v; Llama attention_bias and mlp_bias) through the int4 form
+    # (--quantization int4, a 16-token prompt: every call has <= 16 rows) and the float32 form
+    # (--fp32-matmul-rows 1), in bf16. The int4 reference is transformers with each projection
+    # replaced by what the int4 kernel multiplies by (random weights are not on a 4-bit grid).
+    hf, _ = build(tmp_path, kind, tie=False)
+    want = hf_logits(hf, PROMPT)
+    q4 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="int4")
+    a = q4.args
+    with torch.no_grad():
+        for layer, hl in zip(q4.layers, hf.model.layers, strict=True):
+            deq = {name: lin.int4.dequantize(*lin.weight.shape) for name, lin in layer.projections().items()}
+            sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+            for proj, w in zip((hl.self_attn.q_proj, hl.self_attn.k_proj, hl.self_attn.v_proj),
+                               deq["qkv"].split(sizes), strict=True):
+                proj.weight.copy_(w)
+            hl.self_attn.o_proj.weight.copy_(deq["o"])
+            hl.mlp.gate_proj.weight.copy_(deq["gate_up"][:a.intermediate_size])
+            hl.mlp.up_proj.weight.copy_(deq["gate_up"][a.intermediate_size:])
+            hl.mlp.down_proj.weight.copy_(deq["down"])
+    want4 = hf_logits(hf, PROMPT)
+    got4 = pool_driver(q4).step({0: PROMPT}, all_rows=True)[0]
+    assert _rel_err(got4, want4) < 0.05 < _rel_err(got4, want)  # int4 ran, and ran right (measured 0.018 vs 0.3)
+
+    f32 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none", fp32_min_rows=1)
+    dense = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none")
+    got32 = pool_driver(f32).step({0: PROMPT}, all_rows=True)[0]
+    gotb = pool_driver(dense).step({0: PROMPT}, all_rows=True)[0]
+    assert _rel_err(got32, want) < 0.05 and _rel_err(gotb, want) < 0.05  # bf16 activations: measured ~0.017
+    assert not torch.equal(got32, gotb)  # the float32 form ran
+
+
+def test_matmul_parameters_counts_every_projection_and_the_head(tmp_path) -> None:
+    _, ours = build(tmp_path, "llama_bias_mha", tie=True)
+    lins = [lin for layer in ours.layers for lin in layer.projections().values()] + [ours.head]
+    assert ours.args.matmul_parameters == sum(lin.weight.numel() for lin in lins)

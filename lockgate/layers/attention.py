@@ -17,8 +17,8 @@ Two implementations:
 * ``reference_attention``: a loop over sequences with plain causal math in float32. Slow and
   obviously right; tests compare the fast path against it.
 * ``paged_attention`` (used by the model): ``AttentionMetadata.build`` runs once per step on
-  the plan's numpy arrays and splits the sequences into (at most) two groups, decoding ones
-  (query_len == 1) and prefilling ones (query_len > 1). Per group it precomputes a padded
+  the plan's numpy arrays and splits the sequences into groups: decoding ones (query_len == 1) and
+  prefilling ones (query_len > 1), each split again into those on a shared prefix (below) and the rest. Per group it precomputes a padded
   gather index [Bg, L] into the pool and a boolean mask. Per layer, ``paged_attention``
   writes the step's K/V with ``index_copy_``, gathers each group's context K/V, and runs one
   ``scaled_dot_product_attention`` per group. There is no per-sequence Python loop. A group of
@@ -27,10 +27,10 @@ Two implementations:
   whole prompt in one chunk (one sequence, Q == L) uses SDPA's own causal mask with
   ``enable_gqa`` (no mask tensor, masked blocks skipped).
 
-Shared prefixes at decode (cascade attention): decoding sequences whose contexts begin with the
+Shared prefixes (cascade attention): sequences of a group whose contexts begin with the
 same pool slots (prefix-cache hits on one prompt prefix: the radix cache hands every request the
-same slots) form a ``SharedPrefix``. Their queries attend to that prefix in one SDPA call that
-reads it once (in place when its slots are one run), and to the rest of their own contexts in the
+same slots), cut to the keys before all their queries, form a ``SharedPrefix``. Their queries
+(decode tokens or prefill chunks) attend to that prefix in one SDPA call, without a mask, that reads it once (in place when its slots are one run), and to the rest of their own contexts in the
 group's batched call; the two partial results are merged exactly with their log-sum-exps
 (softmax over a union of disjoint key sets). Without this, every member gathers and reads the
 prefix's K/V again: with 8 requests on a 1,024-token prefix, 8x the bytes.
@@ -57,7 +57,8 @@ MIN_SHARED_PREFIX = 64  # shortest common prefix (tokens) worth a separate SDPA 
 
 @dataclass
 class SharedPrefix:
-    """Decoding sequences of one group whose contexts all start with the same ``length`` slots."""
+    """Sequences of one group whose contexts all start with the same ``length`` slots, all of them
+    before each member's first query."""
 
     members: torch.Tensor  # [M] i64: rows of these sequences in the group (0 .. Bg - 1), M >= 2
     length: int  # Lp: shared keys (positions 0 .. Lp - 1); every member has keys of its own after them
@@ -67,7 +68,8 @@ class SharedPrefix:
 
 @dataclass
 class AttentionGroup:
-    """Sequences that share one SDPA call: all decoding (max_q == 1) or all prefilling."""
+    """Sequences that share one SDPA call: all decoding (max_q == 1) or all prefilling; all on
+    shared prefixes (``prefixes``) or none."""
 
     token_idx: torch.Tensor | None  # [Tg] i64: rows of the step's T tokens in this group; None = all, in order
     gather: torch.Tensor  # [Bg, L] i64: pool slot of key j of sequence b (padded with the sequence's last slot)
@@ -76,7 +78,7 @@ class AttentionGroup:
     max_q: int  # Q: longest query run in the group (1 for decode)
     run_start: int | None = None  # one sequence whose context is the slot run [run_start, run_start + L): no gather
     causal: bool = False  # one sequence whose queries are its whole context: SDPA's causal mask, no mask tensor
-    # Decode only: shared prefixes; then ``gather``/``mask`` cover each member's keys *after* its prefix.
+    # Shared prefixes; then ``gather``/``mask`` cover each member's keys *after* its prefix.
     prefixes: list[SharedPrefix] = field(default_factory=list)
     _additive: dict[torch.dtype, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
@@ -102,7 +104,7 @@ class AttentionMetadata:
     """Everything the per-layer attention needs, built once per step from the plan."""
 
     out_slots: torch.Tensor  # [T] i64: pool slot where each new token's K/V is written
-    groups: list[AttentionGroup]  # 1 or 2 groups (decode, prefill); disjoint, cover all T tokens
+    groups: list[AttentionGroup]  # 1 to 4 groups (decode / prefill x shared prefix or not); disjoint, cover all T
     num_tokens: int  # T
 
     @staticmethod
@@ -118,14 +120,30 @@ class AttentionMetadata:
         np.cumsum(query_lens, out=q_offsets[1:])
         is_decode = query_lens == 1
         groups = []
-        for sel in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
-            if sel.size == 0:
-                continue
-            whole = sel.size == len(query_lens)  # one group covers the whole step, in order
-            groups.append(_build_group(sel, whole, query_lens, seq_lens, kv_slots, kv_offsets, q_offsets,
-                                       num_queries_per_kv, torch.device(device)))
+        for kind in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
+            # Sequences on shared prefixes get a group of their own: their own keys are short,
+            # and padding them to the full contexts of the others would cost what sharing saves.
+            sharing = _on_shared_prefix(kind, query_lens, seq_lens, kv_slots, kv_offsets)
+            for sel in (kind[sharing], kind[~sharing]):
+                if sel.size == 0:
+                    continue
+                whole = sel.size == len(query_lens)  # one group covers the whole step, in order
+                groups.append(_build_group(sel, whole, query_lens, seq_lens, kv_slots, kv_offsets, q_offsets,
+                                           num_queries_per_kv, torch.device(device)))
         t = torch.from_numpy(np.asarray(out_slots, dtype=np.int64)).to(device)
         return AttentionMetadata(out_slots=t, groups=groups, num_tokens=int(q_offsets[-1]))
+
+
+def _on_shared_prefix(sel: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray,
+                      kv_offsets: np.ndarray) -> np.ndarray:
+    """bool [len(sel)]: which of these sequences share a prefix of >= MIN_SHARED_PREFIX keys with another."""
+    if sel.size < 2:
+        return np.zeros(sel.size, dtype=bool)
+    slen = seq_lens[sel]
+    j = np.arange(int(slen.max()), dtype=np.int64)[None, :]
+    gather = kv_slots[kv_offsets[sel][:, None] + np.minimum(j, slen[:, None] - 1)]
+    _, starts = _shared_prefixes(gather, slen - query_lens[sel], torch.device("cpu"))
+    return starts > 0
 
 
 def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens: np.ndarray,
@@ -143,8 +161,8 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
     token_idx = q_offsets[sel][seq_of_tok] + tok_in_seq  # [Tg]
     causal = b == 1 and q == length > 1  # a whole prompt in one chunk: plain causal attention
     prefixes: list[SharedPrefix] = []
-    if q == 1 and b >= 2:
-        prefixes, starts = _shared_prefixes(gather, slen, device)
+    if b >= 2:
+        prefixes, starts = _shared_prefixes(gather, slen - qlen, device)
         if prefixes:  # the group's own call covers each sequence's keys from starts[b] on
             slen = slen - starts
             length = int(slen.max())
@@ -179,17 +197,18 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
     )
 
 
-def _shared_prefixes(gather: np.ndarray, slen: np.ndarray, device: torch.device
+def _shared_prefixes(gather: np.ndarray, old: np.ndarray, device: torch.device
                      ) -> tuple[list[SharedPrefix], np.ndarray]:
-    """Decode sequences (rows of the padded gather [Bg, L]) whose first slot is the same share
-    their longest common slot prefix (the same slot at the same position is the same cached token).
+    """Sequences (rows of the padded gather [Bg, L]; ``old`` [Bg] = keys before each one's
+    queries) whose first slot is the same share their longest common slot prefix (the same slot at
+    the same position is the same cached token), cut to keys that precede every member's queries.
     Returns the prefixes of at least MIN_SHARED_PREFIX tokens and each row's first key of its own."""
-    starts = np.zeros(len(slen), dtype=np.int64)
+    starts = np.zeros(len(old), dtype=np.int64)
     prefixes = []
     _, inverse, counts = np.unique(gather[:, 0], return_inverse=True, return_counts=True)
     for c in np.flatnonzero(counts >= 2):
         members = np.flatnonzero(inverse == c)
-        limit = int(slen[members].min()) - 1  # every member keeps at least its newest key
+        limit = int(old[members].min())  # the prefix is visible to all of a member's queries
         rows = gather[members, :limit]
         differs = np.flatnonzero((rows != rows[0]).any(axis=0))
         lp = int(differs[0]) if differs.size else limit
@@ -245,26 +264,28 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o = F.scaled_dot_product_attention(q.view(1, qn, h, d).transpose(1, 2), kc, vc, is_causal=True,
                                            scale=scale, enable_gqa=gs > 1)  # [1, H, Q, D]
         return o.transpose(1, 2).reshape(qn, h, d)
-    if g.prefixes:  # decode with shared prefixes: [Bg, H, D]
-        return _attend_with_prefixes(q.reshape(b, hkv, gs, d), kc, vc, k_cache, v_cache, g, scale).view(b, h, d)
     if g.q_index is None:  # decode: Q == 1
         qp = q.reshape(b, 1, h, d)  # [Bg, 1, H, D]: one token per sequence, no padding
     else:
         qp = q.new_zeros(b * qn, h, d).index_copy_(0, g.q_index, q).view(b, qn, h, d)  # [Bg, Q, H, D]
     # Fold each kv group's G query heads into the row axis: [Bg, Hkv, G * Q, D] (a view when Q == 1).
     qf = qp.view(b, qn, hkv, gs, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, gs * qn, d)
-    o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=g.mask, scale=scale)  # [Bg, Hkv, G * Q, D]
+    if g.prefixes:
+        o = _attend_with_prefixes(qf, kc, vc, k_cache, v_cache, g, scale)  # [Bg, Hkv, G * Q, D]
+    else:
+        o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=g.mask, scale=scale)  # [Bg, Hkv, G * Q, D]
     o = o.view(b, hkv, gs, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, h, d)  # [Bg * Q, H, D]
     return o if g.q_index is None else o.index_select(0, g.q_index)  # [Tg, H, D]
 
 
 def _attend_with_prefixes(qf: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, g: AttentionGroup, scale: float) -> torch.Tensor:
-    """Decode queries qf [Bg, Hkv, G, D] over own keys kc/vc [Bg, Hkv, L', D] plus shared prefixes
-    -> [Bg, Hkv, G, D]. Partial softmaxes are merged in float32 by their log-sum-exps."""
-    b, hkv, gs, d = qf.shape
+    """GQA-folded queries qf [Bg, Hkv, R, D] (R = G * Q rows) over own keys kc/vc [Bg, Hkv, L', D]
+    (masked by the group's mask) plus shared prefixes (every prefix key is visible to every query
+    of its members) -> [Bg, Hkv, R, D]. Partial softmaxes are merged in float32 by log-sum-exps."""
+    b, hkv, rows, d = qf.shape
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = sdpa(qf, kc, vc, 0.0, False, attn_mask=g.additive_mask(qf.dtype), scale=scale)  # lse [Bg, Hkv, G]
+    out, lse = sdpa(qf, kc, vc, 0.0, False, attn_mask=g.additive_mask(qf.dtype), scale=scale)  # lse [Bg, Hkv, R]
     out = out.clone()
     for p in g.prefixes:
         m, lp = int(p.members.shape[0]), p.length
@@ -273,12 +294,12 @@ def _attend_with_prefixes(qf: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, 
             kp, vp = k_cache[p.run_start:p.run_start + lp], v_cache[p.run_start:p.run_start + lp]  # [Lp, Hkv, D]
         else:
             kp, vp = k_cache.index_select(0, p.slots), v_cache.index_select(0, p.slots)
-        # The members' G query heads of each kv head become rows: [1, Hkv, M * G, D].
-        qm = qf.index_select(0, p.members).transpose(0, 1).reshape(1, hkv, m * gs, d)
+        # The members' query rows of each kv head become one block of rows: [1, Hkv, M * R, D].
+        qm = qf.index_select(0, p.members).transpose(0, 1).reshape(1, hkv, m * rows, d)
         op, lsep = sdpa(qm, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0), 0.0, False,
-                        scale=scale)  # [1, Hkv, M * G, D], [1, Hkv, M * G]
-        op = op.view(hkv, m, gs, d).transpose(0, 1).float()  # [M, Hkv, G, D]
-        lsep = lsep.view(hkv, m, gs).transpose(0, 1)  # [M, Hkv, G]
+                        scale=scale)  # [1, Hkv, M * R, D], [1, Hkv, M * R]
+        op = op.view(hkv, m, rows, d).transpose(0, 1).float()  # [M, Hkv, R, D]
+        lsep = lsep.view(hkv, m, rows).transpose(0, 1)  # [M, Hkv, R]
         lso = lse.index_select(0, p.members)
         top = torch.maximum(lsep, lso)
         wp, wo = (lsep - top).exp_().unsqueeze(-1), (lso - top).exp_().unsqueeze(-1)

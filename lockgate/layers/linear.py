@@ -36,6 +36,7 @@ Called by ``lockgate.models.llama`` (every projection and the LM head).
 
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,14 +67,28 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def fp32_min_rows_for(setting: str, dtype: torch.dtype, device: torch.device) -> int | None:
+FP32_AUTO_MEMORY_SHARE = 0.25  # auto: the float32 copies may take at most this share of physical memory
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fp32_min_rows_for(setting: str, dtype: torch.dtype, device: torch.device,
+                      fp32_copy_bytes: int = 0) -> int | None:
     """Resolve ``--fp32-matmul-rows`` (auto | off | N): the row count from which projections
     multiply in float32, or None for never. auto: ``FP32_MIN_ROWS`` for a 16-bit run on a CPU
-    whose bf16 matmul is slower than sgemm (oneDNN bf16 support without AMX), else None."""
+    whose bf16 matmul is slower than sgemm (oneDNN bf16 support without AMX) when the float32
+    copies (``fp32_copy_bytes``) fit in FP32_AUTO_MEMORY_SHARE of physical memory, else None."""
     if setting == "off" or dtype == torch.float32:
         return None
     if setting == "auto":
-        return FP32_MIN_ROWS if onednn_packs(dtype, device) and not cpu_has_amx() else None
+        memory = physical_memory_bytes()
+        fits = memory is None or fp32_copy_bytes <= FP32_AUTO_MEMORY_SHARE * memory
+        return FP32_MIN_ROWS if onednn_packs(dtype, device) and not cpu_has_amx() and fits else None
     rows = int(setting)
     if rows < 1:
         raise ValueError(f"--fp32-matmul-rows must be auto, off or a row count >= 1, got {setting!r}")

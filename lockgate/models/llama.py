@@ -82,6 +82,14 @@ class LlamaArgs:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def matmul_parameters(self) -> int:
+        """Weights of every projection and the LM head (what a per-weight copy costs, per byte)."""
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim * self.hidden_size
+        o = self.num_heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.intermediate_size * self.hidden_size
+        return self.num_layers * (qkv + o + mlp) + self.vocab_size * self.hidden_size
+
     @staticmethod
     def from_config(cfg: dict[str, Any]) -> LlamaArgs:
         """Parse a Hugging Face config.json dict; raise ValueError for what we do not support."""

@@ -32,7 +32,7 @@ import torch
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.linear import fp32_min_rows_for
-from lockgate.models.llama import LlamaModel
+from lockgate.models.llama import LlamaArgs, LlamaModel
 from lockgate.models.loader import prepare_model_dir
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner.sampler import sample
@@ -93,7 +93,9 @@ class ModelRunner:
         # auto keeps float32 runs dense: float32 is what one asks for to match a reference exactly.
         self.quantization = "none" if model_cfg.quantization == "auto" and self.dtype == torch.float32 \
             else model_cfg.quantization
-        self.fp32_min_rows = fp32_min_rows_for(model_cfg.fp32_matmul_rows, self.dtype, self.device)
+        args = LlamaArgs.from_config(json.loads((self.model_dir / "config.json").read_text()))
+        self.fp32_min_rows = fp32_min_rows_for(model_cfg.fp32_matmul_rows, self.dtype, self.device,
+                                               4 * args.matmul_parameters)
         self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
                                                 self.fp32_min_rows).eval()
         if self.fp32_min_rows is not None:
