@@ -12,10 +12,29 @@ from lockgate import LLM, SamplingParams
 from lockgate.bench.stats import summarize_ms
 
 
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and the /proc/cpuinfo flags that decide lockgate's kernels (bf16, AMX, VNNI)."""
+    name, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = sorted({x for x in value.split() if x.startswith(("avx512_bf16", "amx", "avx512_vnni",
+                                                                            "avx512f", "avx2"))})
+                    break
+    except OSError:
+        pass
+    return name, flags
+
+
 def machine() -> dict[str, Any]:
     import torch
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+    name, flags = cpu_model_and_flags()
+    return {"cpu": name, "cpu_flags": flags, "cores": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads()}
 
 

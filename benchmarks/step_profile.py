@@ -12,7 +12,7 @@ time in matmuls, attention, K/V gathers and writes, other ops, and what is left 
 dispatch), plus the top ops.
 
 Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--quantization auto,none]
-        [--fp32-matmul-rows auto,off] [--threads 2,1]
+        [--fp32-matmul-rows auto,off] [--cpu-kernels auto,off] [--threads 2,1]
         [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
         [--shared-prefix 1024 --group-size 8 [--no-prefix-attention]]
 """
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--quantization", default="auto", help="comma list of --quantization modes (auto,none,int4)")
     ap.add_argument("--fp32-matmul-rows", default="auto", help="comma list of --fp32-matmul-rows settings")
+    ap.add_argument("--cpu-kernels", default="auto", help="comma list of --cpu-kernels settings (auto,off)")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
@@ -151,11 +152,11 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     seq = args.prompt_len + args.decoded + 1
     capacity = max(batches) * seq + max(batches) + args.prefill + 8
-    runners = {f"{d}/{q}/fp32-{f}": ModelRunner(ModelConfig(model=args.model, dtype=d, quantization=q,
-                                                            fp32_matmul_rows=f),
-                                                CacheConfig(max_total_tokens=capacity))
-               for d in args.dtypes.split(",") for q in args.quantization.split(",")
-               for f in args.fp32_matmul_rows.split(",")}
+    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}": ModelRunner(
+        ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k),
+        CacheConfig(max_total_tokens=capacity))
+        for d in args.dtypes.split(",") for q in args.quantization.split(",")
+        for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")}
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()

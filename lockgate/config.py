@@ -72,6 +72,10 @@ class ModelConfig:
                                    "batches) multiply in float32 against a float32 copy of the weights (+4 bytes "
                                    "per parameter): faster than bf16 on CPUs with AVX512-BF16 but no AMX. "
                                    "auto = 64 on such a CPU for a 16-bit dtype, else off; off; or a row count")
+    cpu_kernels: str = option("auto", "lockgate's C++ CPU kernels (decode attention read from the KV pool by slot): "
+                              "auto = build them on first use (~15 s, cached under ~/.cache/lockgate/kernels) "
+                              "and use them, falling back to plain torch ops if they cannot be built; off",
+                              choices=["auto", "off"])
     max_model_len: int | None = option(None, "cap the context length (default: the model's)")
     seed: int = option(0, "global seed for unseeded sampling")
     num_threads: int | None = option(None, "torch intra-op threads of the scheduler process (default: torch's "

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lockgate import kernels
 from lockgate.layers.attention import (
     MIN_SHARED_PREFIX,
     AttentionMetadata,
@@ -72,9 +73,24 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["torch", "kernel"])
+def decode_kernel(request) -> bool:
+    """Both decode paths: gathers + SDPA, and lockgate's C++ kernel."""
+    if request.param:
+        load_kernels()
+    return request.param
+
+
+def load_kernels():
+    """lockgate's C++ kernels must build here: a machine that runs the suite has a compiler, so a
+    failed build fails the tests, never skips them."""
+    assert kernels.load(), f"lockgate CPU kernels did not build: {kernels.error()}"
+    return torch.ops.lockgate
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("h,hkv", [(8, 2), (9, 3), (4, 4)])
-def test_fast_matches_reference_and_dense(case: str, h: int, hkv: int) -> None:
+def test_fast_matches_reference_and_dense(case: str, h: int, hkv: int, decode_kernel: bool) -> None:
     seqs = CASES[case]
     rng = np.random.default_rng(zlib.crc32(f"{case}-{h}-{hkv}".encode()))
     torch.manual_seed(int(rng.integers(1 << 30)))
@@ -82,8 +98,9 @@ def test_fast_matches_reference_and_dense(case: str, h: int, hkv: int) -> None:
     plan, q, k, v, k_cache, v_cache, dense = make_step(rng, seqs, h, hkv, d)
     scale = d ** -0.5
     meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
-                                   plan["out_slots"], num_queries_per_kv=h // hkv)
+                                   plan["out_slots"], num_queries_per_kv=h // hkv, decode_kernel=decode_kernel)
     assert meta.num_tokens == q.shape[0]
+    assert any(g.kernel_slots is not None for g in meta.groups) == (decode_kernel and 1 in plan["query_lens"])
     fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # also writes the step's K/V
     assert fast.shape == q.shape and torch.isfinite(fast).all()
     ref = reference_attention(q, k_cache, v_cache, plan["query_lens"], plan["seq_lens"], plan["kv_slots"],
@@ -185,14 +202,14 @@ def make_shared_step(rng: np.random.Generator, groups: list[tuple[int, list[int]
 
 @pytest.mark.parametrize("run", [True, False])
 @pytest.mark.parametrize("h,hkv", [(9, 3), (4, 4)])
-def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv: int) -> None:
+def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv: int, decode_kernel: bool) -> None:
     rng = np.random.default_rng(11 + run + h)
     torch.manual_seed(int(rng.integers(1 << 30)))
     d = 16
     groups = [(100, [1, 5, 30]), (MIN_SHARED_PREFIX, [2, 2]), (MIN_SHARED_PREFIX - 1, [3, 4])]  # last: too short
     plan, seqs, q, k, v, k_cache, v_cache, dense = make_shared_step(rng, groups, [50, 120], h, hkv, d, run)
     meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
-                                   plan["out_slots"], num_queries_per_kv=h // hkv)
+                                   plan["out_slots"], num_queries_per_kv=h // hkv, decode_kernel=decode_kernel)
     # Sequences on shared prefixes form their own group (their short own keys are not padded to
     # the others' full contexts); the too-short group and the loners form the other.
     shared, rest = sorted(meta.groups, key=lambda g: not g.prefixes)
@@ -200,8 +217,11 @@ def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv
     assert sorted((p.length, p.members.numel(), p.run_start is not None) for p in shared.prefixes) == \
         [(MIN_SHARED_PREFIX, 2, run), (100, 3, run)]
     # The shared group's own call covers only each member's keys after its prefix.
-    assert shared.mask is not None and sorted(shared.mask[:, 0, 0].sum(-1).tolist()) == [1, 2, 2, 5, 30]
-    assert shared.max_len == 30
+    if decode_kernel:
+        assert sorted(shared.kernel_offsets.diff().tolist()) == [1, 2, 2, 5, 30]
+    else:
+        assert shared.mask is not None and sorted(shared.mask[:, 0, 0].sum(-1).tolist()) == [1, 2, 2, 5, 30]
+        assert shared.max_len == 30
     scale = d ** -0.5
     fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     want = dense_causal(dense, seqs, h, hkv)
@@ -217,7 +237,7 @@ def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv
 
 
 @pytest.mark.parametrize("run", [True, False])
-def test_shared_prefixes_for_prefill_chunks(run: bool) -> None:
+def test_shared_prefixes_for_prefill_chunks(run: bool, decode_kernel: bool) -> None:
     # Prefix-cache hits prefilling their own suffixes (up to 12 tokens each) beside decodes: the
     # prefill group attends to each shared prefix once, without a mask, and causally to its own keys.
     rng = np.random.default_rng(21 + run)
@@ -227,7 +247,7 @@ def test_shared_prefixes_for_prefill_chunks(run: bool) -> None:
     plan, seqs, q, k, v, k_cache, v_cache, dense = make_shared_step(rng, groups, [50, 7], h, hkv, d, run,
                                                                     query_len=12)
     meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
-                                   plan["out_slots"], num_queries_per_kv=h // hkv)
+                                   plan["out_slots"], num_queries_per_kv=h // hkv, decode_kernel=decode_kernel)
     dec, pre_shared, pre_rest = meta.groups
     assert dec.num_seqs == 1 and dec.prefixes == []  # the one decoding sequence shares with nobody in its group
     # Group 1 (3 prefilling members); group 2's other member prefills alone; loners share nothing.
@@ -240,3 +260,96 @@ def test_shared_prefixes_for_prefill_chunks(run: bool) -> None:
     fb = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta,
                          scale)
     torch.testing.assert_close(fb.float(), want, atol=3e-2, rtol=3e-2)
+
+
+# ---- lockgate's decode kernel on its own ---------------------------------------------------------
+
+
+def _decode_inputs(lens: list[int], h: int, hkv: int, d: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                   seed: int, capacity: int = 6000):
+    """Scattered keys for decoding sequences of ``lens`` keys; the rest of the pool is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.full((capacity, hkv, d), float("nan")).to(kv_dtype)
+    v_cache = torch.full((capacity, hkv, d), float("nan")).to(kv_dtype)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    slots = torch.randperm(capacity, generator=g)[:int(offsets[-1])]
+    k_cache[slots] = torch.randn(len(slots), hkv, d, generator=g).to(kv_dtype)
+    v_cache[slots] = torch.randn(len(slots), hkv, d, generator=g).to(kv_dtype)
+    q = torch.randn(len(lens), h, d, generator=g).to(q_dtype)
+    return q, k_cache, v_cache, slots, torch.from_numpy(offsets)
+
+
+def _dense_decode(q, k_cache, v_cache, slots, offsets, scale):
+    """Per sequence in float64: softmax(scale q K^T) V and the log-sum-exp, heads h -> kv h // G."""
+    outs, lses = [], []
+    g = q.shape[1] // k_cache.shape[1]
+    for b in range(q.shape[0]):
+        sl = slots[int(offsets[b]):int(offsets[b + 1])]
+        k = k_cache[sl].double().repeat_interleave(g, dim=1)  # [L, H, D]
+        v = v_cache[sl].double().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale  # [H, L]
+        outs.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v))
+        lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 80])  # 64 and 128 take the AVX-512 path where there is one
+@pytest.mark.parametrize("h,hkv", [(9, 3), (8, 1), (10, 2), (4, 4)])  # G = 3, 8 (two passes of 4), 5, 1
+def test_decode_kernel_matches_float64(d: int, h: int, hkv: int) -> None:
+    load_kernels()
+    lens = [1, 2, 17, 300, 33, 1, 129]
+    q, kc, vc, slots, offsets = _decode_inputs(lens, h, hkv, d, torch.float32, torch.float32, seed=d * 100 + h)
+    scale = d ** -0.5
+    out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, scale)
+    want, want_lse = _dense_decode(q, kc, vc, slots, offsets, scale)
+    assert out.dtype == torch.float32 and lse.shape == (len(lens), h)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_decode_kernel_bf16_pool(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    load_kernels()
+    q, kc, vc, slots, offsets = _decode_inputs([5, 64, 250], 9, 3, 64, q_dtype, kv_dtype, seed=3)
+    out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, 0.125)
+    want, want_lse = _dense_decode(q, kc, vc, slots, offsets, 0.125)  # from the same bf16 values
+    assert out.dtype == q_dtype
+    # float32 math inside: only the output's rounding to q's dtype is lost
+    tol = 2e-5 if q_dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_splits_long_contexts_exactly() -> None:
+    """One sequence with a long context: its keys are split over the threads in chunks, and the
+    partial softmaxes are merged; the result equals the unsplit float64 one."""
+    load_kernels()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            q, kc, vc, slots, offsets = _decode_inputs([4000], 9, 3, 64, torch.float32, torch.float32, seed=n,
+                                                       capacity=5000)
+            out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, 0.125)
+            want, want_lse = _dense_decode(q, kc, vc, slots, offsets, 0.125)
+            torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-5)
+            torch.testing.assert_close(lse.double(), want_lse, atol=2e-6, rtol=2e-6)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_kernel_rejects_bad_input() -> None:
+    op = load_kernels().decode_attention
+    q, kc, vc, slots, offsets = _decode_inputs([3, 4], 9, 3, 16, torch.float32, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="has no keys"):
+        op(q, kc, vc, slots, torch.tensor([0, 3, 3]), 0.25)
+    with pytest.raises(RuntimeError, match="offsets leave slots"):
+        op(q, kc, vc, slots, torch.tensor([0, 3, 99]), 0.25)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        op(q[:, :8], kc, vc, slots, offsets, 0.25)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(q, kc, vc, slots.int(), offsets, 0.25)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        op(q, kc, vc.bfloat16(), slots, offsets, 0.25)
+    with pytest.raises(RuntimeError, match="outside the pool of 6000 slots"):
+        op(q, kc, vc, torch.cat([slots[:-1], torch.tensor([6000])]), offsets, 0.25)

@@ -77,8 +77,8 @@ def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch) -> None:
     from lockgate.layers import attention
 
     calls = []
-    real = attention._attend_with_prefixes
-    monkeypatch.setattr(attention, "_attend_with_prefixes", lambda *a: calls.append(len(a[5].prefixes)) or real(*a))
+    real = attention._add_prefixes
+    monkeypatch.setattr(attention, "_add_prefixes", lambda *a: calls.append(len(a[5])) or real(*a))
     system = {"role": "system", "content": "You are a terse assistant. Answer in at most one sentence. " * 8}
     convs = [[system, {"role": "user", "content": q}] for q in
              ("What is 2 + 2?", "Name a planet.", "What color is the sky?", "Who wrote Hamlet?")]

@@ -72,7 +72,9 @@ class AttentionGroup:
     shared prefixes (``prefixes``) or none."""
 
     token_idx: torch.Tensor | None  # [Tg] i64: rows of the step's T tokens in this group; None = all, in order
-    gather: torch.Tensor  # [Bg, L] i64: pool slot of key j of sequence b (padded with the sequence's last slot)
+    num_seqs: int  # Bg
+    # [Bg, L] i64: pool slot of key j of sequence b (padded with the sequence's last slot); None on the kernel path
+    gather: torch.Tensor | None
     mask: torch.Tensor | None  # bool [Bg, 1, G * Q, L] (prefill) or [Bg, 1, 1, L] (decode); None = all visible or causal
     q_index: torch.Tensor | None  # [Tg] i64: row of each group token in the padded [Bg * Q] layout (prefill only)
     max_q: int  # Q: longest query run in the group (1 for decode)
@@ -80,6 +82,9 @@ class AttentionGroup:
     causal: bool = False  # one sequence whose queries are its whole context: SDPA's causal mask, no mask tensor
     # Shared prefixes; then ``gather``/``mask`` cover each member's keys *after* its prefix.
     prefixes: list[SharedPrefix] = field(default_factory=list)
+    # Decode on ``lockgate.kernels`` (``decode_attention``): each sequence's own keys as CSR, read by slot.
+    kernel_slots: torch.Tensor | None = None  # [N] i64
+    kernel_offsets: torch.Tensor | None = None  # [Bg + 1] i64
     _additive: dict[torch.dtype, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -91,11 +96,8 @@ class AttentionGroup:
         return self._additive[dtype]
 
     @property
-    def num_seqs(self) -> int:
-        return int(self.gather.shape[0])
-
-    @property
     def max_len(self) -> int:
+        assert self.gather is not None
         return int(self.gather.shape[1])
 
 
@@ -109,9 +111,12 @@ class AttentionMetadata:
 
     @staticmethod
     def build(query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray, kv_offsets: np.ndarray,
-              out_slots: np.ndarray, num_queries_per_kv: int, device: torch.device | str = "cpu"
-              ) -> AttentionMetadata:
-        """Plan arrays (numpy i64, shapes as in ``ForwardPlan``) -> tensors on ``device``."""
+              out_slots: np.ndarray, num_queries_per_kv: int, device: torch.device | str = "cpu",
+              decode_kernel: bool = False) -> AttentionMetadata:
+        """Plan arrays (numpy i64, shapes as in ``ForwardPlan``) -> tensors on ``device``.
+
+        ``decode_kernel``: decoding sequences attend with ``torch.ops.lockgate.decode_attention``
+        (the caller has loaded ``lockgate.kernels``); else with gathers and SDPA."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         kv_slots = np.asarray(kv_slots, dtype=np.int64)
@@ -129,7 +134,7 @@ class AttentionMetadata:
                     continue
                 whole = sel.size == len(query_lens)  # one group covers the whole step, in order
                 groups.append(_build_group(sel, whole, query_lens, seq_lens, kv_slots, kv_offsets, q_offsets,
-                                           num_queries_per_kv, torch.device(device)))
+                                           num_queries_per_kv, torch.device(device), decode_kernel))
         t = torch.from_numpy(np.asarray(out_slots, dtype=np.int64)).to(device)
         return AttentionMetadata(out_slots=t, groups=groups, num_tokens=int(q_offsets[-1]))
 
@@ -148,9 +153,11 @@ def _on_shared_prefix(sel: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndar
 
 def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens: np.ndarray,
                  kv_slots: np.ndarray, kv_offsets: np.ndarray, q_offsets: np.ndarray, group_size: int,
-                 device: torch.device) -> AttentionGroup:
+                 device: torch.device, decode_kernel: bool = False) -> AttentionGroup:
     """Vectorised numpy: gather index, mask and token scatter indices for sequences ``sel``."""
     qlen, slen = query_lens[sel], seq_lens[sel]  # [Bg]
+    if decode_kernel and int(qlen.max()) == 1:
+        return _build_kernel_group(sel, whole, seq_lens, kv_slots, kv_offsets, q_offsets, device)
     b, q, length = len(sel), int(qlen.max()), int(slen.max())
     j = np.arange(length, dtype=np.int64)[None, :]  # [1, L] key index == key position
     # Keys past a sequence's end re-read its last slot (valid memory, masked out below).
@@ -187,6 +194,7 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
     run = b == 1 and bool(np.array_equal(gather[0], np.arange(first, first + length, dtype=np.int64)))
     return AttentionGroup(
         token_idx=None if whole else torch.from_numpy(token_idx).to(device),
+        num_seqs=b,
         gather=torch.from_numpy(np.ascontiguousarray(gather)).to(device),
         mask=None if mask is None else torch.from_numpy(np.ascontiguousarray(mask)).to(device),
         q_index=q_index,
@@ -195,6 +203,30 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
         causal=causal,
         prefixes=prefixes,
     )
+
+
+def _build_kernel_group(sel: np.ndarray, whole: bool, seq_lens: np.ndarray, kv_slots: np.ndarray,
+                        kv_offsets: np.ndarray, q_offsets: np.ndarray, device: torch.device) -> AttentionGroup:
+    """Decoding sequences ``sel`` on the kernel: each one's keys after its shared prefix (if any) as CSR."""
+    slen = seq_lens[sel]
+    starts = np.zeros(len(sel), dtype=np.int64)
+    prefixes: list[SharedPrefix] = []
+    if len(sel) >= 2:
+        j = np.arange(int(slen.max()), dtype=np.int64)[None, :]
+        gather = kv_slots[kv_offsets[sel][:, None] + np.minimum(j, slen[:, None] - 1)]  # [Bg, L]
+        prefixes, starts = _shared_prefixes(gather, slen - 1, device)
+    own = slen - starts  # [Bg] keys of each sequence's own (>= 1: its new token)
+    offsets = np.zeros(len(sel) + 1, dtype=np.int64)
+    np.cumsum(own, out=offsets[1:])
+    if whole and not prefixes and np.array_equal(offsets, kv_offsets):
+        slots = kv_slots  # the plan's CSR is the group's
+    else:
+        slots = kv_slots[np.repeat(kv_offsets[sel] + starts - offsets[:-1], own) + np.arange(int(offsets[-1]))]
+    return AttentionGroup(
+        token_idx=None if whole else torch.from_numpy(q_offsets[sel]).to(device),  # one token per sequence
+        num_seqs=len(sel), gather=None, mask=None, q_index=None, max_q=1, prefixes=prefixes,
+        kernel_slots=torch.from_numpy(np.ascontiguousarray(slots)).to(device),
+        kernel_offsets=torch.from_numpy(offsets).to(device))
 
 
 def _shared_prefixes(gather: np.ndarray, old: np.ndarray, device: torch.device
@@ -249,10 +281,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup,
                   scale: float) -> torch.Tensor:
     """q [Tg, H, D] (the group's tokens, in order) -> [Tg, H, D]."""
-    b, length, qn = g.num_seqs, g.max_len, g.max_q
+    b, qn = g.num_seqs, g.max_q
     _, h, d = q.shape
     hkv = k_cache.shape[1]
     gs = h // hkv
+    if g.kernel_slots is not None:  # decode, each sequence's own keys read by slot in place
+        o, lse = torch.ops.lockgate.decode_attention(q, k_cache, v_cache, g.kernel_slots, g.kernel_offsets,
+                                                     scale)  # [Bg, H, D], [Bg, H] f32
+        if g.prefixes:  # [Bg, H] is [Bg, Hkv, G] (h = kv * G + g): the GQA-folded layout with Q == 1
+            o = _add_prefixes(q.reshape(b, hkv, gs, d), o.view(b, hkv, gs, d), lse.view(b, hkv, gs), k_cache,
+                              v_cache, g.prefixes, scale).view(b, h, d)
+        return o
+    length = g.max_len
+    assert g.gather is not None
     if g.run_start is not None:  # one sequence on a slot run: read the pool in place
         kc = k_cache[g.run_start:g.run_start + length].view(1, length, hkv, d).transpose(1, 2)  # [1, Hkv, L, D]
         vc = v_cache[g.run_start:g.run_start + length].view(1, length, hkv, d).transpose(1, 2)
@@ -271,23 +312,25 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Fold each kv group's G query heads into the row axis: [Bg, Hkv, G * Q, D] (a view when Q == 1).
     qf = qp.view(b, qn, hkv, gs, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, gs * qn, d)
     if g.prefixes:
-        o = _attend_with_prefixes(qf, kc, vc, k_cache, v_cache, g, scale)  # [Bg, Hkv, G * Q, D]
+        sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        own, lse = sdpa(qf, kc, vc, 0.0, False, attn_mask=g.additive_mask(qf.dtype), scale=scale)  # lse [Bg, Hkv, R]
+        o = _add_prefixes(qf, own, lse, k_cache, v_cache, g.prefixes, scale)  # [Bg, Hkv, G * Q, D]
     else:
         o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=g.mask, scale=scale)  # [Bg, Hkv, G * Q, D]
     o = o.view(b, hkv, gs, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, h, d)  # [Bg * Q, H, D]
     return o if g.q_index is None else o.index_select(0, g.q_index)  # [Tg, H, D]
 
 
-def _attend_with_prefixes(qf: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, g: AttentionGroup, scale: float) -> torch.Tensor:
-    """GQA-folded queries qf [Bg, Hkv, R, D] (R = G * Q rows) over own keys kc/vc [Bg, Hkv, L', D]
-    (masked by the group's mask) plus shared prefixes (every prefix key is visible to every query
-    of its members) -> [Bg, Hkv, R, D]. Partial softmaxes are merged in float32 by log-sum-exps."""
+def _add_prefixes(qf: torch.Tensor, own: torch.Tensor, lse: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, prefixes: list[SharedPrefix], scale: float) -> torch.Tensor:
+    """GQA-folded queries qf [Bg, Hkv, R, D] (R = G * Q rows), their attention over their own keys
+    ``own`` [Bg, Hkv, R, D] with its log-sum-exps ``lse`` [Bg, Hkv, R] f32, plus the shared prefixes
+    (every prefix key is visible to every query of its members) -> [Bg, Hkv, R, D]. Partial softmaxes
+    are merged in float32 by log-sum-exps."""
     b, hkv, rows, d = qf.shape
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = sdpa(qf, kc, vc, 0.0, False, attn_mask=g.additive_mask(qf.dtype), scale=scale)  # lse [Bg, Hkv, R]
-    out = out.clone()
-    for p in g.prefixes:
+    out = own.clone()
+    for p in prefixes:
         m, lp = int(p.members.shape[0]), p.length
         if p.slots is None:
             assert p.run_start is not None

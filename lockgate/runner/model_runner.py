@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lockgate import kernels
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.linear import fp32_min_rows_for
@@ -101,6 +102,8 @@ class ModelRunner:
         if self.fp32_min_rows is not None:
             log.info("projections of >= %d rows multiply in float32 (--fp32-matmul-rows %s)", self.fp32_min_rows,
                      model_cfg.fp32_matmul_rows)
+        # Decode attention on lockgate's kernel (reads the pool by slot); plain torch where it cannot build.
+        self.decode_kernel: bool = self.device.type == "cpu" and kernels.load(model_cfg.cpu_kernels)
         args = self.model.args
         self.vocab_size: int = args.vocab_size
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
@@ -146,7 +149,7 @@ class ModelRunner:
             raise ValueError(f"bad plan: {t} tokens, out_slots {plan.out_slots.shape}, capacity {self.capacity}")
         dev = self.device
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.kv_slots, plan.kv_offsets,
-                                       plan.out_slots, self.model.args.num_queries_per_kv, dev)
+                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.decode_kernel)
         s = int(plan.sample_rows.shape[0])
         rows = None
         if s:

@@ -1,0 +1,336 @@
+// Decode attention over the slot-indexed KV pool (TokenAttention), read in place.
+//
+// lockgate::decode_attention(q, k_cache, v_cache, slots, offsets, scale) -> (out, lse)
+//
+//   q        [B, H, D]      float32 or bfloat16; last dim contiguous, other strides free
+//   k_cache  [C, Hkv, D]    float32 or bfloat16 (one layer of the pool), contiguous
+//   v_cache  [C, Hkv, D]    same dtype as k_cache, contiguous
+//   slots    [N]   int64    keys of sequence b are slots[offsets[b] : offsets[b + 1]]
+//   offsets  [B+1] int64    (CSR); every sequence has at least one key
+//   out      [B, H, D]      q's dtype: softmax(scale * q k^T) v over the sequence's keys
+//   lse      [B, H]         float32: log-sum-exp of the scaled scores (to merge partial results)
+//
+// One query token per sequence, every key visible (decode). Query heads h = kv * G + g share
+// kv head kv (GQA, G = H / Hkv). A work item is (sequence, kv head, key chunk): it reads each
+// key's K and V row once, straight from the pool by slot (no gathered copy, no padding to the
+// longest sequence), scores its G query heads against it, and keeps a partial softmax
+// (max, sum, weighted V sum) in float32. Sequences are split into key chunks only when there are
+// too few (sequence, kv head) pairs to keep every thread busy (batch-1 decode); partials are
+// then merged by their maxima, exactly. Math is float32 whatever the storage dtype; bf16 is
+// widened by a shift, so no AVX512-BF16 instruction is needed.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(__builtin_bit_cast(uint16_t, x)) << 16);
+}
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }  // round to nearest even
+
+// exp(x) for x <= 0 (scores minus their max), vectorisable: 2^n * p(f), n = round(x log2 e),
+// |f| <= 1/2, p a degree-6 fit of 2^f (relative error < 2e-7); exp(-87) and below give ~1e-38.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+  const float shifted = t + 0.5f;
+  int32_t n = static_cast<int32_t>(shifted);   // truncation toward zero ...
+  n -= static_cast<int32_t>(shifted < static_cast<float>(n));  // ... made floor: n = round(t)
+  const float f = t - static_cast<float>(n);
+  float p = 1.546531804e-4f;
+  p = p * f + 1.339528536e-3f;
+  p = p * f + 9.618039929e-3f;
+  p = p * f + 5.550340668e-2f;
+  p = p * f + 2.40226511e-1f;
+  p = p * f + 6.931472001e-1f;
+  p = p * f + 1.0f;
+  return p * __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
+}
+
+struct Item {
+  int64_t seq, kv, begin, end;  // keys [begin, end) of the sequence's slot list
+};
+
+// Keys per work item: all of a sequence's keys when (sequence, kv head) pairs already give every
+// thread several items; else chunks sized so that there are about kItemsPerThread per thread.
+constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kMinChunk = 32;
+
+std::vector<Item> plan_items(const int64_t* off, int64_t b, int64_t hkv) {
+  const int64_t want = kItemsPerThread * at::get_num_threads();
+  int64_t total = 0, longest = 0;
+  for (int64_t s = 0; s < b; ++s) {
+    total += off[s + 1] - off[s];
+    longest = std::max(longest, off[s + 1] - off[s]);
+  }
+  int64_t chunk = longest;
+  if (b * hkv < want) chunk = std::max(kMinChunk, (total * hkv + want - 1) / want);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < b; ++s) {
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+      for (int64_t j = 0; j < off[s + 1] - off[s]; j += chunk) {
+        items.push_back({s, kv, j, std::min(j + chunk, off[s + 1] - off[s])});
+      }
+    }
+  }
+  return items;
+}
+
+// One item: partial softmax of G query heads over keys [begin, end). part = G rows of
+// [max, sum, acc[D]] (float32). Query rows are taken R (<= 4) at a time so that their queries and
+// accumulators stay in registers; a pass reads the item's K rows once, then its V rows once.
+template <typename TQ>
+void load_queries(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, int64_t g, int64_t d, float scale,
+                  float* qf) {
+  for (int64_t r = 0; r < g; ++r) {
+    const TQ* src = q + it.seq * q_s0 + (it.kv * g + r) * q_s1;
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = widen(src[i]) * scale;
+  }
+}
+
+// Softmax statistics of rows [0, rows) of sc [rows, n] in place (scores -> exp(score - max));
+// writes max and sum into part rows.
+inline void softmax_rows(float* sc, int64_t rows, int64_t n, float* part, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* p = sc + r * n;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, p[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = exp_nonpositive(p[j] - m);
+      sum += p[j];
+    }
+    part[r * (d + 2)] = m;
+    part[r * (d + 2) + 1] = sum;
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+constexpr int kPrefetch = 8;  // rows ahead: slots are scattered, hardware prefetch cannot guess them
+
+template <typename TKV>
+inline void prefetch_row(const TKV* row, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + o, _MM_HINT_T0);
+}
+
+// R query rows (qf, scaled) x keys sl[0..n) -> scores sc [R, n]; then, after the softmax, the
+// probabilities x values -> part accumulators. D = 16 * NV.
+template <int NV, int R, typename TKV>
+void attend_rows_avx512(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n,
+                        int64_t hkv, int64_t kv, float* sc, float* part) {
+  constexpr int64_t d = 16 * NV;
+  __m512 qv[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) qv[r][v] = _mm512_loadu_ps(qf + r * d + 16 * v);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetch < n) prefetch_row(kc + (sl[j + kPrefetch] * hkv + kv) * d, d * sizeof(TKV));
+    const TKV* kr = kc + (sl[j] * hkv + kv) * d;
+    __m512 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = load16(kr + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      __m512 acc = _mm512_mul_ps(qv[r][0], k[0]);
+      for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(qv[r][v], k[v], acc);
+      sc[r * n + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  softmax_rows(sc, R, n, part, d);
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetch < n) prefetch_row(vc + (sl[j + kPrefetch] * hkv + kv) * d, d * sizeof(TKV));
+    const TKV* vr = vc + (sl[j] * hkv + kv) * d;
+    __m512 val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = load16(vr + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(sc[r * n + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(w, val[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(part + r * (d + 2) + 2 + 16 * v, acc[r][v]);
+}
+
+template <int NV, typename TKV>
+void attend_avx512(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n, int64_t hkv,
+                   int64_t kv, int64_t g, float* sc, float* part) {
+  constexpr int64_t d = 16 * NV;
+  for (int64_t r0 = 0; r0 < g; r0 += 4) {
+    const float* q = qf + r0 * d;
+    float* pr = part + r0 * (d + 2);
+    switch (std::min<int64_t>(4, g - r0)) {
+      case 1: attend_rows_avx512<NV, 1>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+      case 2: attend_rows_avx512<NV, 2>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+      case 3: attend_rows_avx512<NV, 3>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+      default: attend_rows_avx512<NV, 4>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+    }
+  }
+}
+#endif
+
+// Any head size, any CPU: plain loops (auto-vectorised where the compiler can).
+template <typename TKV>
+void attend_generic(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n, int64_t hkv,
+                    int64_t kv, int64_t g, int64_t d, float* sc, float* row, float* part) {
+  for (int64_t j = 0; j < n; ++j) {
+    const TKV* kr = kc + (sl[j] * hkv + kv) * d;
+    for (int64_t i = 0; i < d; ++i) row[i] = widen(kr[i]);
+    for (int64_t r = 0; r < g; ++r) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < d; ++i) acc += qf[r * d + i] * row[i];
+      sc[r * n + j] = acc;
+    }
+  }
+  softmax_rows(sc, g, n, part, d);
+  for (int64_t r = 0; r < g; ++r) std::fill(part + r * (d + 2) + 2, part + r * (d + 2) + 2 + d, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const TKV* vr = vc + (sl[j] * hkv + kv) * d;
+    for (int64_t i = 0; i < d; ++i) row[i] = widen(vr[i]);
+    for (int64_t r = 0; r < g; ++r) {
+      float* acc = part + r * (d + 2) + 2;
+      const float w = sc[r * n + j];
+      for (int64_t i = 0; i < d; ++i) acc[i] += w * row[i];
+    }
+  }
+}
+
+template <typename TQ, typename TKV>
+void attend_item(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, const TKV* kc, const TKV* vc,
+                 const int64_t* slots, const int64_t* off, int64_t hkv, int64_t g, int64_t d, float scale,
+                 float* part, std::vector<float>& scratch) {
+  const int64_t n = it.end - it.begin;
+  scratch.resize(static_cast<size_t>(g * d + d + g * n));
+  float* qf = scratch.data();  // [G, D] scaled queries
+  float* row = qf + g * d;     // [D] one key or value row, widened (generic path)
+  float* sc = row + d;         // [G, n] scores, then probabilities
+  load_queries(it, q, q_s0, q_s1, g, d, scale, qf);
+  const int64_t* sl = slots + off[it.seq] + it.begin;
+#if defined(__AVX512F__)
+  if (d == 64) return attend_avx512<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+  if (d == 128) return attend_avx512<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+#endif
+  attend_generic(qf, kc, vc, sl, n, hkv, it.kv, g, d, sc, row, part);
+}
+
+template <typename TQ, typename TKV>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+         const at::Tensor& offsets, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1), g = h / hkv;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const std::vector<Item> items = plan_items(off, b, hkv);
+  const int64_t ni = static_cast<int64_t>(items.size());
+  std::vector<float> parts(static_cast<size_t>(ni * g * (d + 2)));
+  const TQ* qp = q.data_ptr<TQ>();
+  const TKV* kc = k_cache.data_ptr<TKV>();
+  const TKV* vc = v_cache.data_ptr<TKV>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  at::parallel_for(0, ni, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      attend_item<TQ, TKV>(items[i], qp, q.stride(0), q.stride(1), kc, vc, sl, off, hkv, g, d,
+                           static_cast<float>(scale), parts.data() + i * g * (d + 2), scratch);
+    }
+  });
+  // Merge the chunks of each (sequence, kv head): items of one pair are adjacent, in key order.
+  std::vector<int64_t> first;  // index of the first item of each pair, plus ni
+  for (int64_t i = 0; i < ni; ++i) {
+    if (i == 0 || items[i].seq != items[i - 1].seq || items[i].kv != items[i - 1].kv) first.push_back(i);
+  }
+  first.push_back(ni);
+  TQ* op = out.data_ptr<TQ>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t pairs = static_cast<int64_t>(first.size()) - 1;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(d));
+    for (int64_t p = begin; p < end; ++p) {
+      const Item& it = items[first[p]];
+      for (int64_t r = 0; r < g; ++r) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first[p]; i < first[p + 1]; ++i) m = std::max(m, parts[(i * g + r) * (d + 2)]);
+        float sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t i = first[p]; i < first[p + 1]; ++i) {
+          const float* pr = parts.data() + (i * g + r) * (d + 2);
+          const float w = std::exp(pr[0] - m);
+          sum += w * pr[1];
+          for (int64_t k = 0; k < d; ++k) acc[k] += w * pr[2 + k];
+        }
+        const int64_t head = it.kv * g + r;
+        TQ* dst = op + (it.seq * h + head) * d;
+        const float inv = 1.f / sum;
+        for (int64_t k = 0; k < d; ++k) narrow(acc[k] * inv, dst + k);
+        lp[it.seq * h + head] = m + std::log(sum);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                    const at::Tensor& v_cache, const at::Tensor& slots,
+                                                    const at::Tensor& offsets, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "head dim of q and the pool differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  offsets.is_contiguous() && offsets.dim() == 1 && offsets.size(0) == q.size(0) + 1,
+              "slots [N] and offsets [B + 1] must be contiguous int64");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "decode_attention is a CPU kernel");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t s = 0; s < q.size(0); ++s) {
+    TORCH_CHECK(off[s + 1] > off[s] && off[s] >= 0 && off[s + 1] <= slots.size(0),
+                "sequence ", s, " has no keys or its offsets leave slots");
+  }
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t n = slots.size(0), capacity = k_cache.size(0);
+  bool in_pool = true;
+  for (int64_t i = 0; i < n; ++i) in_pool &= sl[i] >= 0 && sl[i] < capacity;  // O(N), vectorised
+  TORCH_CHECK(in_pool, "a slot is outside the pool of ", capacity, " slots");
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
+  if (qt == at::kFloat && kt == at::kFloat) {
+    run<float, float>(q, k_cache, v_cache, slots, offsets, scale, out, lse);
+  } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
+    run<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, slots, offsets, scale, out, lse);
+  } else if (qt == at::kFloat && kt == at::kBFloat16) {
+    run<float, c10::BFloat16>(q, k_cache, v_cache, slots, offsets, scale, out, lse);
+  } else {
+    TORCH_CHECK(false, "decode_attention: unsupported dtypes q ", qt, " / pool ", kt);
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lockgate, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor offsets, float scale)"
+        " -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_attention", &decode_attention); }
