@@ -66,7 +66,7 @@ class ModelConfig:
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
     quantization: str = option("auto", "weight-only int4 (groups of 32) for steps of <= 16 rows, i.e. decode: "
                                "auto = where it loses nothing (a Q4_0/Q4_1 GGUF's projections, e.g. the default "
-                               "model) and dtype is 16-bit; int4 = every projection (lossy for 16-bit checkpoints); "
+                               "model) unless --dtype float32 is asked for explicitly (exact float32); int4 = every projection (lossy for 16-bit checkpoints); "
                                "none = dense weights only", choices=["auto", "none", "int4"])
     fp32_matmul_rows: str = option("auto", "projections called with at least this many rows (prefill, big "
                                    "batches) multiply in float32 against a float32 copy of the weights (+4 bytes "

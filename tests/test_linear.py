@@ -16,6 +16,7 @@ from lockgate.layers.linear import (
     Linear,
     cpu_has_amx,
     fp32_min_rows_for,
+    int4_activation_dtype,
     int4_unfit_reason,
     onednn_packs,
     quantize_int4,
@@ -105,6 +106,25 @@ def test_linear_uses_int4_up_to_max_rows_and_dense_above(dtype: torch.dtype, wit
             torch.testing.assert_close(got.float(), want, **tol)
         x3 = torch.randn(1, 3, 64).to(dtype)  # any leading shape
         torch.testing.assert_close(lin(x3), lin(x3.view(3, 64)).view(1, 3, 96))
+
+
+def test_float32_run_multiplies_int4_with_bf16_activations() -> None:
+    # A float32 run (--dtype auto on a CPU without native bf16) makes its int4 forms for bf16
+    # activations (the kernel's fast path): float32 in, float32 out, the input rounded to bf16.
+    assert int4_activation_dtype(torch.float32) == torch.bfloat16
+    assert int4_activation_dtype(torch.bfloat16) == torch.bfloat16
+    torch.manual_seed(1)
+    w_int4, w_dense, b = _on_grid(96, 64, seed=6), torch.randn(96, 64) * 0.05, torch.randn(96)
+    q = Int4Weight.from_weight(w_int4, int4_activation_dtype(torch.float32))
+    lin = Linear(w_dense, b, q)
+    with torch.inference_mode():
+        x = torch.randn(3, 64)
+        got = lin(x)
+        assert got.dtype == torch.float32
+        want = F.linear(x.bfloat16().float(), q.dequantize(96, 64)) + b
+        torch.testing.assert_close(got, want, atol=0.02, rtol=0.01)  # the product is rounded to bf16 too
+        x = torch.randn(INT4_MAX_ROWS + 1, 64)  # above: the dense float32 weight, exactly
+        torch.testing.assert_close(lin(x), F.linear(x, w_dense, b))
 
 
 def test_linear_three_forms_by_rows() -> None:

@@ -49,6 +49,7 @@ from lockgate.layers.linear import (
     LOSSLESS_TOLERANCE,
     Int4Weight,
     Linear,
+    int4_activation_dtype,
 )
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, rope_type_of
@@ -200,7 +201,7 @@ class DecoderLayer(nn.Module):
         def int4(name: str) -> Int4Weight | None:
             t = w[name]
             assert t is not None, name
-            return Int4Weight.choose(t, quantization, dtype)
+            return Int4Weight.choose(t, quantization, int4_activation_dtype(dtype))
 
         self.attn_norm = need("attn_norm")  # [hidden]
         self.qkv_weight = need("qkv_weight")  # [(H + 2 Hkv) D, hidden]

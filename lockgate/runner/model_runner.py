@@ -91,8 +91,9 @@ class ModelRunner:
         torch.manual_seed(model_cfg.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_cfg.seed)
-        # auto keeps float32 runs dense: float32 is what one asks for to match a reference exactly.
-        self.quantization = "none" if model_cfg.quantization == "auto" and self.dtype == torch.float32 \
+        # auto keeps an explicit --dtype float32 dense: what one asks for to match a reference exactly.
+        # float32 chosen by --dtype auto (a CPU without native bf16) still takes lossless int4 for decode.
+        self.quantization = "none" if model_cfg.quantization == "auto" and model_cfg.dtype == "float32" \
             else model_cfg.quantization
         args = LlamaArgs.from_config(json.loads((self.model_dir / "config.json").read_text()))
         self.fp32_min_rows = fp32_min_rows_for(model_cfg.fp32_matmul_rows, self.dtype, self.device,
