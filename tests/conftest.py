@@ -18,9 +18,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 class PoolDriver:
-    def __init__(self, model, capacity: int = 512, seed: int = 0):
+    def __init__(self, model, capacity: int = 512, seed: int = 0, kernels: bool = False):
+        """``kernels``: run on lockgate's CPU kernels (fused layer ops, decode attention kernel),
+        as the runner does when they build; else plain torch ops."""
+        from lockgate import kernels as cpu_kernels
         from lockgate.layers.attention import AttentionMetadata
 
+        if kernels:
+            assert cpu_kernels.load(), f"lockgate CPU kernels did not build: {cpu_kernels.error()}"
+        self.kernels = kernels
         self._meta = AttentionMetadata
         self.model = model
         self.k_cache = torch.full(model.kv_shape(capacity), float("nan"), dtype=model.dtype)
@@ -46,7 +52,8 @@ class PoolDriver:
         i64 = np.int64
         meta = self._meta.build(np.array(qlens, i64), np.array(slens, i64), np.array(kv, i64),
                                 np.concatenate([[0], np.cumsum(slens)]).astype(i64), np.array(out, i64),
-                                self.model.args.num_queries_per_kv)
+                                self.model.args.num_queries_per_kv, decode_kernel=self.kernels)
+        self.model.fused_ops = self.kernels
         # every token's row, or the last token of each sequence
         rows = list(range(len(ids))) if all_rows else list(np.cumsum(qlens) - 1)
         with torch.inference_mode():

@@ -6,6 +6,8 @@ contracts are documented at the top of each source file:
 
 * ``decode_attention`` (``decode_attention.cpp``): one query token per sequence against its
   keys, read from the slot-indexed KV pool in place by slot (no gathered copy, no padding).
+* ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` (``fused_ops.cpp``): the element-wise runs
+  between a layer's matmuls in one call each, rounding where the torch ops they replace round.
 
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++
 compiler (``-O3 -march=native``: the code is built where it runs) into
@@ -33,8 +35,10 @@ import torch
 
 log = logging.getLogger("lockgate.kernels")
 
-SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 MODES = ("auto", "off")
 
 _lock = threading.Lock()
@@ -49,7 +53,7 @@ def cache_dir() -> Path:
 def build_name() -> str:
     """A name unique to the sources, the flags and the torch build."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
@@ -89,6 +93,7 @@ def _build() -> tuple[bool, str | None]:
         if fresh:
             log.info("compiling lockgate CPU kernels into %s (first run on this machine, ~15 s)", where)
         cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_include_paths=[str(CSRC)],
                            build_directory=str(where), is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler, headers or ninja: keep the torch path
         msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

@@ -262,13 +262,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     v_cache.index_copy_(0, slots, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer: write this step's K/V into the pool, then attend over each sequence's context.
 
-    q [T, H, D], k/v [T, Hkv, D] (rope applied), k_cache/v_cache [capacity, Hkv, D] -> [T, H, D].
+    q [T, H, D], k/v [T, Hkv, D] (rope applied; None: already written at ``meta.out_slots``),
+    k_cache/v_cache [capacity, Hkv, D] -> [T, H, D].
     """
-    write_kv(k_cache, v_cache, meta.out_slots, k, v)
+    if k is not None and v is not None:
+        write_kv(k_cache, v_cache, meta.out_slots, k, v)
     if len(meta.groups) == 1 and meta.groups[0].token_idx is None:
         return _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
     out = torch.empty_like(q)  # [T, H, D]

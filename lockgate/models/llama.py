@@ -243,6 +243,8 @@ class LlamaModel(nn.Module):
         self.head = Linear(self.lm_head, None, None, fp32_min_rows, embed if lm_head is None else lm_head)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
+        # Run the layers on lockgate's fused CPU ops; the runner sets it once ``lockgate.kernels`` loaded.
+        self.fused_ops = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -263,13 +265,24 @@ class LlamaModel(nn.Module):
         """input_ids/positions [T] i64, k_cache/v_cache [layers, capacity, Hkv, D],
         logits_rows [S] i64 (rows of T) -> logits [S, V] f32, or None when logits_rows is None.
         """
-        a = self.args
-        t = input_ids.shape[0]
-        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
-        layers = typing.cast(list[DecoderLayer], self.layers)
-        for i, layer in enumerate(layers):
+        if self.fused_ops:
+            x = self._layers_fused(x, cos, sin, meta, k_cache, v_cache)
+        else:
+            x = self._layers(x, cos, sin, meta, k_cache, v_cache)
+        if logits_rows is None:
+            return None
+        x = rms_norm(x.index_select(0, logits_rows), self.norm, self.args.rms_norm_eps)  # [S, hidden]
+        return self.head(x).float()  # [S, V]
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The decoder layers in torch ops: x [T, hidden] -> [T, hidden] (the residual stream)."""
+        a = self.args
+        t = x.shape[0]
+        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        for i, layer in enumerate(typing.cast(list[DecoderLayer], self.layers)):
             y = rms_norm(x, layer.attn_norm, a.rms_norm_eps)  # [T, hidden]
             qkv = layer.qkv(y)  # [T, (H + 2 Hkv) D]
             qk = apply_rope(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), cos, sin)  # [T, H + Hkv, D]: one pass
@@ -279,10 +292,29 @@ class LlamaModel(nn.Module):
             y = rms_norm(x, layer.mlp_norm, a.rms_norm_eps)
             gate, up = layer.gate_up(y).chunk(2, dim=-1)  # [T, F] each
             x = x + layer.down(F.silu(gate) * up)  # [T, hidden]
-        if logits_rows is None:
-            return None
-        x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
-        return self.head(x).float()  # [S, V]
+        return x
+
+    def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The same layers on lockgate's fused CPU ops (``lockgate.kernels``): per layer two
+        add + norm calls, one rope + K/V write, one silu * up, plus the matmuls and attention.
+        Each fused op rounds where the torch ops of ``_layers`` round. x is updated in place."""
+        a = self.args
+        t = x.shape[0]
+        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        ops = torch.ops.lockgate
+        cos2, sin2 = cos.view(t, d), sin.view(t, d)
+        pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added to x
+        for i, layer in enumerate(typing.cast(list[DecoderLayer], self.layers)):
+            y = ops.add_rms_norm_(x, pending, layer.attn_norm, a.rms_norm_eps)  # x += pending; [T, hidden]
+            q = ops.rope_write_kv(layer.qkv(y), cos2, sin2, h, hkv, k_cache[i], v_cache[i],
+                                  meta.out_slots)  # [T, H, D]; the step's K/V are in the pool
+            o = paged_attention(q, None, None, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
+            y = ops.add_rms_norm_(x, layer.o(o.view(t, h * d)), layer.mlp_norm, a.rms_norm_eps)
+            pending = layer.down(ops.silu_mul(layer.gate_up(y)))  # [T, hidden]
+        if pending is not None:
+            x += pending
+        return x
 
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,

@@ -103,8 +103,11 @@ class ModelRunner:
         if self.fp32_min_rows is not None:
             log.info("projections of >= %d rows multiply in float32 (--fp32-matmul-rows %s)", self.fp32_min_rows,
                      model_cfg.fp32_matmul_rows)
-        # Decode attention on lockgate's kernel (reads the pool by slot); plain torch where it cannot build.
-        self.decode_kernel: bool = self.device.type == "cpu" and kernels.load(model_cfg.cpu_kernels)
+        # lockgate's CPU kernels: decode attention read from the pool by slot, and the layers' fused
+        # element-wise ops; plain torch where they cannot build (or dtype float16, which they lack).
+        self.cpu_kernels: bool = (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                                  and kernels.load(model_cfg.cpu_kernels))
+        self.model.fused_ops = self.cpu_kernels
         args = self.model.args
         self.vocab_size: int = args.vocab_size
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
@@ -150,7 +153,7 @@ class ModelRunner:
             raise ValueError(f"bad plan: {t} tokens, out_slots {plan.out_slots.shape}, capacity {self.capacity}")
         dev = self.device
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.kv_slots, plan.kv_offsets,
-                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.decode_kernel)
+                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.cpu_kernels)
         s = int(plan.sample_rows.shape[0])
         rows = None
         if s:

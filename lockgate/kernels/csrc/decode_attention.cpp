@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -37,30 +39,10 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(__builtin_bit_cast(uint16_t, x)) << 16);
-}
+using lockgate::exp_nonpositive;
+using lockgate::widen;
 inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }  // round to nearest even
-
-// exp(x) for x <= 0 (scores minus their max), vectorisable: 2^n * p(f), n = round(x log2 e),
-// |f| <= 1/2, p a degree-6 fit of 2^f (relative error < 2e-7); exp(-87) and below give ~1e-38.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-  const float shifted = t + 0.5f;
-  int32_t n = static_cast<int32_t>(shifted);   // truncation toward zero ...
-  n -= static_cast<int32_t>(shifted < static_cast<float>(n));  // ... made floor: n = round(t)
-  const float f = t - static_cast<float>(n);
-  float p = 1.546531804e-4f;
-  p = p * f + 1.339528536e-3f;
-  p = p * f + 9.618039929e-3f;
-  p = p * f + 5.550340668e-2f;
-  p = p * f + 2.40226511e-1f;
-  p = p * f + 6.931472001e-1f;
-  p = p * f + 1.0f;
-  return p * __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
-}
+inline void narrow(float x, c10::BFloat16* out) { *out = lockgate::to_bf16(x); }  // round to nearest even
 
 struct Item {
   int64_t seq, kv, begin, end;  // keys [begin, end) of the sequence's slot list

@@ -1,0 +1,207 @@
+// Fused element-wise steps of a Llama layer: one operator call instead of three to six.
+//
+// At decode batch 1 a layer's element-wise work is a few thousand numbers; what it costs is the
+// number of operator calls (each a few microseconds of Python and dispatch), not the arithmetic.
+// These fuse the runs of calls between the matmuls. Each rounds exactly where the torch ops it
+// replaces round (tested against them), so bf16 results are the same numbers:
+//
+//   lockgate::add_rms_norm_(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor
+//       residual [T, N] += x (if given, rounded to residual's dtype), then
+//       returns weight * round(rms_norm(residual))          (Hugging Face LlamaRMSNorm)
+//   lockgate::silu_mul(Tensor gate_up) -> Tensor
+//       gate_up [T, 2F] -> round(silu(gate)) * up  [T, F]
+//   lockgate::rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads,
+//                           Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor
+//       qkv [T, (H + 2 Hkv) D]; cos / signed sin [T, D] (rotate-half form, as lockgate.layers.rope);
+//       writes rotated k and v into the pool [C, Hkv, D] at slots [T]; returns rotated q [T, H, D]
+//
+// Supported dtypes: float32 and bfloat16 (all tensors of one call in the same dtype, float32 math).
+// Rows are split over threads only when there are enough of them to pay for waking the threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec_math.h"
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;  // a thread gets at least this many elements of work
+
+inline int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+using lockgate::narrow;
+using lockgate::round_to;
+using lockgate::widen;
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                       double eps, at::Tensor& out) {
+  const int64_t t = residual.size(0), n = residual.size(1);
+  T* r = residual.data_ptr<T>();
+  const T* xp = x ? x->data_ptr<T>() : nullptr;
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, t, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* ri = r + i * n;
+      if (xp) {
+        const T* xi = xp + i * n;
+        for (int64_t j = 0; j < n; ++j) ri[j] = narrow<T>(widen(ri[j]) + widen(xi[j]));
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < n; ++j) ss += widen(ri[j]) * widen(ri[j]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      T* oi = o + i * n;
+      for (int64_t j = 0; j < n; ++j) oi[j] = narrow<T>(widen(w[j]) * round_to<T>(widen(ri[j]) * inv));
+    }
+  });
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                         double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be contiguous [T, N]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == residual.size(1) && weight.is_contiguous(),
+              "weight must be [N]");
+  TORCH_CHECK(weight.scalar_type() == residual.scalar_type(), "weight and residual dtypes differ");
+  if (x) {
+    TORCH_CHECK(x->sizes() == residual.sizes() && x->is_contiguous() && x->scalar_type() == residual.scalar_type(),
+                "x must be contiguous and match residual");
+  }
+  at::Tensor out = at::empty_like(residual);
+  if (residual.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(residual, x, weight, eps, out);
+  } else if (residual.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<c10::BFloat16>(residual, x, weight, eps, out);
+  } else {
+    TORCH_CHECK(false, "add_rms_norm_: unsupported dtype ", residual.scalar_type());
+  }
+  return out;
+}
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t t = gu.size(0), f = out.size(1);
+  const T* in = gu.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, t, grain_rows(2 * f), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = in + i * 2 * f;
+      const T* u = g + f;
+      T* oi = o + i * f;
+#pragma omp simd
+      for (int64_t j = 0; j < f; ++j) {
+        oi[j] = narrow<T>(round_to<T>(lockgate::silu(widen(g[j]))) * widen(u[j]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
+              "gate_up must be contiguous [T, 2F]");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_impl<float>(gate_up, out);
+  } else if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_mul_impl<c10::BFloat16>(gate_up, out);
+  } else {
+    TORCH_CHECK(false, "silu_mul: unsupported dtype ", gate_up.scalar_type());
+  }
+  return out;
+}
+
+// Rotate-half rope of one head row x [D] into dst: round(round(x * cos) + roll(x, D/2) * ssin).
+template <typename T>
+inline void rope_row(const T* x, const T* cos, const T* ssin, int64_t d, T* dst) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    dst[j] = narrow<T>(round_to<T>(widen(x[j]) * widen(cos[j])) + widen(x[j + half]) * widen(ssin[j]));
+  }
+#pragma omp simd
+  for (int64_t j = half; j < d; ++j) {
+    dst[j] = narrow<T>(round_to<T>(widen(x[j]) * widen(cos[j])) + widen(x[j - half]) * widen(ssin[j]));
+  }
+}
+
+template <typename T>
+void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t h, int64_t hkv,
+                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, at::Tensor& q_out) {
+  const int64_t t = qkv.size(0), d = k_cache.size(2), width = qkv.size(1);
+  const T* in = qkv.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  T* q = q_out.data_ptr<T>();
+  at::parallel_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = in + i * width;
+      const T* ci = c + i * d;
+      const T* si = s + i * d;
+      for (int64_t hh = 0; hh < h; ++hh) rope_row(row + hh * d, ci, si, d, q + (i * h + hh) * d);
+      T* kdst = kc + sl[i] * hkv * d;
+      for (int64_t hh = 0; hh < hkv; ++hh) rope_row(row + (h + hh) * d, ci, si, d, kdst + hh * d);
+      std::copy(row + (h + hkv) * d, row + (h + 2 * hkv) * d, vc + sl[i] * hkv * d);
+    }
+  });
+}
+
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                         int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == kv_heads,
+              "k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
+  const int64_t d = k_cache.size(2), t = qkv.size(0);
+  TORCH_CHECK(d % 2 == 0, "head dim must be even");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == t && cos.size(1) == d && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "cos and sin must be contiguous [T, D]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be contiguous int64 [T]");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && k_cache.scalar_type() == dt &&
+                  v_cache.scalar_type() == dt,
+              "qkv, cos, sin and the pool must share one dtype");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < k_cache.size(0), "slot ", sl[i], " is outside the pool of ",
+                k_cache.size(0), " slots");
+  }
+  at::Tensor q = at::empty({t, heads, d}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor contig = qkv.stride(0) == qkv.size(1) ? qkv : qkv.contiguous();
+  if (dt == at::kFloat) {
+    rope_write_kv_impl<float>(contig, cos, sin, heads, kv_heads, k_cache, v_cache, slots, q);
+  } else if (dt == at::kBFloat16) {
+    rope_write_kv_impl<c10::BFloat16>(contig, cos, sin, heads, kv_heads, k_cache, v_cache, slots, q);
+  } else {
+    TORCH_CHECK(false, "rope_write_kv: unsupported dtype ", dt);
+  }
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lockgate, m) {
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_write_kv", &rope_write_kv);
+}

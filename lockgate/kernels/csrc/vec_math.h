@@ -1,0 +1,54 @@
+// Small numeric helpers shared by lockgate's CPU kernels: widening/narrowing of bf16 and an exp
+// that the compiler can vectorise (libm's expf is a scalar call in a loop).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace lockgate {
+
+inline float widen(float x) { return x; }
+// (by reference, reading the bits: copying the struct by value keeps gcc from vectorising the loop)
+inline float widen(const c10::BFloat16& x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
+// float -> bf16, round to nearest even (NaN stays NaN), written branch-free so loops vectorise
+inline c10::BFloat16 to_bf16(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  c10::BFloat16 out;
+  out.x = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  return out;
+}
+template <typename T> inline T narrow(float x);
+template <> inline float narrow<float>(float x) { return x; }
+template <> inline c10::BFloat16 narrow<c10::BFloat16>(float x) { return to_bf16(x); }
+// round a float to T and back: what storing an intermediate result in T does
+template <typename T> inline float round_to(float x) { return widen(narrow<T>(x)); }
+
+// exp(x) for x <= 0: 2^n * p(f), n = round(x log2 e), |f| <= 1/2, p a degree-6 fit of 2^f
+// (relative error < 2e-7); arguments below -87 give exp(-87) ~ 1.6e-38 instead of smaller values.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+  const float shifted = t + 0.5f;
+  int32_t n = static_cast<int32_t>(shifted);                    // truncation toward zero ...
+  n -= static_cast<int32_t>(shifted < static_cast<float>(n));  // ... made floor: n = round(t)
+  const float f = t - static_cast<float>(n);
+  float p = 1.546531804e-4f;
+  p = p * f + 1.339528536e-3f;
+  p = p * f + 9.618039929e-3f;
+  p = p * f + 5.550340668e-2f;
+  p = p * f + 2.40226511e-1f;
+  p = p * f + 6.931472001e-1f;
+  p = p * f + 1.0f;
+  return p * __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
+}
+
+// x * sigmoid(x) through exp of a non-positive argument (no overflow; selects, no branches).
+inline float silu(float x) {
+  const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|) in (0, 1]
+  return x * ((x >= 0.f ? 1.f : e) / (1.f + e));  // sigmoid(x) = 1 / (1 + e) or e / (1 + e)
+}
+
+}  // namespace lockgate
