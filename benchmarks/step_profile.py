@@ -42,8 +42,8 @@ I64 = np.int64
 # torch.profiler op name -> bucket (first matching prefix wins; the rest is "other ops").
 BUCKETS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear",
-                "aten::_weight_int4pack_mm")),
-    ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product")),
+                "aten::_weight_int4pack_mm", "lockgate::quant_linear")),
+    ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "lockgate::decode_attention")),
     ("kv gather/write", ("aten::index_select", "aten::index_copy", "aten::index")),
     ("sampler", ("aten::argmax", "aten::logsumexp", "aten::topk")),
 )

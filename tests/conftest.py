@@ -18,12 +18,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 class PoolDriver:
-    def __init__(self, model, capacity: int = 512, seed: int = 0, kernels: bool = False):
+    def __init__(self, model, capacity: int = 512, seed: int = 0, kernels: bool | None = None):
         """``kernels``: run on lockgate's CPU kernels (fused layer ops, decode attention kernel),
-        as the runner does when they build; else plain torch ops."""
+        as the runner does when they build, or on plain torch ops; None: as the model was loaded."""
         from lockgate import kernels as cpu_kernels
         from lockgate.layers.attention import AttentionMetadata
 
+        kernels = model.fused_ops if kernels is None else kernels
         if kernels:
             assert cpu_kernels.load(), f"lockgate CPU kernels did not build: {cpu_kernels.error()}"
         self.kernels = kernels

@@ -113,8 +113,11 @@ def test_bf16_close_to_fp32_reference(hf_reference, prompts, reference, pool_dri
     llm = LLM("default", dtype="bfloat16", max_total_tokens=4096, quantization=quantization)
     assert llm.engine.runner.dtype == torch.bfloat16
     lins = [lin for layer in llm.engine.runner.model.layers for lin in layer.projections().values()]
-    assert all((lin.int4 is not None) == (quantization == "auto") for lin in lins)
-    assert all(lin.int4.error == 0 for lin in lins if lin.int4 is not None)  # lossless: Q4_1 blocks re-gridded
+    assert all((lin.quant is not None) == (quantization == "auto") for lin in lins)
+    assert all(lin.quant.error == 0 for lin in lins if lin.quant is not None)  # lossless: Q4_1 blocks re-gridded
+    head = llm.engine.runner.model.head.quant  # the Q8_0 head: int8 groups on lockgate's kernel, also lossless
+    assert llm.engine.runner.cpu_kernels  # a machine that runs the suite builds them
+    assert (head is not None and head.bits == 8 and head.error == 0) == (quantization == "auto")
     assert min(len(p) for p in prompts) <= INT4_MAX_ROWS < max(len(p) for p in prompts)
     for ids in prompts:
         with torch.no_grad():

@@ -12,14 +12,17 @@ from lockgate.layers.linear import (
     INT4_GROUP,
     INT4_MAX_ROWS,
     LOSSLESS_TOLERANCE,
+    GroupQuantWeight,
     Int4Weight,
     Linear,
+    choose_quant,
     cpu_has_amx,
     fp32_min_rows_for,
     int4_activation_dtype,
     int4_unfit_reason,
     onednn_packs,
     quantize_int4,
+    quantize_int8,
 )
 
 
@@ -172,3 +175,92 @@ def test_fp32_auto_stays_off_when_the_copy_would_not_fit() -> None:
         pytest.skip("auto is off on this CPU anyway (AMX or no oneDNN bf16): nothing to switch off")
     assert fp32_min_rows_for("auto", torch.bfloat16, cpu, fp32_copy_bytes=1 << 60) is None
     assert fp32_min_rows_for("64", torch.bfloat16, cpu, fp32_copy_bytes=1 << 60) == 64  # explicit: obeyed
+
+
+# ---- groupwise int4 / int8 on lockgate's kernel ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernels_loaded() -> None:
+    from lockgate import kernels
+
+    # A machine that runs the suite has a compiler: a failed build fails these tests, never skips them.
+    assert kernels.load(), f"lockgate CPU kernels did not build: {kernels.error()}"
+
+
+def _on_8bit_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight that already is Q8_0 blocks of 32: code * step, codes in -127..127 with +-127 present
+    (and, with a near-certain draw, more than 16 distinct codes: not on any 4-bit grid)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k // INT4_GROUP, INT4_GROUP), generator=g)
+    codes[..., 0] = 127
+    step = (torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 1e-3).half().float()  # GGUF keeps fp16 scales
+    return (codes * step).view(n, k)
+
+
+def test_quantize_int8_recovers_a_q8_0_grid_exactly() -> None:
+    w = _on_8bit_grid(64, 96, seed=2)
+    codes, step = quantize_int8(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() == 127
+    torch.testing.assert_close((codes.view(64, 3, INT4_GROUP).float() * step[..., None]).view(64, 96), w,
+                               atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_group_quant_matches_its_dequantized_weight(kernels_loaded, bits: int, dtype: torch.dtype,
+                                                    with_bias: bool) -> None:
+    n, k = 96, 160  # 5 groups per row; rows not a multiple of any tile size
+    w = _on_grid(n, k, seed=7) if bits == 4 else _on_8bit_grid(n, k, seed=7)
+    q = GroupQuantWeight.from_weight(w, bits)
+    assert q.bits == bits and q.error <= LOSSLESS_TOLERANCE  # lossless on its own grid (up to float rounding)
+    torch.testing.assert_close(q.dequantize(n, k), w, atol=1e-6, rtol=1e-6)
+    b = torch.randn(n).to(dtype) if with_bias else None
+    lin = Linear(torch.randn(n, k).to(dtype), b, q)  # dense weight is different: results show which ran
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 9, INT4_MAX_ROWS):
+            x = torch.randn(rows, k).to(dtype)
+            want = F.linear(x.float(), w, None if b is None else b.float())
+            got = lin(x)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.01}
+            torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_choose_quant_takes_the_smallest_lossless_grid(kernels_loaded) -> None:
+    grid4, grid8, dense = _on_grid(64, 96, seed=3), _on_8bit_grid(64, 96, seed=3), torch.randn(64, 96) * 0.05
+    bf16 = torch.bfloat16
+    assert isinstance(choose_quant(grid4, "auto", bf16, kernels=True), Int4Weight)  # torch's int4 where it fits
+    q8 = choose_quant(grid8, "auto", bf16, kernels=True)
+    assert isinstance(q8, GroupQuantWeight) and q8.bits == 8
+    assert choose_quant(dense, "auto", bf16, kernels=True) is None  # would lose precision
+    forced = choose_quant(dense, "int4", bf16, kernels=True)
+    assert forced.bits == 4 and forced.error > 0.1
+    assert choose_quant(grid4, "none", bf16, kernels=True) is None
+    # A shape torch's int4 kernel does not take (rows % 16 != 0): lockgate's 4 bits, or nothing without them.
+    odd = _on_grid(40, 96, seed=3)
+    q4 = choose_quant(odd, "auto", bf16, kernels=True)
+    assert isinstance(q4, GroupQuantWeight) and q4.bits == 4
+    assert choose_quant(odd, "auto", bf16, kernels=False) is None
+    # Without lockgate's kernels: torch's int4 kernel, 4 bits only.
+    assert isinstance(choose_quant(grid4, "auto", bf16, kernels=False), Int4Weight)
+    assert choose_quant(grid8, "auto", bf16, kernels=False) is None
+    with pytest.raises(ValueError, match="int3"):
+        choose_quant(grid4, "int3", bf16, kernels=True)
+
+
+def test_quant_linear_rejects_bad_input(kernels_loaded) -> None:
+    op = torch.ops.lockgate.quant_linear
+    q = GroupQuantWeight.from_weight(_on_grid(32, 64, seed=1), 4)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        op(x, q.qweight, q.scales, q.zeros, None, 3)
+    with pytest.raises(RuntimeError, match="multiple of the group size"):
+        op(torch.randn(2, 48), q.qweight, q.scales, q.zeros, None, 4)
+    with pytest.raises(RuntimeError, match="zeros are required"):
+        op(x, q.qweight, q.scales, None, None, 4)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        op(x, q.qweight, q.scales[:, :1].contiguous(), q.zeros, None, 4)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        op(x, q.qweight, q.scales, q.zeros, torch.zeros(31), 4)

@@ -17,6 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from lockgate.layers.linear import Int4Weight
 from lockgate.models.llama import LlamaArgs, LlamaModel
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -142,19 +143,24 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
 @pytest.mark.parametrize("kind", ["llama_bias_mha", "qwen2"])
-def test_int4_and_fp32_forms_match_transformers(tmp_path, pool_driver, kind: str) -> None:
+def test_int4_and_fp32_forms_match_transformers(tmp_path, pool_driver, kind: str, kernels: bool) -> None:
     # Biased projections (Qwen2 q/k/v; Llama attention_bias and mlp_bias) through the int4 form
     # (--quantization int4, a 16-token prompt: every call has <= 16 rows) and the float32 form
     # (--fp32-matmul-rows 1), in bf16. The int4 reference is transformers with each projection
     # replaced by what the int4 kernel multiplies by (random weights are not on a 4-bit grid).
     hf, _ = build(tmp_path, kind, tie=False)
     want = hf_logits(hf, PROMPT)
-    q4 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="int4")
+    if kernels:
+        pool_driver(LlamaModel.from_pretrained(tmp_path, torch.bfloat16), kernels=True)  # builds them if need be
+    q4 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="int4", cpu_kernels=kernels)
+    assert all(isinstance(lin.quant, Int4Weight) for layer in q4.layers for lin in layer.projections().values())
+    assert q4.head.quant is None  # random weights: no lossless grid for the head
     a = q4.args
     with torch.no_grad():
         for layer, hl in zip(q4.layers, hf.model.layers, strict=True):
-            deq = {name: lin.int4.dequantize(*lin.weight.shape) for name, lin in layer.projections().items()}
+            deq = {name: lin.quant.dequantize(*lin.weight.shape) for name, lin in layer.projections().items()}
             sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
             for proj, w in zip((hl.self_attn.q_proj, hl.self_attn.k_proj, hl.self_attn.v_proj),
                                deq["qkv"].split(sizes), strict=True):

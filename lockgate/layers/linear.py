@@ -28,11 +28,23 @@ load) and the choice between them per call:
   bytes it saves, so calls with more than ``INT4_MAX_ROWS`` rows (prefill, mixed steps, big decode
   batches) use the dense weight.
 
+* groupwise int8 / int4 on lockgate's own kernel (``GroupQuantWeight``, when ``lockgate.kernels``
+  is built): the GGUF block formats themselves, Q8_0 (codes -127..127, a scale per 32 columns)
+  and Q4_1 (codes 0..15, a scale and an offset per 32 columns), multiplied by
+  ``lockgate::quant_linear`` (each weight byte read once, float32 math). int8 is what torch
+  lacks (it has int8 only per output row): the default model's LM head is Q8_0, and re-gridding
+  it per row would lose precision; at one row the int8 head takes 1.0-1.1 ms where the float32
+  head takes 3.8-4.4 ms. Its int4 serves shapes torch's int4 kernel does not take.
+
+The small-step form (``quant``, either kind) is chosen per projection by ``choose_quant``:
+``auto`` takes the smallest grid (4, then 8 bits) the checkpoint's values already lie on, so
+nothing is lost; ``int4`` forces 4 bits (lossy for 16-bit checkpoints); ``none`` keeps it dense.
+
 Invariants: ``weight`` (run dtype) stays the source of truth for shapes and tests; a call of r
-rows uses int4 if it has that form and r <= ``INT4_MAX_ROWS``, else float32 if it has that form
-and r >= ``fp32_min_rows``, else the dense run-dtype weight; each equals ``F.linear`` with the
-corresponding weight (dequantized int4, the float32 source, ``weight``) up to accumulation order
-and the output's rounding to x's dtype.
+rows uses the quantized form if it has one and r <= ``INT4_MAX_ROWS``, else float32 if it has
+that form and r >= ``fp32_min_rows``, else the dense run-dtype weight; each equals ``F.linear``
+with the corresponding weight (dequantized, the float32 source, ``weight``) up to accumulation
+order and the output's rounding to x's dtype.
 Called by ``lockgate.models.llama`` (every projection and the LM head).
 """
 
@@ -47,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
-INT4_MAX_ROWS = 16  # int4 for calls with at most this many rows; dense above (measured crossover ~32)
+INT4_MAX_ROWS = 16  # quantized forms for calls with at most this many rows; dense above (measured crossover ~32)
 INT4_MODES = ("auto", "none", "int4")
 LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
 
@@ -168,24 +180,123 @@ class Int4Weight:
         q = Int4Weight.from_weight(source, dtype)
         return q if mode == "int4" or q.error <= LOSSLESS_TOLERANCE else None
 
+    @property
+    def bits(self) -> int:
+        return 4
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype, through the kernel's 16-bit activations."""
+        act = self.scales_zeros.dtype  # 16-bit: the kernel's fast path
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(act), self.packed, self.group, self.scales_zeros).to(x.dtype)
+        return y if bias is None else y + bias
+
     def dequantize(self, n: int, k: int) -> torch.Tensor:
         """The weight [N, K] float32 the kernel multiplies by (for tests and error reports)."""
         eye = torch.eye(k, dtype=self.scales_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales_zeros).float().t()[:n]
 
 
+def quantize_int8(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groupwise symmetric absmax 8-bit quantization of weight [N, K] (float32): codes [N, K] int8
+    in -127..127 and step [N, K/group] with ``weight ~= codes * step``. A GGUF Q8_0 block (its
+    largest magnitude has code +-127) comes back exactly."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group, group)
+    step = w.abs().amax(-1) / 127  # [N, K/g]
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = (w * inv[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(n, k)
+    return codes, step
+
+
+@dataclass(frozen=True)
+class GroupQuantWeight:
+    """A weight as GGUF-style blocks of 32 columns for ``lockgate::quant_linear``; ``error`` is the
+    largest |weight - dequantized| in quantization steps (0 for a weight already on the grid)."""
+
+    bits: int  # 4 (Q4_1: q * scale + zero, q in 0..15) or 8 (Q8_0: q * scale, q in -127..127)
+    qweight: torch.Tensor  # bits 4: uint8 [N, K/2], byte j of a group = column j | column j + 16 << 4; 8: int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K/32]
+    zeros: torch.Tensor | None  # float32 [N, K/32] (bits 4) or None
+    error: float
+
+    @staticmethod
+    def from_weight(source: torch.Tensor, bits: int) -> GroupQuantWeight:
+        """Quantize ``source`` [N, K] (full precision); raises ValueError for K % 32 != 0."""
+        n, k = source.shape
+        if k % INT4_GROUP or bits not in (4, 8):
+            raise ValueError(f"{bits}-bit groups of {INT4_GROUP} do not fit a [{n}, {k}] weight")
+        zeros: torch.Tensor | None
+        if bits == 4:
+            codes, step, low = quantize_int4(source)
+            back = codes.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None] + low[..., None]
+            g = codes.view(n, k // INT4_GROUP, INT4_GROUP).to(torch.uint8)
+            qweight = (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            zeros = low.contiguous()
+        else:
+            codes8, step = quantize_int8(source)
+            back = codes8.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None]
+            qweight, zeros = codes8, None
+        err = (back.view(n, k) - source.float()).abs().view(n, k // INT4_GROUP, INT4_GROUP).amax(-1)
+        error = float(torch.where(step > 0, err / torch.where(step > 0, step, 1), err).max())
+        return GroupQuantWeight(bits, qweight, step.contiguous(), zeros, error)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 or bf16 -> [M, N] in x's dtype."""
+        return torch.ops.lockgate.quant_linear(x.contiguous(), self.qweight, self.scales, self.zeros, bias, self.bits)
+
+    def dequantize(self, n: int, k: int) -> torch.Tensor:
+        """The weight [N, K] float32 the kernel multiplies by (for tests and error reports)."""
+        if self.bits == 8:
+            w = self.qweight.float().view(n, k // INT4_GROUP, INT4_GROUP) * self.scales[..., None]
+        else:
+            b = self.qweight.view(n, k // INT4_GROUP, 16)
+            codes = torch.cat([b & 0xF, b >> 4], dim=-1).float()
+            assert self.zeros is not None
+            w = codes * self.scales[..., None] + self.zeros[..., None]
+        return w.reshape(n, k)
+
+
+QuantForm = Int4Weight | GroupQuantWeight
+
+
+def choose_quant(source: torch.Tensor, mode: str, dtype: torch.dtype, kernels: bool) -> QuantForm | None:
+    """The small-step form of a projection's weight (``source`` [N, K], full precision) for ``mode``:
+    none -> None; int4 -> 4 bits whatever is lost; auto -> the smallest of 4 and 8 bits that loses
+    nothing (the checkpoint is already on that grid), else None.
+
+    4 bits run on torch's int4 kernel (for ``dtype`` activations) where it fits the shape, else on
+    lockgate's (``kernels``: loaded); 8 bits only on lockgate's. Measured at 1-16 rows on the
+    default model's shapes, torch's int4 kernel is as fast as lockgate's or faster (0.07 vs 0.10 ms
+    for gate/up at one row), so it keeps that job."""
+    if mode not in INT4_MODES:
+        raise ValueError(f"quantization mode {mode!r} is not one of {INT4_MODES}")
+    if mode == "none":
+        return None
+    ours = kernels and source.device.type == "cpu" and source.shape[1] % INT4_GROUP == 0
+    torch_int4 = Int4Weight.choose(source, mode, int4_activation_dtype(dtype))
+    if torch_int4 is not None:
+        return torch_int4
+    if not ours:
+        return None
+    q4 = GroupQuantWeight.from_weight(source, 4)
+    if mode == "int4" or q4.error <= LOSSLESS_TOLERANCE:
+        return q4
+    q8 = GroupQuantWeight.from_weight(source, 8)
+    return q8 if q8.error <= LOSSLESS_TOLERANCE else None
+
+
 class Linear:
-    """One projection: weight [N, K], optional bias [N], optional int4 and float32 forms;
+    """One projection: weight [N, K], optional bias [N], optional quantized and float32 forms;
     call with x [..., K] -> [..., N] in x's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4: Int4Weight | None = None,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: QuantForm | None = None,
                  fp32_min_rows: int | None = None, source: torch.Tensor | None = None,
                  source_bias: torch.Tensor | None = None) -> None:
         """``source``/``source_bias``: the unrounded values the float32 form is made from
         (default: ``weight``/``bias``); used only when ``fp32_min_rows`` is set."""
         self.weight = weight
         self.bias = bias
-        self.int4 = int4
+        self.quant = quant
         self.fp32_min_rows = fp32_min_rows
         self.weight32: torch.Tensor | None = None
         self.bias32: torch.Tensor | None = None
@@ -200,13 +311,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.int4 is not None and rows <= INT4_MAX_ROWS:
-            q = self.int4
-            act = q.scales_zeros.dtype  # 16-bit: the kernel's fast path
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(act), q.packed, q.group,
-                                                           q.scales_zeros).to(x.dtype)
-            if self.bias is not None:
-                y = y + self.bias
+        if self.quant is not None and rows <= INT4_MAX_ROWS:
+            y = self.quant(x.reshape(-1, x.shape[-1]), self.bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.weight32 is not None and rows >= typing.cast(int, self.fp32_min_rows):
             return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)

@@ -9,9 +9,10 @@ Invariants:
 * Weights are fused at load: one QKV matmul ([(H + 2 Hkv) D, hidden]) and one gate/up matmul
   ([2 F, hidden]) per layer, each run through ``lockgate.layers.linear.Linear`` (which packs
   bf16 weights for oneDNN once at load). With ``quantization`` auto/int4 each projection also
-  gets an int4 form for small steps, quantized from the checkpoint's full-precision values
+  gets a quantized form for small steps, made from the checkpoint's full-precision values
   (read as float32 one layer at a time, before rounding to the run dtype); auto takes it only
-  where nothing is lost (a Q4_0/Q4_1 GGUF's projections). The LM head has no int4 form. With
+  where nothing is lost (a Q4_1 GGUF's projections: 4 bits; Q8_0: 8 bits with lockgate's
+  kernels). The LM head gets one only where nothing is lost (the default model's Q8_0 head). With
   ``fp32_min_rows`` every projection and the LM head also keep a float32 copy of those values
   for large calls (prefill), which sgemm runs faster than bf16 on CPUs without AMX. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
   Llama ``attention_bias`` / ``mlp_bias``); the config decides whether they must exist.
@@ -47,9 +48,10 @@ from lockgate.layers.linear import (
     INT4_MAX_ROWS,
     INT4_MODES,
     LOSSLESS_TOLERANCE,
-    Int4Weight,
+    GroupQuantWeight,
     Linear,
-    int4_activation_dtype,
+    QuantForm,
+    choose_quant,
 )
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, rope_type_of
@@ -184,9 +186,10 @@ class DecoderLayer(nn.Module):
     down_bias: nn.Parameter | None
 
     def __init__(self, w: dict[str, torch.Tensor | None], dtype: torch.dtype, quantization: str = "none",
-                 fp32_min_rows: int | None = None):
+                 fp32_min_rows: int | None = None, cpu_kernels: bool = False):
         """``w``: this layer's tensors at full precision (any float dtype), cast here to ``dtype``;
-        ``quantization`` and ``fp32_min_rows`` pick the projections' extra forms (``Linear``)."""
+        ``quantization``, ``fp32_min_rows`` and ``cpu_kernels`` (lockgate's kernels are loaded)
+        pick the projections' extra forms (``Linear``, ``choose_quant``)."""
         super().__init__()
 
         def need(name: str) -> nn.Parameter:
@@ -198,10 +201,10 @@ class DecoderLayer(nn.Module):
             t = w[name]
             return None if t is None else _frozen(t.to(dtype))
 
-        def int4(name: str) -> Int4Weight | None:
+        def quant(name: str) -> QuantForm | None:
             t = w[name]
             assert t is not None, name
-            return Int4Weight.choose(t, quantization, int4_activation_dtype(dtype))
+            return choose_quant(t, quantization, dtype, cpu_kernels)
 
         self.attn_norm = need("attn_norm")  # [hidden]
         self.qkv_weight = need("qkv_weight")  # [(H + 2 Hkv) D, hidden]
@@ -215,7 +218,7 @@ class DecoderLayer(nn.Module):
         self.down_bias = opt("down_bias")  # [hidden] or None
         def linear(name: str) -> Linear:
             weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
-            return Linear(weight, bias, int4(f"{name}_weight"), fp32_min_rows, w[f"{name}_weight"], w[f"{name}_bias"])
+            return Linear(weight, bias, quant(f"{name}_weight"), fp32_min_rows, w[f"{name}_weight"], w[f"{name}_bias"])
 
         self.qkv = linear("qkv")
         self.o = linear("o")
@@ -231,8 +234,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: LlamaArgs, embed: torch.Tensor, layers: list[DecoderLayer],
                  norm: torch.Tensor, lm_head: torch.Tensor | None, dtype: torch.dtype | None = None,
-                 fp32_min_rows: int | None = None):
-        """embed/norm/lm_head at full precision, cast to ``dtype`` (default: embed's)."""
+                 fp32_min_rows: int | None = None, quantization: str = "none", cpu_kernels: bool = False):
+        """embed/norm/lm_head at full precision, cast to ``dtype`` (default: embed's). The LM head
+        gets a small-step form only where it loses nothing (``quantization`` other than none): a
+        head is a poor place to lose precision."""
         super().__init__()
         dtype = dtype or embed.dtype
         self.args = args
@@ -240,11 +245,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = _frozen(norm.to(dtype))  # [hidden]
         self.lm_head = self.embed if lm_head is None else _frozen(lm_head.to(dtype))  # [V, hidden] (tied: same)
-        self.head = Linear(self.lm_head, None, None, fp32_min_rows, embed if lm_head is None else lm_head)
+        head_source = embed if lm_head is None else lm_head
+        head_quant = choose_quant(head_source, "none" if quantization == "none" else "auto", dtype, cpu_kernels)
+        self.head = Linear(self.lm_head, None, head_quant, fp32_min_rows, head_source)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
-        # Run the layers on lockgate's fused CPU ops; the runner sets it once ``lockgate.kernels`` loaded.
-        self.fused_ops = False
+        # Run the layers on lockgate's fused CPU ops (``lockgate.kernels`` is loaded).
+        self.fused_ops = cpu_kernels
 
     @property
     def dtype(self) -> torch.dtype:
@@ -319,13 +326,15 @@ class LlamaModel(nn.Module):
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu", quantization: str = "none",
-                        fp32_min_rows: int | None = None) -> LlamaModel:
+                        fp32_min_rows: int | None = None, cpu_kernels: bool = False) -> LlamaModel:
         """Load config.json + safetensors (all shards) from a Hugging Face model directory.
 
         ``fp32_min_rows``: calls with at least this many rows multiply in float32 against a copy
         made from the checkpoint's values (``Linear``); None: never.
         ``quantization`` (``lockgate.layers.linear.INT4_MODES``): none, int4 (every projection the
-        kernel fits), auto (only projections already on a 4-bit grid: nothing lost).
+        kernel fits), auto (only projections already on a 4- or 8-bit grid: nothing lost).
+        ``cpu_kernels``: lockgate's CPU kernels are loaded (``lockgate.kernels.load``): the model
+        runs its fused ops and its own quantized matmuls (``choose_quant``).
         """
         if quantization not in INT4_MODES:
             raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
@@ -353,7 +362,7 @@ class LlamaModel(nn.Module):
                     "gate_up_bias": w.cat([n + ".bias" for n in gu]) if args.mlp_bias else None,
                     "down_weight": w.get(p + "mlp.down_proj.weight", source),
                     "down_bias": w.get(p + "mlp.down_proj.bias") if args.mlp_bias else None,
-                }, dtype, quantization, fp32_min_rows))
+                }, dtype, quantization, fp32_min_rows, cpu_kernels))
             embed = w.get("model.embed_tokens.weight", source)
             lm_head = None
             if args.tie_word_embeddings:
@@ -366,26 +375,28 @@ class LlamaModel(nn.Module):
             unused = w.unused()
         if unused:
             log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])
-        model = LlamaModel(args, embed, layers, norm, lm_head, dtype, fp32_min_rows)
+        model = LlamaModel(args, embed, layers, norm, lm_head, dtype, fp32_min_rows, quantization, cpu_kernels)
         del embed, lm_head  # the float32 copies (if any) live on only in the Linear forms
         _check_shapes(model)
         if quantization != "none":
-            _log_int4(model, quantization)
+            _log_quant(model, quantization)
         return model
 
 
-def _log_int4(m: LlamaModel, mode: str) -> None:
-    """One line on how many projections got an int4 form, and how much it cost in precision."""
+def _log_quant(m: LlamaModel, mode: str) -> None:
+    """One line on which projections got a small-step form, which kind, and what it cost in precision."""
     lins = [lin for layer in typing.cast(list[DecoderLayer], m.layers) for lin in layer.projections().values()]
-    q = [lin.int4 for lin in lins if lin.int4 is not None]
-    if not q:
-        log.info("quantization=%s: no projection has an int4 form (%s)", mode,
-                 "not already 4-bit" if mode == "auto" else "the int4 kernel does not fit this device/dtype")
+    forms = [lin.quant for lin in [*lins, m.head] if lin.quant is not None]
+    if not forms:
+        log.info("quantization=%s: no projection has a quantized form (%s)", mode,
+                 "none is already on a 4- or 8-bit grid" if mode == "auto" else "the kernel does not fit")
         return
-    worst = max(x.error for x in q)
-    log.info("quantization=%s: %d of %d projections also int4 (groups of %d) for steps of <= %d rows; "
-             "largest re-quantization error %.3g steps (%s); LM head dense", mode, len(q), len(lins), INT4_GROUP,
-             INT4_MAX_ROWS, worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
+    kinds = sorted({f"{q.bits}-bit {'lockgate' if isinstance(q, GroupQuantWeight) else 'torch'}" for q in forms})
+    worst = max(q.error for q in forms)
+    log.info("quantization=%s: %d of %d projections%s quantized (%s, groups of %d) for steps of <= %d rows; "
+             "largest re-quantization error %.3g steps (%s)", mode, len(forms), len(lins) + 1,
+             " and the LM head" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP, INT4_MAX_ROWS,
+             worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
 
 
 def _check_shapes(m: LlamaModel) -> None:

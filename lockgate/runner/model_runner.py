@@ -98,16 +98,16 @@ class ModelRunner:
         args = LlamaArgs.from_config(json.loads((self.model_dir / "config.json").read_text()))
         self.fp32_min_rows = fp32_min_rows_for(model_cfg.fp32_matmul_rows, self.dtype, self.device,
                                                4 * args.matmul_parameters)
+        # lockgate's CPU kernels: decode attention read from the pool by slot, the layers' fused
+        # element-wise ops, groupwise int4/int8 matmuls; plain torch where they cannot build (or
+        # dtype float16, which they lack).
+        self.cpu_kernels: bool = (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                                  and kernels.load(model_cfg.cpu_kernels))
         self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
-                                                self.fp32_min_rows).eval()
+                                                self.fp32_min_rows, self.cpu_kernels).eval()
         if self.fp32_min_rows is not None:
             log.info("projections of >= %d rows multiply in float32 (--fp32-matmul-rows %s)", self.fp32_min_rows,
                      model_cfg.fp32_matmul_rows)
-        # lockgate's CPU kernels: decode attention read from the pool by slot, and the layers' fused
-        # element-wise ops; plain torch where they cannot build (or dtype float16, which they lack).
-        self.cpu_kernels: bool = (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-                                  and kernels.load(model_cfg.cpu_kernels))
-        self.model.fused_ops = self.cpu_kernels
         args = self.model.args
         self.vocab_size: int = args.vocab_size
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
