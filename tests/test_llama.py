@@ -17,7 +17,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lockgate.layers.linear import Int4Weight
+from lockgate import kernels as cpu_kernels
+from lockgate.layers.linear import GroupQuantWeight, Int4Weight
 from lockgate.models.llama import LlamaArgs, LlamaModel
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -106,6 +107,39 @@ def test_kernels_round_like_torch_in_bf16(tmp_path, pool_driver, kind: str) -> N
     assert _rel_err(runs["kernels"][0], runs["torch"][0].float()) < 1e-3  # measured: 0 (equal)
     for t, k, ref in zip(runs["torch"][1:], runs["kernels"][1:], runs["fp32"][1:], strict=True):
         assert _rel_err(k, ref) < 1.5 * _rel_err(t, ref)  # measured 0.8x to 1.15x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
+    # A small all-decode step whose projections all have quantized forms runs its layers in one
+    # call (lockgate::decode_layers_); it must give exactly what the per-op path gives. Two
+    # projections of each layer are switched to lockgate's own int8 / int4 kernel so every kind runs.
+    build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
+    assert cpu_kernels.load(), cpu_kernels.error()
+    model = LlamaModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
+    for layer in model.layers:
+        layer.o.quant = GroupQuantWeight.from_weight(layer.o_weight.float(), 8)
+        layer.down.quant = GroupQuantWeight.from_weight(layer.down_weight.float(), 4)
+    calls = []
+    real = torch.ops.lockgate.decode_layers_
+
+    def run(one_call: bool) -> list[torch.Tensor]:
+        if one_call:
+            monkeypatch.setattr(model, "_layers_decode", LlamaModel._layers_decode.__get__(model))
+        else:
+            monkeypatch.setattr(model, "_layers_decode", lambda *a: None)
+        drv = pool_driver(model, seed=3, kernels=True)
+        out = [drv.step({0: PROMPT[:9], 1: OTHER[:4]})[0]]  # prefill: never the one-call path
+        out += [drv.step({0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]})[0] for i in range(9, 14)]
+        return out
+
+    monkeypatch.setattr(torch.ops.lockgate, "decode_layers_", lambda *a: calls.append(1) or real(*a), raising=False)
+    per_op = run(one_call=False)
+    assert calls == []
+    one_call = run(one_call=True)
+    assert len(calls) == 5  # every decode step, not the prefill
+    for a, b in zip(per_op, one_call, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_config_parsing_and_errors(tmp_path) -> None:

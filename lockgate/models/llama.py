@@ -49,6 +49,7 @@ from lockgate.layers.linear import (
     INT4_MODES,
     LOSSLESS_TOLERANCE,
     GroupQuantWeight,
+    Int4Weight,
     Linear,
     QuantForm,
     choose_quant,
@@ -252,6 +253,7 @@ class LlamaModel(nn.Module):
         self.scale = 1.0 / math.sqrt(args.head_dim)
         # Run the layers on lockgate's fused CPU ops (``lockgate.kernels`` is loaded).
         self.fused_ops = cpu_kernels
+        self._decode_weights: tuple[list[torch.Tensor], list[int]] | tuple[()] | None = None  # made on first use
 
     @property
     def dtype(self) -> torch.dtype:
@@ -275,7 +277,8 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
         if self.fused_ops:
-            x = self._layers_fused(x, cos, sin, meta, k_cache, v_cache)
+            decoded = self._layers_decode(x, cos, sin, meta, k_cache, v_cache)
+            x = decoded if decoded is not None else self._layers_fused(x, cos, sin, meta, k_cache, v_cache)
         else:
             x = self._layers(x, cos, sin, meta, k_cache, v_cache)
         if logits_rows is None:
@@ -300,6 +303,50 @@ class LlamaModel(nn.Module):
             gate, up = layer.gate_up(y).chunk(2, dim=-1)  # [T, F] each
             x = x + layer.down(F.silu(gate) * up)  # [T, hidden]
         return x
+
+    def _layers_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+        """A small all-decode step in one call (``lockgate::decode_layers_``: ``_layers_fused``'s
+        very ops, without returning to Python between them), or None when the step is not one:
+        every sequence decodes on the attention kernel without a shared prefix, and every
+        projection runs a quantized form at this row count."""
+        t = x.shape[0]
+        groups = meta.groups
+        if t > INT4_MAX_ROWS or len(groups) != 1:
+            return None
+        g = groups[0]
+        if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
+            return None
+        if self._decode_weights is None:
+            self._decode_weights = self._pack_decode_weights()
+        if not self._decode_weights:
+            return None
+        weights, kinds = self._decode_weights
+        a, d = self.args, self.args.head_dim
+        return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
+                                                 g.kernel_slots, g.kernel_offsets, weights, kinds, a.num_heads,
+                                                 a.num_kv_heads, a.rms_norm_eps, self.scale)
+
+    def _pack_decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+        """The layers' tensors in ``decode_layers_``'s order, and each projection's kind; () when some
+        projection has no quantized form (then small steps stay on ``_layers_fused``)."""
+        none = torch.empty(0)
+        weights: list[torch.Tensor] = []
+        kinds: list[int] = []
+        for layer in typing.cast(list[DecoderLayer], self.layers):
+            weights += [layer.attn_norm, layer.mlp_norm]
+            for lin in layer.projections().values():
+                q = lin.quant
+                bias = none if lin.bias is None else lin.bias
+                if isinstance(q, Int4Weight) and q.group == INT4_GROUP:
+                    weights += [q.packed, q.scales_zeros, none, bias]
+                    kinds.append(0)
+                elif isinstance(q, GroupQuantWeight):
+                    weights += [q.qweight, q.scales, none if q.zeros is None else q.zeros, bias]
+                    kinds.append(q.bits)
+                else:
+                    return ()
+        return weights, kinds
 
     def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -269,6 +270,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
+}  // namespace
+
+namespace lockgate {
+
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& slots,
                                                     const at::Tensor& offsets, double scale) {
@@ -308,11 +313,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
-}  // namespace
+}  // namespace lockgate
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor offsets, float scale)"
         " -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_attention", &lockgate::decode_attention); }

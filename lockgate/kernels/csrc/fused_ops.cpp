@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec_math.h"
 
 #include <cmath>
@@ -64,6 +65,10 @@ void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x,
     }
   });
 }
+
+}  // namespace
+
+namespace lockgate {
 
 at::Tensor add_rms_norm_(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
                          double eps) {
@@ -191,7 +196,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   return q;
 }
 
-}  // namespace
+}  // namespace lockgate
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor");
@@ -201,7 +206,7 @@ TORCH_LIBRARY_FRAGMENT(lockgate, m) {
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("add_rms_norm_", &lockgate::add_rms_norm_);
+  m.impl("silu_mul", &lockgate::silu_mul);
+  m.impl("rope_write_kv", &lockgate::rope_write_kv);
 }

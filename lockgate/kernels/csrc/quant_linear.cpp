@@ -27,6 +27,7 @@
 #include <optional>
 #include <vector>
 
+#include "ops.h"
 #include "vec_math.h"
 
 #if defined(__AVX512F__)
@@ -194,6 +195,10 @@ void run(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor& scal
   });
 }
 
+}  // namespace
+
+namespace lockgate {
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
@@ -228,10 +233,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
-}  // namespace
+}  // namespace lockgate
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("quant_linear", &lockgate::quant_linear); }

@@ -1,0 +1,91 @@
+// A whole small decode step's decoder layers in one operator call.
+//
+// lockgate::decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache,
+//                          Tensor out_slots, Tensor slots, Tensor offsets, Tensor[] weights, int[] kinds,
+//                          int heads, int kv_heads, float eps, float scale) -> Tensor
+//
+//   x          [B, hidden] the step's embeddings (run dtype: float32 or bf16), one token per sequence;
+//              used as the residual stream, returned after the last layer (every MLP output added)
+//   cos, sin   [B, D] rope (cos, signed sin) in the run dtype
+//   k_cache, v_cache  [L, C, Hkv, D] the pool; the step's K/V are written at out_slots [B]
+//   slots, offsets    each sequence's keys (CSR, as lockgate::decode_attention)
+//   weights    per layer: attn_norm, mlp_norm, then for qkv, o, gate_up, down four tensors
+//              (a, b, c, bias); an empty tensor (numel 0) stands for "none"
+//   kinds      per layer and projection: 0 = torch's int4 (a: packed codes, b: scales_and_zeros,
+//              groups of 32, bf16 activations), 4 / 8 = lockgate::quant_linear with that many bits
+//              (a: codes, b: scales, c: zeros)
+//
+// It does exactly what lockgate.models.llama.LlamaModel._layers_fused does for such a step (the
+// same functions, in the same order, rounding in the same places), without returning to Python
+// between the ~12 calls of each layer: at decode batch 1 those returns, not the arithmetic, were a
+// quarter of the step. The Python side only takes this path when every projection of the step runs
+// a quantized form and every sequence decodes one token without a shared prefix.
+
+#include <ATen/ATen.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kTensorsPerLayer = 2 + 4 * 4;
+constexpr int64_t kInt4Group = 32;
+
+std::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
+}
+
+// y = x W^T + bias through the projection's quantized form.
+at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
+  if (kind == 0) {
+    at::Tensor y = at::cpu::_weight_int4pack_mm_for_cpu(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16),
+                                                        p[0], kInt4Group, p[1]);
+    if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+    return p[3].numel() ? y.add_(p[3]) : y;
+  }
+  return lockgate::quant_linear(x, p[0], p[1], opt(p[2]), opt(p[3]), kind);
+}
+
+}  // namespace
+
+namespace lockgate {
+
+at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                          at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& slots,
+                          const at::Tensor& offsets, at::TensorList weights, at::IntArrayRef kinds, int64_t heads,
+                          int64_t kv_heads, double eps, double scale) {
+  const int64_t layers = k_cache.size(0), b = x.size(0), d = k_cache.size(3);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [B, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kTensorsPerLayer,
+              "weights: expected ", layers * kTensorsPerLayer, " tensors (", kTensorsPerLayer, " per layer), got ",
+              weights.size());
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers * 4, "kinds: expected 4 per layer");
+  for (int64_t kind : kinds) TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "kinds must be 0, 4 or 8");
+  std::optional<at::Tensor> pending;  // the previous layer's MLP output, not yet added to x
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
+    const int64_t* kind = kinds.data() + l * 4;
+    at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
+    at::Tensor y = add_rms_norm_(x, pending, w[0], eps);
+    at::Tensor q = rope_write_kv(project(y, w + 2, kind[0]), cos, sin, heads, kv_heads, kc, vc, out_slots);
+    at::Tensor o = std::get<0>(decode_attention(q, kc, vc, slots, offsets, scale));
+    y = add_rms_norm_(x, project(o.view({b, heads * d}), w + 6, kind[1]), w[1], eps);
+    pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
+  }
+  if (pending) x.add_(*pending);
+  return x;
+}
+
+}  // namespace lockgate
+
+TORCH_LIBRARY_FRAGMENT(lockgate, m) {
+  m.def("decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor out_slots, Tensor slots, Tensor offsets, Tensor[] weights, int[] kinds, int heads, int kv_heads, "
+        "float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_layers_", &lockgate::decode_layers_); }
