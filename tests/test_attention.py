@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lockgate import kernels
 from lockgate.layers.attention import (
     MIN_SHARED_PREFIX,
+    SOLO_PREFILL_TOKENS,
     AttentionMetadata,
     paged_attention,
     reference_attention,
@@ -70,6 +71,7 @@ CASES = {
     "prefill_one": [(80, 80)],
     "later_chunks": [(100, 30), (64, 2), (31, 31)],
     "interleaved": [(20, 5), (7, 1), (30, 30), (12, 1), (2, 2)],
+    "long_prefills": [(200, 200), (9, 1), (300, 130), (20, 5), (150, 150)],  # solo groups >= SOLO_PREFILL_TOKENS
 }
 
 
@@ -123,6 +125,17 @@ def test_contiguous_runs_read_the_pool_in_place(seqs: list[tuple[int, int]]) -> 
     assert [g.run_start is not None for g in meta.groups] == [g.num_seqs == 1 for g in meta.groups]
     fast = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(fast, dense_causal(dense, seqs, 9, 3), atol=1e-5, rtol=1e-5)
+
+
+def test_long_prefill_chunks_attend_alone() -> None:
+    rng = np.random.default_rng(5)
+    plan, *_ = make_step(rng, CASES["long_prefills"], 9, 3, 16)
+    meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
+                                   plan["out_slots"], num_queries_per_kv=3)
+    # decode (9, 1); the short chunk (20, 5); then each long chunk alone, whole prompts causal
+    shape = [(g.num_seqs, g.max_q, g.causal) for g in meta.groups]
+    assert shape == [(1, 1, False), (1, 5, False), (1, 200, True), (1, 130, False), (1, 150, True)]
+    assert SOLO_PREFILL_TOKENS <= 130
 
 
 def test_groups_split_decode_and_prefill() -> None:
@@ -210,6 +223,15 @@ def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv
     plan, seqs, q, k, v, k_cache, v_cache, dense = make_shared_step(rng, groups, [50, 120], h, hkv, d, run)
     meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
                                    plan["out_slots"], num_queries_per_kv=h // hkv, decode_kernel=decode_kernel)
+    scale = d ** -0.5
+    want = dense_causal(dense, seqs, h, hkv)
+    if decode_kernel:
+        # The kernel reads every decoding sequence's keys in place, shared prefix or not: one group.
+        (g,) = meta.groups
+        assert g.kernel_slots is not None and g.prefixes == [] and g.num_seqs == len(seqs)
+        torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, meta, scale), want, atol=1e-5,
+                                   rtol=1e-5)
+        return
     # Sequences on shared prefixes form their own group (their short own keys are not padded to
     # the others' full contexts); the too-short group and the loners form the other.
     shared, rest = sorted(meta.groups, key=lambda g: not g.prefixes)
@@ -217,14 +239,9 @@ def test_shared_prefixes_are_read_once_and_merged_exactly(run: bool, h: int, hkv
     assert sorted((p.length, p.members.numel(), p.run_start is not None) for p in shared.prefixes) == \
         [(MIN_SHARED_PREFIX, 2, run), (100, 3, run)]
     # The shared group's own call covers only each member's keys after its prefix.
-    if decode_kernel:
-        assert sorted(shared.kernel_offsets.diff().tolist()) == [1, 2, 2, 5, 30]
-    else:
-        assert shared.mask is not None and sorted(shared.mask[:, 0, 0].sum(-1).tolist()) == [1, 2, 2, 5, 30]
-        assert shared.max_len == 30
-    scale = d ** -0.5
+    assert shared.mask is not None and sorted(shared.mask[:, 0, 0].sum(-1).tolist()) == [1, 2, 2, 5, 30]
+    assert shared.max_len == 30
     fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    want = dense_causal(dense, seqs, h, hkv)
     torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
     ref = reference_attention(q, k_cache, v_cache, plan["query_lens"], plan["seq_lens"], plan["kv_slots"],
                               plan["kv_offsets"], scale)

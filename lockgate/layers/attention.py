@@ -18,8 +18,10 @@ Two implementations:
   obviously right; tests compare the fast path against it.
 * ``paged_attention`` (used by the model): ``AttentionMetadata.build`` runs once per step on
   the plan's numpy arrays and splits the sequences into groups: decoding ones (query_len == 1) and
-  prefilling ones (query_len > 1), each split again into those on a shared prefix (below) and the rest. Per group it precomputes a padded
-  gather index [Bg, L] into the pool and a boolean mask. Per layer, ``paged_attention``
+  prefilling ones (query_len > 1), each split again into those on a shared prefix (below) and the
+  rest; a prefill chunk of at least ``SOLO_PREFILL_TOKENS`` not on a shared prefix is a group of its
+  own (padded into one call, every member would pay for the longest chunk and context). Per group
+  it precomputes a padded gather index [Bg, L] into the pool and a boolean mask. Per layer, ``paged_attention``
   writes the step's K/V with ``index_copy_``, gathers each group's context K/V, and runs one
   ``scaled_dot_product_attention`` per group. There is no per-sequence Python loop. A group of
   one sequence whose context is one contiguous slot run (batch-1 decode and a fresh prompt's
@@ -30,10 +32,16 @@ Two implementations:
 Shared prefixes (cascade attention): sequences of a group whose contexts begin with the
 same pool slots (prefix-cache hits on one prompt prefix: the radix cache hands every request the
 same slots), cut to the keys before all their queries, form a ``SharedPrefix``. Their queries
-(decode tokens or prefill chunks) attend to that prefix in one SDPA call, without a mask, that reads it once (in place when its slots are one run), and to the rest of their own contexts in the
+(decode tokens or prefill chunks) attend to that prefix in one SDPA call, without a mask, that
+reads it once (in place when its slots are one run), and to the rest of their own contexts in the
 group's batched call; the two partial results are merged exactly with their log-sum-exps
 (softmax over a union of disjoint key sets). Without this, every member gathers and reads the
 prefix's K/V again: with 8 requests on a 1,024-token prefix, 8x the bytes.
+
+With lockgate's kernels (``decode_kernel``), all decoding sequences form one group on
+``torch.ops.lockgate.decode_attention``, which reads each sequence's keys from the pool in place:
+no gather, no padding, and no cascade (the shared prefix is read per member but from cache;
+measured faster than the cascade's extra call and merge). Prefill chunks keep the paths above.
 
 GQA without expanding K/V: query heads h = kv * G + g (G = H // Hkv) share kv head ``kv``, so
 the queries are reshaped to [Bg, Hkv, G * Q, D] (the G heads of a kv group become extra query
@@ -53,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 MIN_SHARED_PREFIX = 64  # shortest common prefix (tokens) worth a separate SDPA call per layer
+SOLO_PREFILL_TOKENS = 128  # a prefill chunk at least this long gets an SDPA call of its own
 
 
 @dataclass
@@ -82,7 +91,7 @@ class AttentionGroup:
     causal: bool = False  # one sequence whose queries are its whole context: SDPA's causal mask, no mask tensor
     # Shared prefixes; then ``gather``/``mask`` cover each member's keys *after* its prefix.
     prefixes: list[SharedPrefix] = field(default_factory=list)
-    # Decode on ``lockgate.kernels`` (``decode_attention``): each sequence's own keys as CSR, read by slot.
+    # Decode on ``lockgate.kernels`` (``decode_attention``): each sequence's keys as CSR, read by slot.
     kernel_slots: torch.Tensor | None = None  # [N] i64
     kernel_offsets: torch.Tensor | None = None  # [Bg + 1] i64
     _additive: dict[torch.dtype, torch.Tensor | None] = field(default_factory=dict, repr=False)
@@ -126,15 +135,26 @@ class AttentionMetadata:
         is_decode = query_lens == 1
         groups = []
         for kind in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
+            if decode_kernel and kind.size and query_lens[kind[0]] == 1:
+                # The decode kernel reads each sequence's keys in place, shared prefix or not:
+                # measured faster than the cascade's extra SDPA call and merge (batch 32 on
+                # 1,024-token shared prefixes: 127 vs 159 ms per step; the prefix stays in cache).
+                groups.append(_build_kernel_group(kind, kind.size == len(query_lens), seq_lens, kv_slots,
+                                                  kv_offsets, q_offsets, torch.device(device)))
+                continue
             # Sequences on shared prefixes get a group of their own: their own keys are short,
             # and padding them to the full contexts of the others would cost what sharing saves.
             sharing = _on_shared_prefix(kind, query_lens, seq_lens, kv_slots, kv_offsets)
-            for sel in (kind[sharing], kind[~sharing]):
+            # A long prefill chunk not on a shared prefix attends alone: padded into one call with
+            # others, every member would pay for the longest chunk and context, and a whole prompt
+            # alone runs SDPA's causal mode (masked blocks skipped, no mask tensor).
+            solo = ~sharing & (query_lens[kind] >= SOLO_PREFILL_TOKENS)
+            for sel in (kind[sharing], kind[~sharing & ~solo], *(kind[i:i + 1] for i in np.flatnonzero(solo))):
                 if sel.size == 0:
                     continue
                 whole = sel.size == len(query_lens)  # one group covers the whole step, in order
                 groups.append(_build_group(sel, whole, query_lens, seq_lens, kv_slots, kv_offsets, q_offsets,
-                                           num_queries_per_kv, torch.device(device), decode_kernel))
+                                           num_queries_per_kv, torch.device(device)))
         t = torch.from_numpy(np.asarray(out_slots, dtype=np.int64)).to(device)
         return AttentionMetadata(out_slots=t, groups=groups, num_tokens=int(q_offsets[-1]))
 
@@ -153,11 +173,9 @@ def _on_shared_prefix(sel: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndar
 
 def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens: np.ndarray,
                  kv_slots: np.ndarray, kv_offsets: np.ndarray, q_offsets: np.ndarray, group_size: int,
-                 device: torch.device, decode_kernel: bool = False) -> AttentionGroup:
+                 device: torch.device) -> AttentionGroup:
     """Vectorised numpy: gather index, mask and token scatter indices for sequences ``sel``."""
     qlen, slen = query_lens[sel], seq_lens[sel]  # [Bg]
-    if decode_kernel and int(qlen.max()) == 1:
-        return _build_kernel_group(sel, whole, seq_lens, kv_slots, kv_offsets, q_offsets, device)
     b, q, length = len(sel), int(qlen.max()), int(slen.max())
     j = np.arange(length, dtype=np.int64)[None, :]  # [1, L] key index == key position
     # Keys past a sequence's end re-read its last slot (valid memory, masked out below).
@@ -207,24 +225,18 @@ def _build_group(sel: np.ndarray, whole: bool, query_lens: np.ndarray, seq_lens:
 
 def _build_kernel_group(sel: np.ndarray, whole: bool, seq_lens: np.ndarray, kv_slots: np.ndarray,
                         kv_offsets: np.ndarray, q_offsets: np.ndarray, device: torch.device) -> AttentionGroup:
-    """Decoding sequences ``sel`` on the kernel: each one's keys after its shared prefix (if any) as CSR."""
+    """Decoding sequences ``sel`` on the kernel: each one's keys as CSR (the plan's own when the
+    group is the whole step)."""
     slen = seq_lens[sel]
-    starts = np.zeros(len(sel), dtype=np.int64)
-    prefixes: list[SharedPrefix] = []
-    if len(sel) >= 2:
-        j = np.arange(int(slen.max()), dtype=np.int64)[None, :]
-        gather = kv_slots[kv_offsets[sel][:, None] + np.minimum(j, slen[:, None] - 1)]  # [Bg, L]
-        prefixes, starts = _shared_prefixes(gather, slen - 1, device)
-    own = slen - starts  # [Bg] keys of each sequence's own (>= 1: its new token)
     offsets = np.zeros(len(sel) + 1, dtype=np.int64)
-    np.cumsum(own, out=offsets[1:])
-    if whole and not prefixes and np.array_equal(offsets, kv_offsets):
+    np.cumsum(slen, out=offsets[1:])
+    if whole:
         slots = kv_slots  # the plan's CSR is the group's
     else:
-        slots = kv_slots[np.repeat(kv_offsets[sel] + starts - offsets[:-1], own) + np.arange(int(offsets[-1]))]
+        slots = kv_slots[np.repeat(kv_offsets[sel] - offsets[:-1], slen) + np.arange(int(offsets[-1]))]
     return AttentionGroup(
         token_idx=None if whole else torch.from_numpy(q_offsets[sel]).to(device),  # one token per sequence
-        num_seqs=len(sel), gather=None, mask=None, q_index=None, max_q=1, prefixes=prefixes,
+        num_seqs=len(sel), gather=None, mask=None, q_index=None, max_q=1,
         kernel_slots=torch.from_numpy(np.ascontiguousarray(slots)).to(device),
         kernel_offsets=torch.from_numpy(offsets).to(device))
 
@@ -288,11 +300,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hkv = k_cache.shape[1]
     gs = h // hkv
     if g.kernel_slots is not None:  # decode, each sequence's own keys read by slot in place
-        o, lse = torch.ops.lockgate.decode_attention(q, k_cache, v_cache, g.kernel_slots, g.kernel_offsets,
-                                                     scale)  # [Bg, H, D], [Bg, H] f32
-        if g.prefixes:  # [Bg, H] is [Bg, Hkv, G] (h = kv * G + g): the GQA-folded layout with Q == 1
-            o = _add_prefixes(q.reshape(b, hkv, gs, d), o.view(b, hkv, gs, d), lse.view(b, hkv, gs), k_cache,
-                              v_cache, g.prefixes, scale).view(b, h, d)
+        o, _ = torch.ops.lockgate.decode_attention(q, k_cache, v_cache, g.kernel_slots, g.kernel_offsets,
+                                                   scale)  # [Bg, H, D] (and log-sum-exps [Bg, H], unused)
         return o
     length = g.max_len
     assert g.gather is not None
