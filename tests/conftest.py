@@ -17,6 +17,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_sessionstart(session) -> None:
+    """Build lockgate's CPU kernels once, before any test: the servers the tests start then load
+    them from the cache instead of each compiling (or waiting on) them inside a start-up timeout.
+    A failed build is not an error here: the tests that need the kernels assert it themselves."""
+    from lockgate import kernels
+
+    kernels.load()
+
+
 class PoolDriver:
     def __init__(self, model, capacity: int = 512, seed: int = 0, kernels: bool | None = None):
         """``kernels``: run on lockgate's CPU kernels (fused layer ops, decode attention kernel),

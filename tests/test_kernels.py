@@ -100,3 +100,31 @@ def test_fused_ops_reject_bad_input(ops) -> None:
     with pytest.raises(RuntimeError, match="qkv must be"):
         ops.rope_write_kv(torch.randn(2, 16), torch.ones(2, 4), torch.zeros(2, 4), 1, 1, kc, kc.clone(),
                           torch.tensor([0, 1]))
+
+
+def test_stale_build_lock_is_removed(tmp_path, monkeypatch) -> None:
+    # A build killed mid-way leaves torch's lock file; later loads must not wait on it forever.
+    import os
+    import time
+
+    from lockgate import kernels as k
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    k._drop_stale_lock(lock)
+    assert lock.exists()  # fresh: a build may be running right now
+    old = time.time() - k.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    k._drop_stale_lock(lock)
+    assert not lock.exists()
+    k._drop_stale_lock(lock)  # no lock: nothing to do
+
+
+def test_cpu_kernels_off_and_bad_mode(monkeypatch) -> None:
+    from lockgate import kernels as k
+
+    assert k.load("off") is False
+    monkeypatch.setenv("LOCKGATE_CPU_KERNELS", "0")
+    assert k.load("auto") is False
+    with pytest.raises(ValueError, match="--cpu-kernels"):
+        k.load("sometimes")

@@ -107,3 +107,18 @@ def test_model_spec_forms_load_the_same_model(smol_fp32) -> None:
         assert llm.generate("The capital of France is", sp)[0].outputs[0].token_ids == want, spec
     with pytest.raises(ValueError, match="missing config.json"):
         LLM(str(model_dir.parent), dtype="float32", max_total_tokens=1024)
+
+
+def test_kernels_off_gives_the_same_greedy_text(smol_fp32) -> None:
+    # --cpu-kernels off (what a machine without a compiler gets) runs plain torch ops: the same
+    # greedy continuations as the kernels' path in float32 (both compute in float32).
+    from lockgate import LLM
+
+    assert smol_fp32.engine.runner.cpu_kernels and smol_fp32.engine.runner.model.fused_ops
+    off = LLM("default", dtype="float32", max_total_tokens=2048, cpu_kernels="off")
+    assert not off.engine.runner.cpu_kernels and not off.engine.runner.model.fused_ops
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot"]
+    sp = SamplingParams(max_tokens=16, temperature=0.0)
+    got = [o.outputs[0].token_ids for o in off.generate(prompts, sp)]
+    want = [o.outputs[0].token_ids for o in smol_fp32.generate(prompts, sp)]
+    assert got == want

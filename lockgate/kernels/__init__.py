@@ -11,10 +11,11 @@ contracts are documented at the top of each source file:
 
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++
 compiler (``-O3 -march=native``: the code is built where it runs) into
-``$LOCKGATE_CACHE/kernels/<name>`` (default ``~/.cache/lockgate/kernels``), where ``<name>`` carries
+``$LOCKGATE_CACHE_DIR/kernels/<name>`` (default ``~/.cache/lockgate/kernels``), where ``<name>`` carries
 a hash of the sources, the flags and the torch version, so a changed source or torch builds
 anew and different checkouts never share a stale build. About 15 s the first time on 2 cores,
-milliseconds after; concurrent processes wait on torch's build lock instead of racing.
+milliseconds after; concurrent processes wait on torch's build lock instead of racing (a lock left
+by a build that died is removed after ``STALE_LOCK_SECONDS``).
 
 Invariants: ``load()`` runs the build at most once per process and never raises: on a machine
 without a compiler (or any build error) it logs why and returns False, and callers keep their
@@ -46,8 +47,8 @@ _state: dict[str, object] = {}  # "ok": bool, "error": str
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LOCKGATE_CACHE") or str(Path.home() / ".cache" / "lockgate")
-    return Path(root) / "kernels"
+    root = os.environ.get("LOCKGATE_CACHE_DIR") or str(Path.home() / ".cache" / "lockgate")
+    return Path(root).expanduser() / "kernels"
 
 
 def build_name() -> str:
@@ -81,6 +82,21 @@ def error() -> str | None:
     return None if err is None else str(err)
 
 
+STALE_LOCK_SECONDS = 600.0  # a build takes ~15 s; a lock this old belongs to a build that died
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's build lock is a file; a process killed mid-build leaves it, and every later load
+    would wait on it forever. One older than STALE_LOCK_SECONDS is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def _build() -> tuple[bool, str | None]:
     from torch.utils import cpp_extension
 
@@ -89,6 +105,7 @@ def _build() -> tuple[bool, str | None]:
     t0 = time.perf_counter()
     try:
         where.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(where / "lock")
         fresh = not any(where.glob("*.so"))
         if fresh:
             log.info("compiling lockgate CPU kernels into %s (first run on this machine, ~15 s)", where)
