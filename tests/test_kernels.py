@@ -8,6 +8,9 @@ has its own tests in tests/test_attention.py.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,22 +105,26 @@ def test_fused_ops_reject_bad_input(ops) -> None:
                           torch.tensor([0, 1]))
 
 
-def test_stale_build_lock_is_removed(tmp_path, monkeypatch) -> None:
-    # A build killed mid-way leaves torch's lock file; later loads must not wait on it forever.
-    import os
-    import time
+def test_build_survives_a_killed_builder_and_a_missing_path(tmp_path, monkeypatch) -> None:
+    # A build killed mid-way leaves torch's lock file: the next load must remove it, not wait on it
+    # forever. And the venv's ninja must be found with a PATH that does not include the venv.
+    import subprocess
+    import sys
 
-    from lockgate import kernels as k
-
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    k._drop_stale_lock(lock)
-    assert lock.exists()  # fresh: a build may be running right now
-    old = time.time() - k.STALE_LOCK_SECONDS - 1
-    os.utime(lock, (old, old))
-    k._drop_stale_lock(lock)
-    assert not lock.exists()
-    k._drop_stale_lock(lock)  # no lock: nothing to do
+    cache = tmp_path / "cache"
+    code = ("import logging, sys; logging.basicConfig(level=logging.ERROR)\n"
+            "from lockgate import kernels as k\n"
+            "where = k.cache_dir() / k.build_name(); where.mkdir(parents=True); (where / 'lock').write_text('')\n"
+            "ok = k.load(); print(ok, k.error()); sys.exit(0 if ok else 1)\n")
+    bin_dir = tmp_path / "bin"  # the system's tools (compiler, linker) without any ninja
+    bin_dir.mkdir()
+    for d in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for tool in (p for p in Path(d).glob("*") if p.name != "ninja" and not (bin_dir / p.name).exists()):
+            (bin_dir / tool.name).symlink_to(tool)
+    env = {**os.environ, "LOCKGATE_CACHE_DIR": str(cache), "PATH": str(bin_dir)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr  # built (a fresh cache: a real compile, ~15 s)
+    assert not any(cache.rglob("lock"))  # the leftover torch lock is gone
 
 
 def test_cpu_kernels_off_and_bad_mode(monkeypatch) -> None:
@@ -128,3 +135,49 @@ def test_cpu_kernels_off_and_bad_mode(monkeypatch) -> None:
     assert k.load("auto") is False
     with pytest.raises(ValueError, match="--cpu-kernels"):
         k.load("sometimes")
+
+
+def test_silu_edges_match_torch(ops) -> None:
+    # The kernel's exp is its own polynomial: saturated, infinite and tiny gates must still give
+    # what torch gives (0 below exp's range, not a tiny non-zero; NaN for -inf * 0).
+    g = torch.tensor([[-3.39e38, -200.0, -88.0, -87.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.0, 3.39e38,
+                       float("inf"), float("-inf"), float("nan")]])
+    gu = torch.cat([g, torch.ones_like(g)], dim=1)
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(g), equal_nan=True, atol=1e-30, rtol=2e-6)
+    x = torch.linspace(-87, 0, 100_001).double()  # float32 inputs, the reference computed exactly on them
+    # silu(x) / x = sigmoid(x): the exp's relative error shows through (documented: ~2e-7)
+    got = ops.silu_mul(torch.cat([x.float()[None], torch.ones(1, x.numel())], dim=1))[0].double()
+    want = x * torch.sigmoid(x)
+    assert ((got - want).abs() / want.abs().clamp_min(1e-300)).max() < 1e-6
+
+
+def test_decode_layers_rejects_mismatched_weights(ops) -> None:
+    # The one-call decode path takes a flat list of tensors; a wrong one must raise, not read past
+    # the end of a buffer (torch's int4 kernel does not check its scales' first dimension).
+    from lockgate.layers.linear import Int4Weight
+
+    torch.manual_seed(0)
+    hidden, h, hkv, d, f = 64, 4, 2, 16, 128
+    kc = torch.zeros(1, 32, hkv, d)
+    vc = torch.zeros(1, 32, hkv, d)
+
+    def int4(n: int, k: int) -> list[torch.Tensor]:
+        q = Int4Weight.from_weight(torch.randn(n, k), torch.bfloat16)
+        return [q.packed, q.scales_zeros, torch.empty(0), torch.empty(0)]
+
+    good = [torch.ones(hidden), torch.ones(hidden), *int4((h + 2 * hkv) * d, hidden), *int4(hidden, h * d),
+            *int4(2 * f, hidden), *int4(hidden, f)]
+    args = (torch.zeros(1, d), torch.zeros(1, d), kc, vc, torch.tensor([3]), torch.tensor([3]), torch.tensor([0, 1]))
+    out = ops.decode_layers_(torch.randn(1, hidden), *args, good, [0, 0, 0, 0], h, hkv, 1e-5, 0.25)
+    assert out.shape == (1, hidden) and torch.isfinite(out).all()
+    bad = list(good)
+    bad[3] = bad[3][:1].contiguous()  # qkv scales for one group instead of two
+    with pytest.raises(RuntimeError, match="scales_and_zeros"):
+        ops.decode_layers_(torch.randn(1, hidden), *args, bad, [0, 0, 0, 0], h, hkv, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="expected 18 tensors"):
+        ops.decode_layers_(torch.randn(1, hidden), *args, good[:-1], [0, 0, 0, 0], h, hkv, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="positive"):
+        ops.decode_layers_(torch.randn(1, hidden), *args, good, [0, 0, 0, 0], h, 0, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="positive multiple of kv heads"):
+        ops.decode_attention(torch.randn(1, 4, 16), torch.zeros(8, 0, 16), torch.zeros(8, 0, 16),
+                             torch.tensor([0]), torch.tensor([0, 1]), 1.0)

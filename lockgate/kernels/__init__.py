@@ -8,14 +8,18 @@ contracts are documented at the top of each source file:
   keys, read from the slot-indexed KV pool in place by slot (no gathered copy, no padding).
 * ``add_rms_norm_``, ``silu_mul``, ``rope_write_kv`` (``fused_ops.cpp``): the element-wise runs
   between a layer's matmuls in one call each, rounding where the torch ops they replace round.
+* ``quant_linear`` (``quant_linear.cpp``): GGUF Q8_0 / Q4_1 blocks multiplied as they are (few rows).
+* ``decode_layers_`` (``decode_layers.cpp``): a small all-decode step's layers in one call.
 
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++
 compiler (``-O3 -march=native``: the code is built where it runs) into
-``$LOCKGATE_CACHE_DIR/kernels/<name>`` (default ``~/.cache/lockgate/kernels``), where ``<name>`` carries
-a hash of the sources, the flags and the torch version, so a changed source or torch builds
-anew and different checkouts never share a stale build. About 15 s the first time on 2 cores,
-milliseconds after; concurrent processes wait on torch's build lock instead of racing (a lock left
-by a build that died is removed after ``STALE_LOCK_SECONDS``).
+``$LOCKGATE_CACHE_DIR/kernels/<name>`` (default ``~/.cache/lockgate/kernels``), where ``<name>``
+carries a hash of the sources, the flags, the torch version, the compiler and the CPU's feature
+flags, so a changed source, torch, compiler or CPU builds anew and no stale build is ever shared.
+About 15 s the first time on 2 cores, milliseconds after. Concurrent processes build one at a time under an ``flock`` the OS releases if
+the builder dies (torch's own lock file would be left behind and waited on forever). The
+interpreter's bin directory goes on PATH first, so the ``ninja`` the package installs is found in
+a venv that is not activated.
 
 Invariants: ``load()`` runs the build at most once per process and never raises: on a machine
 without a compiler (or any build error) it logs why and returns False, and callers keep their
@@ -25,9 +29,13 @@ pure-torch path. ``LOCKGATE_CPU_KERNELS=0`` in the environment disables the kern
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import platform
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -51,14 +59,35 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "kernels"
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), "" when unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
 def build_name() -> str:
-    """A name unique to the sources, the flags and the torch build."""
+    """A name unique to the sources, the flags, the torch build, the compiler and the CPU's
+    features: a cache shared between machines (or restored onto another CPU) never hands out a
+    library built for instructions this CPU lacks."""
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
-    h.update(torch.__version__.encode())
+    for part in (" ".join(CFLAGS), torch.__version__, _compiler_version(), _cpu_flags()):
+        h.update(part.encode())
     return f"lockgate_cpu_{h.hexdigest()[:12]}"
 
 
@@ -82,36 +111,42 @@ def error() -> str | None:
     return None if err is None else str(err)
 
 
-STALE_LOCK_SECONDS = 600.0  # a build takes ~15 s; a lock this old belongs to a build that died
-
-
-def _drop_stale_lock(lock: Path) -> None:
-    """torch's build lock is a file; a process killed mid-build leaves it, and every later load
-    would wait on it forever. One older than STALE_LOCK_SECONDS is removed."""
+def _ninja_on_path() -> None:
+    """torch finds ninja on PATH; the ``ninja`` package puts it in this interpreter's bin directory,
+    which is not on PATH when the venv is not activated (``.venv/bin/python -m pytest``, servers
+    started by path)."""
+    dirs = [str(Path(sys.executable).parent)]
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
-        lock.unlink(missing_ok=True)
+        import ninja  # the PyPI package; its BIN_DIR holds the executable
+
+        dirs.append(str(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([*[d for d in dirs if d not in path], *path])
 
 
 def _build() -> tuple[bool, str | None]:
     from torch.utils import cpp_extension
 
-    name = build_name()
-    where = cache_dir() / name
     t0 = time.perf_counter()
     try:
+        name = build_name()
+        where = cache_dir() / name
         where.mkdir(parents=True, exist_ok=True)
-        _drop_stale_lock(where / "lock")
-        fresh = not any(where.glob("*.so"))
-        if fresh:
-            log.info("compiling lockgate CPU kernels into %s (first run on this machine, ~15 s)", where)
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_include_paths=[str(CSRC)],
-                           build_directory=str(where), is_python_module=False, verbose=False)
+        _ninja_on_path()
+        # One builder at a time, through a lock the OS releases when its holder dies: torch's own
+        # lock is a plain file that a killed build leaves behind, and it waits on that forever.
+        # Holding ours, any torch lock file present is such a leftover.
+        with open(where / "lockgate.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (where / "lock").unlink(missing_ok=True)
+            fresh = not any(where.glob("*.so"))
+            if fresh:
+                log.info("compiling lockgate CPU kernels into %s (first run on this machine, ~15 s)", where)
+            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                               extra_include_paths=[str(CSRC)], build_directory=str(where),
+                               is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler, headers or ninja: keep the torch path
         msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         log.warning("lockgate CPU kernels unavailable, using plain torch ops instead (%s)", msg)

@@ -309,7 +309,8 @@ class LlamaModel(nn.Module):
         """A small all-decode step in one call (``lockgate::decode_layers_``: ``_layers_fused``'s
         very ops, without returning to Python between them), or None when the step is not one:
         every sequence decodes on the attention kernel without a shared prefix, and every
-        projection runs a quantized form at this row count."""
+        projection runs a quantized form at this row count. The weights are packed on first use:
+        a projection's forms must not change afterwards (they are made at load)."""
         t = x.shape[0]
         groups = meta.groups
         if t > INT4_MAX_ROWS or len(groups) != 1:

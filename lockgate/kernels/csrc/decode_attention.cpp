@@ -283,7 +283,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
               "k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
   TORCH_CHECK(q.size(2) == k_cache.size(2), "head dim of q and the pool differ");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
+              "query heads must be a positive multiple of kv heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && slots.is_contiguous() &&
                   offsets.is_contiguous() && offsets.dim() == 1 && offsets.size(0) == q.size(0) + 1,
               "slots [N] and offsets [B + 1] must be contiguous int64");

@@ -42,6 +42,13 @@ std::optional<at::Tensor> opt(const at::Tensor& t) {
 // y = x W^T + bias through the projection's quantized form.
 at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
   if (kind == 0) {
+    // torch's kernel checks the codes' shape but not the scales' first dimension: check both here
+    const int64_t k = x.size(1), n = p[0].size(0);
+    TORCH_CHECK(p[0].dim() == 2 && p[0].scalar_type() == at::kByte && p[0].size(1) == k / 2 && k % kInt4Group == 0,
+                "decode_layers_: int4 codes must be uint8 [N, K / 2] for K = ", k);
+    TORCH_CHECK(p[1].dim() == 3 && p[1].size(0) == k / kInt4Group && p[1].size(1) == n && p[1].size(2) == 2 &&
+                    p[1].scalar_type() == at::kBFloat16,
+                "decode_layers_: int4 scales_and_zeros must be bf16 [K / 32, N, 2] for K = ", k, ", N = ", n);
     at::Tensor y = at::cpu::_weight_int4pack_mm_for_cpu(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16),
                                                         p[0], kInt4Group, p[1]);
     if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
@@ -60,6 +67,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                           int64_t kv_heads, double eps, double scale) {
   const int64_t layers = k_cache.size(0), b = x.size(0), d = k_cache.size(3);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [B, hidden]");
+  TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be [L, C, Hkv, D]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kTensorsPerLayer,
               "weights: expected ", layers * kTensorsPerLayer, " tensors (", kTensorsPerLayer, " per layer), got ",
               weights.size());
@@ -76,7 +85,11 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
     y = add_rms_norm_(x, project(o.view({b, heads * d}), w + 6, kind[1]), w[1], eps);
     pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
   }
-  if (pending) x.add_(*pending);
+  if (pending) {
+    TORCH_CHECK(pending->sizes() == x.sizes(), "decode_layers_: the last projection's output ", pending->sizes(),
+                " does not match x ", x.sizes());
+    x.add_(*pending);
+  }
   return x;
 }
 
@@ -85,7 +98,7 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor out_slots, Tensor slots, Tensor offsets, Tensor[] weights, int[] kinds, int heads, int kv_heads, "
-        "float eps, float scale) -> Tensor");
+        "float eps, float scale) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_layers_", &lockgate::decode_layers_); }

@@ -13,7 +13,8 @@
 //   lockgate::rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads,
 //                           Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor
 //       qkv [T, (H + 2 Hkv) D]; cos / signed sin [T, D] (rotate-half form, as lockgate.layers.rope);
-//       writes rotated k and v into the pool [C, Hkv, D] at slots [T]; returns rotated q [T, H, D]
+//       writes rotated k and v into the pool [C, Hkv, D] at slots [T] (distinct, as the scheduler
+//       hands them out: rows are written in parallel); returns rotated q [T, H, D]
 //
 // Supported dtypes: float32 and bfloat16 (all tensors of one call in the same dtype, float32 math).
 // Rows are split over threads only when there are enough of them to pay for waking the threads.
@@ -163,6 +164,7 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                          int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == kv_heads,
               "k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
