@@ -12,7 +12,7 @@ time in matmuls, attention, K/V gathers and writes, other ops, and what is left 
 dispatch), plus the top ops.
 
 Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--quantization auto,none]
-        [--fp32-matmul-rows auto,off] [--cpu-kernels auto,off] [--threads 2,1]
+        [--fp32-matmul-rows auto,off] [--cpu-kernels auto,off] [--int-gemm on,off] [--threads 2,1]
         [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
         [--shared-prefix 1024 --group-size 8 [--no-prefix-attention]]
 """
@@ -42,7 +42,7 @@ I64 = np.int64
 # torch.profiler op name -> bucket (first matching prefix wins; the rest is "other ops").
 BUCKETS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear",
-                "aten::_weight_int4pack_mm", "lockgate::quant_linear")),
+                "aten::_weight_int4pack_mm", "lockgate::quant_linear", "lockgate::int_linear")),
     ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "lockgate::decode_attention")),
     ("kv gather/write", ("aten::index_select", "aten::index_copy", "aten::index")),
     ("sampler", ("aten::argmax", "aten::logsumexp", "aten::topk")),
@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto", help="comma list of --quantization modes (auto,none,int4)")
     ap.add_argument("--fp32-matmul-rows", default="auto", help="comma list of --fp32-matmul-rows settings")
     ap.add_argument("--cpu-kernels", default="auto", help="comma list of --cpu-kernels settings (auto,off)")
+    ap.add_argument("--int-gemm", default="on", help="comma list of on,off: off drops the projections' integer-GEMM "
+                    "forms (lockgate::int_linear) after load, so larger float32 calls take the dense weight")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
@@ -152,11 +154,16 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     seq = args.prompt_len + args.decoded + 1
     capacity = max(batches) * seq + max(batches) + args.prefill + 8
-    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}": ModelRunner(
+    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/int-gemm-{i}": ModelRunner(
         ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k),
         CacheConfig(max_total_tokens=capacity))
         for d in args.dtypes.split(",") for q in args.quantization.split(",")
-        for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")}
+        for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")
+        for i in args.int_gemm.split(",")}
+    for name, r in runners.items():
+        if name.endswith("int-gemm-off"):
+            for lin in [*(p for layer in r.model.layers for p in layer.projections().values()), r.model.head]:
+                lin.large = None
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()

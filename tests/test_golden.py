@@ -147,3 +147,30 @@ def test_fp32_matmul_tier_on_a_long_prompt(hf_reference, prompts, pool_driver) -
         assert got[rows].argmax() == want.argmax()
         assert (got[rows][top] - want[top]).abs().max() < 0.6
     assert not torch.equal(got["1"], got["off"])  # the float32 tier did run
+
+
+def test_quantized_float32_run_close_to_reference(hf_reference, prompts, reference) -> None:
+    # The float32 run with the checkpoint's own 4-bit grid (what --dtype auto serves on a CPU
+    # without native bf16): calls of more than INT_GEMM_SMALL_ROWS rows run lockgate's int16 x int4
+    # GEMM, smaller ones torch's int4 kernel on bf16 activations. Both multiply the checkpoint's
+    # exact weights; the first step of a prompt longer than INT_GEMM_SMALL_ROWS tokens stays
+    # within a few thousandths of a nat of transformers' float32 log-probabilities.
+    from lockgate.layers.linear import INT_GEMM_SMALL_ROWS, int_gemm_available
+
+    llm = LLM("default", dtype="float32", quantization="int4", max_total_tokens=4096)
+    model = llm.engine.runner.model
+    lins = [lin for layer in model.layers for lin in layer.projections().values()] + [model.head]
+    assert all(lin.quant is not None and lin.quant.error == 0 for lin in lins)
+    assert all((lin.large is not None) == int_gemm_available() for lin in lins)
+    long = [ids for ids in prompts if len(ids) > INT_GEMM_SMALL_ROWS]
+    assert len(long) >= 3
+    for ids in long:
+        with torch.no_grad():
+            want = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+        out = llm.generate(prompt_token_ids=[ids],
+                           sampling_params=SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))[0].outputs[0]
+        assert out.token_ids[0] == int(want.argmax())
+        diffs = [abs(lp - float(want[t])) for t, lp in out.top_logprobs[0]]
+        assert max(diffs) < 0.02, max(diffs)
+    for ids, got, want in zip(prompts, _greedy(llm, prompts), reference, strict=True):
+        assert got[:8] == want[:8], (ids, got, want)

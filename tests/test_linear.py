@@ -264,3 +264,43 @@ def test_quant_linear_rejects_bad_input(kernels_loaded) -> None:
         op(x, q.qweight, q.scales[:, :1].contiguous(), q.zeros, None, 4)
     with pytest.raises(RuntimeError, match="bias must be"):
         op(x, q.qweight, q.scales, q.zeros, torch.zeros(31), 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_gemm_form_multiplies_the_small_forms_weight(kernels_loaded, bits: int) -> None:
+    # The large-call form is made from the same codes and scales as the small-step form: both
+    # dequantize to the same weight, and a weight already on the grid comes back exactly.
+    from lockgate.layers.linear import IntGemmWeight
+
+    w = _on_grid(96, 64, seed=8) if bits == 4 else _on_8bit_grid(96, 64, seed=8)
+    large = IntGemmWeight.from_weight(w, bits)
+    small = GroupQuantWeight.from_weight(w, bits)
+    assert torch.equal(large.dequantize(96, 64), small.dequantize(96, 64))
+    torch.testing.assert_close(large.dequantize(96, 64), w, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        IntGemmWeight.from_weight(torch.randn(40, 64), bits)
+
+
+def test_linear_takes_the_int_gemm_form_for_larger_float32_calls(kernels_loaded) -> None:
+    # Three different weights show which form ran: the small int4 form up to INT_GEMM_SMALL_ROWS
+    # rows, the integer GEMM above; 16-bit runs get no integer-GEMM form (they keep oneDNN).
+    from lockgate.layers.linear import INT_GEMM_SMALL_ROWS, IntGemmWeight, int_gemm_available
+
+    assert int_gemm_available()  # the suite runs on a CPU with AVX512-VNNI (test_kernels checks the flag)
+    torch.manual_seed(0)
+    w_small, w_large, w_dense = _on_grid(96, 64, seed=9), _on_grid(96, 64, seed=10), torch.randn(96, 64) * 0.05
+    b = torch.randn(96)
+    small = Int4Weight.from_weight(w_small, torch.bfloat16)
+    assert IntGemmWeight.matching(w_large, None, torch.float32) is None  # no small form: stays dense
+    assert IntGemmWeight.matching(w_large, small, torch.bfloat16) is None  # 16-bit run
+    large = IntGemmWeight.matching(w_large, small, torch.float32)
+    assert large is not None and large.bits == 4
+    lin = Linear(w_dense, b, small, large=large)
+    assert lin.small_max_rows == INT_GEMM_SMALL_ROWS < INT4_MAX_ROWS
+    assert Linear(w_dense, b, small).small_max_rows == INT4_MAX_ROWS
+    with torch.inference_mode():
+        for rows in (1, INT_GEMM_SMALL_ROWS, INT_GEMM_SMALL_ROWS + 1, INT4_MAX_ROWS + 1, 200):
+            x = torch.randn(rows, 64)
+            which = w_small if rows <= INT_GEMM_SMALL_ROWS else w_large
+            tol = 0.03 if rows <= INT_GEMM_SMALL_ROWS else 1e-3  # bf16 activations vs int16
+            torch.testing.assert_close(lin(x), F.linear(x, which, b), atol=tol, rtol=tol)

@@ -36,15 +36,26 @@ load) and the choice between them per call:
   it per row would lose precision; at one row the int8 head takes 1.0-1.1 ms where the float32
   head takes 3.8-4.4 ms. Its int4 serves shapes torch's int4 kernel does not take.
 
+* groupwise int4 / int8 for large float32 calls (``IntGemmWeight``, ``lockgate::int_linear``, when
+  the kernels are built and the CPU has AVX512-VNNI): the same grid as the small-step form, the
+  codes packed for VNNI's int16 dot products (32 products per instruction, twice float32 FMA's
+  16) and x rounded to int16 per 32 columns (2^8 times finer than bf16). Measured on the default
+  model's shapes on a 2-core CPU without bf16 units (docs/performance.md): 1.5-3x sgemm on the
+  dense float32 weight at 17-64 rows (decode batches: 4-8x fewer weight bytes read), 1.1-1.4x
+  at 256-1,024 rows (prefill), the LM head 2-2.7x at 17-32 rows.
+
 The small-step form (``quant``, either kind) is chosen per projection by ``choose_quant``:
 ``auto`` takes the smallest grid (4, then 8 bits) the checkpoint's values already lie on, so
 nothing is lost; ``int4`` forces 4 bits (lossy for 16-bit checkpoints); ``none`` keeps it dense.
 
 Invariants: ``weight`` (run dtype) stays the source of truth for shapes and tests; a call of r
-rows uses the quantized form if it has one and r <= ``INT4_MAX_ROWS``, else float32 if it has
-that form and r >= ``fp32_min_rows``, else the dense run-dtype weight; each equals ``F.linear``
-with the corresponding weight (dequantized, the float32 source, ``weight``) up to accumulation
-order and the output's rounding to x's dtype.
+rows uses the quantized form if it has one and r <= ``INT4_MAX_ROWS`` (``INT_GEMM_SMALL_ROWS``
+when it also has an integer-GEMM form and x is float32), else the integer-GEMM form if it has one
+and x is float32, else float32 if it has that form and r >= ``fp32_min_rows``,
+else the dense run-dtype weight; each equals ``F.linear`` with the corresponding weight
+(dequantized, the float32 source, ``weight``) up to accumulation order, the integer GEMM's
+int16 rounding of x and the output's rounding to x's dtype. The quantized forms of one
+projection are made from the same codes, so small and large calls multiply by the same weight.
 Called by ``lockgate.models.llama`` (every projection and the LM head).
 """
 
@@ -60,6 +71,11 @@ import torch.nn.functional as F
 
 INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
 INT4_MAX_ROWS = 16  # quantized forms for calls with at most this many rows; dense above (measured crossover ~32)
+# With an integer-GEMM form (``IntGemmWeight``) the small-step form keeps only calls of at most this
+# many rows: measured over the default model's decode steps (float32 run, 2 cores), the integer GEMM
+# from 5 rows up beats torch's int4 kernel + the one-call decode path (8 rows 26.6 vs 32.7 ms, 16
+# rows 40.6 vs 60.7 ms) and is level at 3-4 rows.
+INT_GEMM_SMALL_ROWS = 4
 INT4_MODES = ("auto", "none", "int4")
 LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
 
@@ -259,6 +275,86 @@ class GroupQuantWeight:
 QuantForm = Int4Weight | GroupQuantWeight
 
 
+def int_gemm_available() -> bool:
+    """Whether ``lockgate::int_linear`` is loaded and vectorized (AVX512-VNNI); call after
+    ``lockgate.kernels.load``. Without VNNI its plain C++ path is correct but slower than sgemm."""
+    try:
+        return bool(torch.ops.lockgate.int_linear_vectorized())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True)
+class IntGemmWeight:
+    """A 4-bit (Q4_1) or 8-bit (Q8_0) grid weight in ``lockgate::int_linear``'s layout: codes
+    packed for AVX512-VNNI's int16 dot products, scales/zeros per 16 output rows and 32 columns
+    (the layout is documented in ``kernels/csrc/int_gemm.cpp``). Multiplies float32 x of any row
+    count; x is rounded to int16 per row and 32 columns (relative error <= 2^-16 of the block's
+    largest magnitude), the weight's codes are exact."""
+
+    bits: int
+    packed: torch.Tensor  # bits 4: uint8 [N/16, K/4, 32]; bits 8: int8 [N/16, K/2, 32]
+    scales: torch.Tensor  # float32 [N/16, K/32, 16]
+    zeros: torch.Tensor | None  # float32 [N/16, K/32, 16] (bits 4) or None
+
+    @staticmethod
+    def fits(shape: tuple[int, ...]) -> bool:
+        n, k = shape
+        return n % 16 == 0 and k % INT4_GROUP == 0
+
+    @staticmethod
+    def from_weight(source: torch.Tensor, bits: int) -> IntGemmWeight:
+        """``source`` [N, K] (full precision) on the grid ``quantize_int4`` / ``quantize_int8``
+        make of it (the same codes the small-step forms use)."""
+        n, k = source.shape
+        if not IntGemmWeight.fits((n, k)) or bits not in (4, 8):
+            raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
+                             f"got [{n}, {k}] at {bits} bits")
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
+            return t.view(n // 16, 16, -1).permute(0, 2, 1).contiguous()
+
+        if bits == 4:
+            codes, step, low = quantize_int4(source)
+            # (nb, lane, chunk c, pair-in-chunk, column-in-pair) -> (nb, c, lane, column-in-pair, pair-in-chunk)
+            c = codes.view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3).to(torch.uint8)
+            packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, k // 4, 32).contiguous()
+            return IntGemmWeight(4, packed, per_block(step), per_block(low))
+        codes8, step = quantize_int8(source)
+        packed = codes8.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
+        return IntGemmWeight(8, packed, per_block(step), None)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32."""
+        y = torch.ops.lockgate.int_linear(x.contiguous(), self.packed, self.scales, self.zeros, self.bits)
+        return y if bias is None else y + bias
+
+    def dequantize(self, n: int, k: int) -> torch.Tensor:
+        """The weight [N, K] float32 the kernel multiplies by (for tests)."""
+        if self.bits == 4:
+            b = self.packed.view(n // 16, k // 4, 16, 2)
+            lo, hi = (b & 0xF), (b >> 4)  # [nb, c, lane, column-in-pair]
+            codes = torch.stack([lo, hi], dim=-2).permute(0, 2, 1, 3, 4).reshape(n, k).float()
+        else:
+            codes = self.packed.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).float()
+        scales = self.scales.permute(0, 2, 1).reshape(n, k // INT4_GROUP)
+        w = codes.view(n, k // INT4_GROUP, INT4_GROUP) * scales[..., None]
+        if self.zeros is not None:
+            w = w + self.zeros.permute(0, 2, 1).reshape(n, k // INT4_GROUP)[..., None]
+        return w.reshape(n, k)
+
+    @staticmethod
+    def matching(source: torch.Tensor, quant: QuantForm | None, run_dtype: torch.dtype) -> IntGemmWeight | None:
+        """The form for large calls of a projection whose small-step form is ``quant``: the same
+        grid (same codes, same scales), so small and large steps multiply by the same weight.
+        None when there is no small-step form, the run is not float32 (16-bit runs keep oneDNN),
+        the shape does not fit or the kernel is not vectorized on this CPU."""
+        if (quant is None or run_dtype != torch.float32 or source.device.type != "cpu"
+                or not IntGemmWeight.fits(tuple(source.shape)) or not int_gemm_available()):
+            return None
+        return IntGemmWeight.from_weight(source, quant.bits)
+
+
 def choose_quant(source: torch.Tensor, mode: str, dtype: torch.dtype, kernels: bool) -> QuantForm | None:
     """The small-step form of a projection's weight (``source`` [N, K], full precision) for ``mode``:
     none -> None; int4 -> 4 bits whatever is lost; auto -> the smallest of 4 and 8 bits that loses
@@ -291,12 +387,14 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: QuantForm | None = None,
                  fp32_min_rows: int | None = None, source: torch.Tensor | None = None,
-                 source_bias: torch.Tensor | None = None) -> None:
+                 source_bias: torch.Tensor | None = None, large: IntGemmWeight | None = None) -> None:
         """``source``/``source_bias``: the unrounded values the float32 form is made from
-        (default: ``weight``/``bias``); used only when ``fp32_min_rows`` is set."""
+        (default: ``weight``/``bias``); used only when ``fp32_min_rows`` is set. ``large``: the
+        integer-GEMM form for calls of more than INT4_MAX_ROWS float32 rows (``IntGemmWeight.matching``)."""
         self.weight = weight
         self.bias = bias
         self.quant = quant
+        self.large = large
         self.fp32_min_rows = fp32_min_rows
         self.weight32: torch.Tensor | None = None
         self.bias32: torch.Tensor | None = None
@@ -309,10 +407,22 @@ class Linear:
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
+    @property
+    def small_max_rows(self) -> int:
+        """The largest call (rows) the small-step form takes; 0 without one."""
+        if self.quant is None:
+            return 0
+        return INT4_MAX_ROWS if self.large is None else INT_GEMM_SMALL_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.quant is not None and rows <= INT4_MAX_ROWS:
+        large = self.large is not None and x.dtype == torch.float32
+        if self.quant is not None and rows <= (INT_GEMM_SMALL_ROWS if large else INT4_MAX_ROWS):
             y = self.quant(x.reshape(-1, x.shape[-1]), self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if large:
+            assert self.large is not None
+            y = self.large(x.reshape(-1, x.shape[-1]), self.bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.weight32 is not None and rows >= typing.cast(int, self.fp32_min_rows):
             return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)

@@ -45,11 +45,11 @@ from torch import nn
 from lockgate.layers.attention import AttentionMetadata, paged_attention
 from lockgate.layers.linear import (
     INT4_GROUP,
-    INT4_MAX_ROWS,
     INT4_MODES,
     LOSSLESS_TOLERANCE,
     GroupQuantWeight,
     Int4Weight,
+    IntGemmWeight,
     Linear,
     QuantForm,
     choose_quant,
@@ -219,7 +219,11 @@ class DecoderLayer(nn.Module):
         self.down_bias = opt("down_bias")  # [hidden] or None
         def linear(name: str) -> Linear:
             weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
-            return Linear(weight, bias, quant(f"{name}_weight"), fp32_min_rows, w[f"{name}_weight"], w[f"{name}_bias"])
+            source = w[f"{name}_weight"]
+            assert source is not None, name
+            small = quant(f"{name}_weight")
+            large = IntGemmWeight.matching(source, small, dtype) if cpu_kernels else None
+            return Linear(weight, bias, small, fp32_min_rows, source, w[f"{name}_bias"], large)
 
         self.qkv = linear("qkv")
         self.o = linear("o")
@@ -248,12 +252,16 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed if lm_head is None else _frozen(lm_head.to(dtype))  # [V, hidden] (tied: same)
         head_source = embed if lm_head is None else lm_head
         head_quant = choose_quant(head_source, "none" if quantization == "none" else "auto", dtype, cpu_kernels)
-        self.head = Linear(self.lm_head, None, head_quant, fp32_min_rows, head_source)
+        head_large = IntGemmWeight.matching(head_source, head_quant, dtype) if cpu_kernels else None
+        self.head = Linear(self.lm_head, None, head_quant, fp32_min_rows, head_source, large=head_large)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
         # Run the layers on lockgate's fused CPU ops (``lockgate.kernels`` is loaded).
         self.fused_ops = cpu_kernels
         self._decode_weights: tuple[list[torch.Tensor], list[int]] | tuple[()] | None = None  # made on first use
+        # the one-call decode path runs the small-step forms: only up to the rows every projection gives them
+        lins = [lin for layer in typing.cast(list[DecoderLayer], self.layers) for lin in layer.projections().values()]
+        self._decode_max_rows = min([lin.small_max_rows for lin in lins], default=0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -313,7 +321,7 @@ class LlamaModel(nn.Module):
         a projection's forms must not change afterwards (they are made at load)."""
         t = x.shape[0]
         groups = meta.groups
-        if t > INT4_MAX_ROWS or len(groups) != 1:
+        if t > self._decode_max_rows or len(groups) != 1:
             return None
         g = groups[0]
         if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
@@ -443,8 +451,13 @@ def _log_quant(m: LlamaModel, mode: str) -> None:
     worst = max(q.error for q in forms)
     log.info("quantization=%s: %d of %d projections%s quantized (%s, groups of %d) for steps of <= %d rows; "
              "largest re-quantization error %.3g steps (%s)", mode, len(forms), len(lins) + 1,
-             " and the LM head" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP, INT4_MAX_ROWS,
+             " and the LM head" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP,
+             max(lin.small_max_rows for lin in [*lins, m.head]),
              worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
+    large = sum(lin.large is not None for lin in [*lins, m.head])
+    if large:
+        log.info("%d of %d projections run larger float32 steps on lockgate's int16 x int%d GEMM (AVX512-VNNI), "
+                 "the same weights", large, len(lins) + 1, min(lin.large.bits for lin in [*lins, m.head] if lin.large))
 
 
 def _check_shapes(m: LlamaModel) -> None:

@@ -1,0 +1,292 @@
+// Groupwise-quantized linear for many rows (prefill, large decode batches) on integer dot products:
+// y = x W^T with W as GGUF blocks (Q4_1 or Q8_0) and x quantized to int16 per block of 32 columns.
+//
+// lockgate::int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor
+//
+//   x       [M, K] float32, contiguous; K % 32 == 0
+//   packed  the weight's codes in this kernel's layout (made by ``lockgate.layers.linear``):
+//           bits 4: uint8 [N / 16, K / 4, 32]: byte i of chunk (nb, c) holds, for output row
+//                   n = 16 nb + i / 2 and column k = 4 c + i % 2, code(n, k) in its low nibble and
+//                   code(n, k + 2) in its high nibble (codes 0..15, W = code * scale + zero)
+//           bits 8: int8 [N / 16, K / 2, 32]: byte i of chunk (nb, p) = code(16 nb + i / 2, 2 p + i % 2)
+//                   (codes -127..127, W = code * scale)
+//   scales, zeros  float32 [N / 16, K / 32, 16] (zeros only for bits 4): entry (nb, g, l) belongs
+//           to output row 16 nb + l and columns [32 g, 32 g + 32)
+//   returns [M, N] float32
+//
+// Why: on a CPU without bf16 matrix units, float32 FMA is the fastest float arithmetic, and MKL's
+// sgemm already runs near its peak. AVX512-VNNI's VPDPWSSD multiplies 32 int16 pairs per
+// instruction at the FMA's rate, twice the FMA's 16 products. The weights' codes are small
+// integers (exact in int16); the activations are rounded to int16 with one scale per row and
+// block of 32 columns (relative error <= 2^-16 of the block's largest magnitude, 2^8 times finer
+// than a bf16 cast). Products of one block are summed exactly in int32 (|code| * 32767 * 32 <
+// 2^31) and then scaled in float32: y[m, n] = sum_g (d[n,g] s[m,g] sum_k q x16 + z[n,g] sum_k x).
+// The offset term uses the block sums of the unrounded x.
+//
+// Work split: threads take tiles of 48 output rows (3 zmm of 16). For each tile and block of 256
+// columns the codes are widened to int16 once into a 24 KB buffer (L1) and reused by every group
+// of 4 x rows; the 4 x 3 int32 accumulators and their 4 x 3 float32 sums stay in registers.
+// Weights are read from memory once per call in their packed size (4 or 8 bits per weight).
+//
+// Invariants: no allocation besides the output and the quantized x; the result depends only on
+// the inputs (not on the thread count); a CPU without AVX512-VNNI takes a plain C++ path with the
+// same arithmetic (exact int32 sums, float32 scaling in the same order per block).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kLanes = 16;             // output rows per zmm
+constexpr int kTileN = 3;                  // zmm of output rows per tile (48 rows)
+constexpr int kTileM = 4;                  // x rows per register block
+constexpr int64_t kBlockK = 256;           // columns widened at a time (kTileN * 256 * 2 B = 24 KB)
+constexpr int64_t kPairsPerGroup = kGroup / 2;
+constexpr int64_t kChunkM = 128;           // x rows per pass over a thread's tiles
+
+struct Job {
+  const int16_t* xq;   // [M, K] int16
+  const float* xs;     // [M, G] scale per row and group
+  const float* xsum;   // [M, G] sum of x per row and group (bits 4), else nullptr
+  int64_t m, k, g, nb; // rows, columns, groups, 16-row blocks of the output
+  const uint8_t* packed;
+  const float* scales; // [NB, G, 16]
+  const float* zeros;  // [NB, G, 16] or nullptr
+  int bits;
+  float* out;          // [M, N]
+};
+
+// Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767.
+void quantize_rows(const float* x, int64_t m, int64_t k, bool sums, int16_t* xq, float* xs, float* xsum) {
+  const int64_t groups = k / kGroup;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = x + r * k + g * kGroup;
+        float amax = 0.f, sum = 0.f;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          amax = std::max(amax, std::fabs(src[j]));
+          sum += src[j];
+        }
+        const float scale = amax / 32767.f;
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        int16_t* dst = xq + r * k + g * kGroup;
+        for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int16_t>(std::nearbyint(src[j] * inv));
+        xs[r * groups + g] = scale;
+        if (sums) xsum[r * groups + g] = sum;
+      }
+    }
+  });
+}
+
+// Widen the codes of output-row blocks [nb0, nb0 + nt) and columns [k0, k0 + kb) into
+// buf[t][p][32] int16 (pair p of columns k0 + 2p, k0 + 2p + 1; lane l of the zmm = row 16 nb + l).
+void widen_block(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, int16_t* buf) {
+  const int64_t pairs = kb / 2;
+  for (int t = 0; t < nt; ++t) {
+    int16_t* dst = buf + t * pairs * 32;
+    if (job.bits == 4) {
+      // chunk c covers columns 4c .. 4c + 3: low nibbles = pair 2c, high nibbles = pair 2c + 1
+      const uint8_t* src = job.packed + ((nb0 + t) * (job.k / 4) + k0 / 4) * 32;
+      for (int64_t c = 0; c < kb / 4; ++c) {
+#if defined(__AVX512F__)
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * 32)));
+        _mm512_storeu_si512(dst + (2 * c) * 32, _mm512_and_si512(w, _mm512_set1_epi16(0xF)));
+        _mm512_storeu_si512(dst + (2 * c + 1) * 32, _mm512_srli_epi16(w, 4));
+#else
+        for (int i = 0; i < 32; ++i) {
+          dst[(2 * c) * 32 + i] = src[c * 32 + i] & 0xF;
+          dst[(2 * c + 1) * 32 + i] = src[c * 32 + i] >> 4;
+        }
+#endif
+      }
+    } else {
+      const int8_t* src = reinterpret_cast<const int8_t*>(job.packed) + ((nb0 + t) * (job.k / 2) + k0 / 2) * 32;
+      for (int64_t p = 0; p < pairs; ++p) {
+#if defined(__AVX512F__)
+        _mm512_storeu_si512(dst + p * 32,
+                            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + p * 32))));
+#else
+        for (int i = 0; i < 32; ++i) dst[p * 32 + i] = src[p * 32 + i];
+#endif
+      }
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// out[m0 .. m0 + MR, 16 nb0 .. 16 (nb0 + NR)] += the products of columns [k0, k0 + kb).
+template <int MR, int NR>
+void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
+  const int64_t pairs = kb / 2, n = job.nb * kLanes;
+  __m512 f[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      f[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(job.out + (m0 + i) * n + (nb0 + j) * kLanes);
+  for (int64_t gi = 0; gi < kb / kGroup; ++gi) {
+    const int64_t g = k0 / kGroup + gi;
+    __m512i a[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) a[i][j] = _mm512_setzero_si512();
+    const int16_t* w = buf + gi * kPairsPerGroup * 32;
+#pragma GCC unroll 16
+    for (int64_t p = 0; p < kPairsPerGroup; ++p) {
+      __m512i wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w + (j * pairs + p) * 32);
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, job.xq + (m0 + i) * job.k + g * kGroup + 2 * p, sizeof pair);
+        const __m512i xv = _mm512_set1_epi32(pair);
+        for (int j = 0; j < NR; ++j) a[i][j] = _mm512_dpwssd_epi32(a[i][j], xv, wv[j]);
+      }
+    }
+    __m512 d[NR], z[NR];
+    for (int j = 0; j < NR; ++j) {
+      d[j] = _mm512_loadu_ps(job.scales + ((nb0 + j) * job.g + g) * kLanes);
+      if (job.zeros) z[j] = _mm512_loadu_ps(job.zeros + ((nb0 + j) * job.g + g) * kLanes);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 s = _mm512_set1_ps(job.xs[(m0 + i) * job.g + g]);
+      for (int j = 0; j < NR; ++j) f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][j]), _mm512_mul_ps(d[j], s), f[i][j]);
+      if (job.zeros) {
+        const __m512 xsum = _mm512_set1_ps(job.xsum[(m0 + i) * job.g + g]);
+        for (int j = 0; j < NR; ++j) f[i][j] = _mm512_fmadd_ps(z[j], xsum, f[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(job.out + (m0 + i) * n + (nb0 + j) * kLanes, f[i][j]);
+}
+#endif
+
+// The same arithmetic in plain C++ (any CPU; also the reference the vector path is tested against).
+void tile_generic(const Job& job, int64_t m0, int mr, int64_t nb0, int nr, int64_t k0, int64_t kb, const int16_t* buf,
+                  bool first) {
+  const int64_t pairs = kb / 2, n = job.nb * kLanes;
+  for (int i = 0; i < mr; ++i) {
+    for (int j = 0; j < nr; ++j) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        float* o = job.out + (m0 + i) * n + (nb0 + j) * kLanes + l;
+        float f = first ? 0.f : *o;
+        for (int64_t gi = 0; gi < kb / kGroup; ++gi) {
+          const int64_t g = k0 / kGroup + gi;
+          int32_t acc = 0;
+          for (int64_t p = gi * kPairsPerGroup; p < (gi + 1) * kPairsPerGroup; ++p)
+            for (int e = 0; e < 2; ++e)
+              acc += static_cast<int32_t>(job.xq[(m0 + i) * job.k + k0 + 2 * p + e]) * buf[(j * pairs + p) * 32 + 2 * l + e];
+          const int64_t at = ((nb0 + j) * job.g + g) * kLanes + l;
+          f = std::fma(static_cast<float>(acc), job.scales[at] * job.xs[(m0 + i) * job.g + g], f);
+          if (job.zeros) f = std::fma(job.zeros[at], job.xsum[(m0 + i) * job.g + g], f);
+        }
+        *o = f;
+      }
+    }
+  }
+}
+
+template <int NR>
+void rows_of_tile(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf,
+                  bool first) {
+#if defined(__AVX512VNNI__)
+  for (; m0 + kTileM <= m1; m0 += kTileM) tile_vnni<kTileM, NR>(job, m0, nb0, k0, kb, buf, first);
+  switch (m1 - m0) {
+    case 3: tile_vnni<3, NR>(job, m0, nb0, k0, kb, buf, first); break;
+    case 2: tile_vnni<2, NR>(job, m0, nb0, k0, kb, buf, first); break;
+    case 1: tile_vnni<1, NR>(job, m0, nb0, k0, kb, buf, first); break;
+    default: break;
+  }
+#else
+  for (; m0 < m1; m0 += kTileM)
+    tile_generic(job, m0, static_cast<int>(std::min<int64_t>(kTileM, m1 - m0)), nb0, NR, k0, kb, buf, first);
+#endif
+}
+
+void run(const Job& job) {
+  const int64_t tiles = (job.nb + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int16_t> buf(static_cast<size_t>(kTileN * kBlockK / 2 * 32));
+    // rows in chunks whose int16 x stays in L2 while this thread's tiles pass over it
+    for (int64_t m0 = 0; m0 < job.m; m0 += kChunkM) {
+      const int64_t m1 = std::min(job.m, m0 + kChunkM);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t nb0 = t * kTileN;
+        const int nt = static_cast<int>(std::min<int64_t>(kTileN, job.nb - nb0));
+        for (int64_t k0 = 0; k0 < job.k; k0 += kBlockK) {
+          const int64_t kb = std::min(kBlockK, job.k - k0);
+          widen_block(job, nb0, nt, k0, kb, buf.data());
+          const bool first = k0 == 0;
+          switch (nt) {
+            case 3: rows_of_tile<3>(job, m0, m1, nb0, k0, kb, buf.data(), first); break;
+            case 2: rows_of_tile<2>(job, m0, m1, nb0, k0, kb, buf.data(), first); break;
+            default: rows_of_tile<1>(job, m0, m1, nb0, k0, kb, buf.data(), first); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace lockgate {
+
+at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& zeros, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "int_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "int_linear: x must be contiguous float32 [M, K] on the CPU");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0, "int_linear: K = ", k, " is not a multiple of ", kGroup);
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == k * bits / 16 && packed.size(2) == 32 &&
+                  packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "int_linear: packed must be contiguous ", bits == 8 ? "int8 [N / 16, K / 2, 32]" : "uint8 [N / 16, K / 4, 32]");
+  const int64_t nb = packed.size(0);
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups, kLanes}) && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat,
+              "int_linear: scales must be contiguous float32 [N / 16, K / 32, 16]");
+  TORCH_CHECK((bits == 4) == zeros.has_value(), "int_linear: zeros are required for bits 4 and not allowed for bits 8");
+  if (zeros) {
+    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->is_contiguous() && zeros->scalar_type() == at::kFloat,
+                "int_linear: zeros must be contiguous float32 [N / 16, K / 32, 16]");
+  }
+  at::Tensor out = at::empty({m, nb * kLanes}, x.options());
+  if (m == 0) return out;
+  std::vector<int16_t> xq(static_cast<size_t>(m * k));
+  std::vector<float> xs(static_cast<size_t>(m * groups)), xsum(zeros ? static_cast<size_t>(m * groups) : 0);
+  quantize_rows(x.data_ptr<float>(), m, k, zeros.has_value(), xq.data(), xs.data(), xsum.data());
+  const Job job{xq.data(), xs.data(), zeros ? xsum.data() : nullptr, m, k, groups, nb,
+                reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<float>(),
+                zeros ? zeros->data_ptr<float>() : nullptr, static_cast<int>(bits), out.data_ptr<float>()};
+  run(job);
+  return out;
+}
+
+bool int_linear_vectorized() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace lockgate
+
+TORCH_LIBRARY_FRAGMENT(lockgate, m) {
+  m.def("int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor");
+  m.def("int_linear_vectorized() -> bool", &lockgate::int_linear_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("int_linear", &lockgate::int_linear); }
