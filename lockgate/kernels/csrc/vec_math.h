@@ -47,7 +47,9 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const float v = p * __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
-  return x < -87.0f ? 0.0f : v;
+  // below -87: 0 (v is finite there, xc being clamped). A multiply, not a select: gcc treats
+  // `cond ? 0 : v` here as control flow and then vectorises no loop that calls this.
+  return v * static_cast<float>(x >= -87.0f);
 }
 
 // x * sigmoid(x) through exp of a non-positive argument (no overflow; selects, no branches).
