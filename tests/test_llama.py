@@ -142,6 +142,41 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
         assert torch.equal(a, b)
 
 
+def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch) -> None:
+    # A float32 run with integer-GEMM forms (lockgate::int_linear, AVX512-VNNI) takes the one-call
+    # path for decode steps of any size: up to INT_GEMM_SMALL_ROWS sequences on the small-step
+    # forms, above on the integer-GEMM forms (kinds 104), exactly as the per-op path picks per call.
+    from lockgate.layers.linear import INT_GEMM_SMALL_ROWS, int_gemm_available
+
+    build(tmp_path, "llama_bias_mha", tie=False)
+    assert cpu_kernels.load(), cpu_kernels.error()
+    assert int_gemm_available()
+    model = LlamaModel.from_pretrained(tmp_path, torch.float32, quantization="int4", cpu_kernels=True)
+    assert all(lin.large is not None for layer in model.layers for lin in layer.projections().values())
+    kinds_seen: list[set[int]] = []
+    real = torch.ops.lockgate.decode_layers_
+    seqs = INT_GEMM_SMALL_ROWS + 2
+
+    def run(one_call: bool) -> list[torch.Tensor]:
+        if one_call:
+            monkeypatch.setattr(model, "_layers_decode", LlamaModel._layers_decode.__get__(model))
+        else:
+            monkeypatch.setattr(model, "_layers_decode", lambda *a: None)
+        drv = pool_driver(model, seed=4, kernels=True)
+        out = [drv.step({s: PROMPT[s:s + 5] for s in range(seqs)})[0]]
+        out += [drv.step({s: PROMPT[s + i:s + i + 1] for s in range(seqs)})[0] for i in range(5, 8)]
+        out += [drv.step({0: PROMPT[8:9], 1: PROMPT[9:10]})[0]]  # two sequences: the small forms
+        return out
+
+    monkeypatch.setattr(torch.ops.lockgate, "decode_layers_",
+                        lambda *a: kinds_seen.append(set(a[9])) or real(*a), raising=False)
+    per_op = run(one_call=False)
+    one_call = run(one_call=True)
+    assert kinds_seen == [{104}] * 3 + [{0}]
+    for a, b in zip(per_op, one_call, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_config_parsing_and_errors(tmp_path) -> None:
     base = {**COMMON, "model_type": "llama", "hidden_act": "silu"}
     a = LlamaArgs.from_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500.0})

@@ -258,10 +258,12 @@ class LlamaModel(nn.Module):
         self.scale = 1.0 / math.sqrt(args.head_dim)
         # Run the layers on lockgate's fused CPU ops (``lockgate.kernels`` is loaded).
         self.fused_ops = cpu_kernels
-        self._decode_weights: tuple[list[torch.Tensor], list[int]] | tuple[()] | None = None  # made on first use
-        # the one-call decode path runs the small-step forms: only up to the rows every projection gives them
+        # The one-call decode path's weights, made on first use: the small-step forms (key False) for
+        # steps of up to _decode_small_rows sequences (the rows every projection gives them), the
+        # integer-GEMM forms (key True) for larger ones, as ``Linear`` picks them per call.
+        self._decode_packs: dict[bool, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
         lins = [lin for layer in typing.cast(list[DecoderLayer], self.layers) for lin in layer.projections().values()]
-        self._decode_max_rows = min([lin.small_max_rows for lin in lins], default=0)
+        self._decode_small_rows = min([lin.small_max_rows for lin in lins], default=0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -314,31 +316,37 @@ class LlamaModel(nn.Module):
 
     def _layers_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
-        """A small all-decode step in one call (``lockgate::decode_layers_``: ``_layers_fused``'s
-        very ops, without returning to Python between them), or None when the step is not one:
-        every sequence decodes on the attention kernel without a shared prefix, and every
-        projection runs a quantized form at this row count. The weights are packed on first use:
-        a projection's forms must not change afterwards (they are made at load)."""
+        """An all-decode step in one call (``lockgate::decode_layers_``: ``_layers_fused``'s very
+        ops, without returning to Python between them), or None when the step is not one: every
+        sequence decodes on the attention kernel without a shared prefix, and every projection
+        has a quantized form for this row count (small-step forms up to ``_decode_small_rows``
+        rows, integer-GEMM forms above). The weights are packed on first use: a projection's
+        forms must not change afterwards (they are made at load)."""
         t = x.shape[0]
         groups = meta.groups
-        if t > self._decode_max_rows or len(groups) != 1:
+        if len(groups) != 1:
             return None
         g = groups[0]
         if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
             return None
-        if self._decode_weights is None:
-            self._decode_weights = self._pack_decode_weights()
-        if not self._decode_weights:
+        large = t > self._decode_small_rows
+        if large and x.dtype != torch.float32:
             return None
-        weights, kinds = self._decode_weights
+        if large not in self._decode_packs:
+            self._decode_packs[large] = self._pack_decode_weights(large)
+        packed = self._decode_packs[large]
+        if not packed:
+            return None
+        weights, kinds = packed
         a, d = self.args, self.args.head_dim
         return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
                                                  g.kernel_slots, g.kernel_offsets, weights, kinds, a.num_heads,
                                                  a.num_kv_heads, a.rms_norm_eps, self.scale)
 
-    def _pack_decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
-        """The layers' tensors in ``decode_layers_``'s order, and each projection's kind; () when some
-        projection has no quantized form (then small steps stay on ``_layers_fused``)."""
+    def _pack_decode_weights(self, large: bool) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+        """The layers' tensors in ``decode_layers_``'s order, and each projection's kind, for the
+        small-step forms or (``large``) the integer-GEMM forms; () when some projection lacks that
+        form (then such steps stay on ``_layers_fused``)."""
         none = torch.empty(0)
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
@@ -347,7 +355,13 @@ class LlamaModel(nn.Module):
             for lin in layer.projections().values():
                 q = lin.quant
                 bias = none if lin.bias is None else lin.bias
-                if isinstance(q, Int4Weight) and q.group == INT4_GROUP:
+                if large:
+                    if lin.large is None:
+                        return ()
+                    weights += [lin.large.packed, lin.large.scales, none if lin.large.zeros is None else lin.large.zeros,
+                                bias]
+                    kinds.append(100 + lin.large.bits)
+                elif isinstance(q, Int4Weight) and q.group == INT4_GROUP:
                     weights += [q.packed, q.scales_zeros, none, bias]
                     kinds.append(0)
                 elif isinstance(q, GroupQuantWeight):

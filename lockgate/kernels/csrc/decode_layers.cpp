@@ -13,7 +13,8 @@
 //              (a, b, c, bias); an empty tensor (numel 0) stands for "none"
 //   kinds      per layer and projection: 0 = torch's int4 (a: packed codes, b: scales_and_zeros,
 //              groups of 32, bf16 activations), 4 / 8 = lockgate::quant_linear with that many bits
-//              (a: codes, b: scales, c: zeros)
+//              (a: codes, b: scales, c: zeros), 104 / 108 = lockgate::int_linear with 4 / 8 bits
+//              (a: packed codes, b: scales, c: zeros; float32 x)
 //
 // It does exactly what lockgate.models.llama.LlamaModel._layers_fused does for such a step (the
 // same functions, in the same order, rounding in the same places), without returning to Python
@@ -34,6 +35,7 @@ namespace {
 
 constexpr int64_t kTensorsPerLayer = 2 + 4 * 4;
 constexpr int64_t kInt4Group = 32;
+constexpr int64_t kIntGemmKind = 100;  // kinds 104 / 108: int_linear with kind - 100 bits
 
 std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
@@ -52,6 +54,10 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
     at::Tensor y = at::cpu::_weight_int4pack_mm_for_cpu(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16),
                                                         p[0], kInt4Group, p[1]);
     if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+    return p[3].numel() ? y.add_(p[3]) : y;
+  }
+  if (kind >= kIntGemmKind) {
+    at::Tensor y = lockgate::int_linear(x, p[0], p[1], opt(p[2]), kind - kIntGemmKind);
     return p[3].numel() ? y.add_(p[3]) : y;
   }
   return lockgate::quant_linear(x, p[0], p[1], opt(p[2]), opt(p[3]), kind);
@@ -73,7 +79,9 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
               "weights: expected ", layers * kTensorsPerLayer, " tensors (", kTensorsPerLayer, " per layer), got ",
               weights.size());
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers * 4, "kinds: expected 4 per layer");
-  for (int64_t kind : kinds) TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "kinds must be 0, 4 or 8");
+  for (int64_t kind : kinds) {
+    TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108, "kinds must be 0, 4, 8, 104 or 108");
+  }
   std::optional<at::Tensor> pending;  // the previous layer's MLP output, not yet added to x
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
