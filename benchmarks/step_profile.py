@@ -132,7 +132,8 @@ def main() -> None:
     ap.add_argument("--fp32-matmul-rows", default="auto", help="comma list of --fp32-matmul-rows settings")
     ap.add_argument("--cpu-kernels", default="auto", help="comma list of --cpu-kernels settings (auto,off)")
     ap.add_argument("--int-gemm", default="on", help="comma list of on,off: off drops the projections' integer-GEMM "
-                    "forms (lockgate::int_linear) after load, so larger float32 calls take the dense weight")
+                    "forms (lockgate::int_linear) after load: calls of <= 16 rows take the small-step forms "
+                    "again (and the one-call decode path), larger float32 calls the dense weight")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
@@ -161,9 +162,12 @@ def main() -> None:
         for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")
         for i in args.int_gemm.split(",")}
     for name, r in runners.items():
-        if name.endswith("int-gemm-off"):
-            for lin in [*(p for layer in r.model.layers for p in layer.projections().values()), r.model.head]:
+        if name.endswith("int-gemm-off"):  # as if the forms had never been made: small forms up to 16 rows again
+            lins = [p for layer in r.model.layers for p in layer.projections().values()]
+            for lin in [*lins, r.model.head]:
                 lin.large = None
+            r.model._decode_small_rows = min(lin.small_max_rows for lin in lins)
+            r.model._decode_packs.clear()
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()

@@ -152,8 +152,8 @@ def test_fp32_matmul_tier_on_a_long_prompt(hf_reference, prompts, pool_driver) -
 def test_quantized_float32_run_close_to_reference(hf_reference, prompts, reference) -> None:
     # The float32 run with the checkpoint's own 4-bit grid (what --dtype auto serves on a CPU
     # without native bf16): calls of more than INT_GEMM_SMALL_ROWS rows run lockgate's int16 x int4
-    # GEMM, smaller ones torch's int4 kernel on bf16 activations. Both multiply the checkpoint's
-    # exact weights; the first step of a prompt longer than INT_GEMM_SMALL_ROWS tokens stays
+    # GEMM, smaller ones torch's int4 kernel on bf16 activations. The integer GEMM multiplies the
+    # checkpoint's exact weights (torch's int4 form rounds scales to bf16); the first step of a prompt longer than INT_GEMM_SMALL_ROWS tokens stays
     # within a few thousandths of a nat of transformers' float32 log-probabilities.
     from lockgate.layers.linear import INT_GEMM_SMALL_ROWS, int_gemm_available
 

@@ -237,7 +237,7 @@ def test_int_linear_is_finer_than_bf16_activations(ops) -> None:
 
 def test_int_linear_result_does_not_depend_on_threads(ops) -> None:
     q, _ = _int_gemm_case(4, 960, 576, seed=4)
-    x = torch.randn(37, 576)
+    x = torch.randn(200, 576)  # two chunks of rows
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -257,8 +257,16 @@ def test_int_linear_rejects_bad_input(ops) -> None:
     assert ops.int_linear(torch.zeros(0, 64), q.packed, q.scales, q.zeros, 4).shape == (0, 48)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         ops.int_linear(x.bfloat16(), q.packed, q.scales, q.zeros, 4)
-    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+    with pytest.raises(RuntimeError, match="not a positive multiple of 32"):
         ops.int_linear(torch.randn(2, 48), q.packed, q.scales, q.zeros, 4)
+    with pytest.raises(RuntimeError, match="not a positive multiple of 32"):
+        ops.int_linear(torch.randn(2, 0), q.packed[:, :0].contiguous(), q.scales[:, :0].contiguous(),
+                       q.zeros[:, :0].contiguous(), 4)
+    with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
+        ops.int_linear(x, q.packed.view(torch.int8), q.scales, q.zeros, 4)  # right shape, wrong dtype
+    q8, _ = _int_gemm_case(8, 48, 64, seed=6)
+    with pytest.raises(RuntimeError, match="not allowed for bits 8"):
+        ops.int_linear(x, q8.packed, q8.scales, q.zeros, 8)
     with pytest.raises(RuntimeError, match=r"packed must be contiguous uint8 \[N / 16, K / 4, 32\]"):
         ops.int_linear(torch.randn(2, 128), q.packed, q.scales, q.zeros, 4)
     with pytest.raises(RuntimeError, match="zeros are required"):
@@ -274,3 +282,31 @@ def test_int_linear_is_vectorized_where_the_cpu_has_vnni(ops) -> None:
     # large float32 calls would silently fall back to the scalar loop).
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert ops.int_linear_vectorized() == ("avx512_vnni" in flags)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_linear_vector_path_equals_the_plain_path(ops, bits: int) -> None:
+    # The plain C++ loops (what a CPU without VNNI runs) do the same arithmetic in the same order:
+    # the two give the same numbers, on every tile and row remainder.
+    for n, k, m in ((80, 288, 130), (16, 32, 3), (960, 576, 9)):
+        q, _ = _int_gemm_case(bits, n, k, seed=n * m)
+        x = torch.randn(m, k) * 2
+        assert torch.equal(ops.int_linear(x, q.packed, q.scales, q.zeros, bits),
+                           ops.int_linear_reference(x, q.packed, q.scales, q.zeros, bits))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_linear_non_finite_and_tiny_x(ops, bits: int) -> None:
+    # NaN or inf in a row makes that row NaN (as F.linear would), never a silently finite result,
+    # and leaves the other rows alone; a block of values below 1e-30 counts as zeros.
+    q, w = _int_gemm_case(bits, 48, 64, seed=7)
+    x = torch.randn(4, 64)
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    x[3, :32] = 1e-35
+    got = ops.int_linear(x, q.packed, q.scales, q.zeros, bits)
+    assert got[1].isnan().all() and got[2].isnan().all()
+    good = x[[0, 3]].clone()
+    good[1, :32] = 0
+    want = good.double() @ w.double().t()
+    assert ((got[[0, 3]].double() - want).abs() <= _int_gemm_bound(good, w)).all()

@@ -277,6 +277,9 @@ def test_int_gemm_form_multiplies_the_small_forms_weight(kernels_loaded, bits: i
     small = GroupQuantWeight.from_weight(w, bits)
     assert torch.equal(large.dequantize(96, 64), small.dequantize(96, 64))
     torch.testing.assert_close(large.dequantize(96, 64), w, atol=1e-6, rtol=0)
+    if bits == 4:  # torch's int4 form: the same codes, its scales and offsets rounded to bf16
+        torch_form = Int4Weight.from_weight(w, torch.bfloat16).dequantize(96, 64)
+        torch.testing.assert_close(torch_form, large.dequantize(96, 64), atol=0.02, rtol=0.01)
     with pytest.raises(ValueError, match="N % 16 == 0"):
         IntGemmWeight.from_weight(torch.randn(40, 64), bits)
 

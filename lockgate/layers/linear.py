@@ -55,7 +55,8 @@ and x is float32, else float32 if it has that form and r >= ``fp32_min_rows``,
 else the dense run-dtype weight; each equals ``F.linear`` with the corresponding weight
 (dequantized, the float32 source, ``weight``) up to accumulation order, the integer GEMM's
 int16 rounding of x and the output's rounding to x's dtype. The quantized forms of one
-projection are made from the same codes, so small and large calls multiply by the same weight.
+projection are made from the same codes and float32 scales (torch's int4 form keeps its scales and
+offsets in bf16, so there the small form's weight differs from the large one's by that rounding).
 Called by ``lockgate.models.llama`` (every projection and the LM head).
 """
 
@@ -346,7 +347,7 @@ class IntGemmWeight:
     @staticmethod
     def matching(source: torch.Tensor, quant: QuantForm | None, run_dtype: torch.dtype) -> IntGemmWeight | None:
         """The form for large calls of a projection whose small-step form is ``quant``: the same
-        grid (same codes, same scales), so small and large steps multiply by the same weight.
+        grid (same codes; float32 scales, where torch's int4 form rounds its scales to bf16).
         None when there is no small-step form, the run is not float32 (16-bit runs keep oneDNN),
         the shape does not fit or the kernel is not vectorized on this CPU."""
         if (quant is None or run_dtype != torch.float32 or source.device.type != "cpu"
@@ -390,7 +391,7 @@ class Linear:
                  source_bias: torch.Tensor | None = None, large: IntGemmWeight | None = None) -> None:
         """``source``/``source_bias``: the unrounded values the float32 form is made from
         (default: ``weight``/``bias``); used only when ``fp32_min_rows`` is set. ``large``: the
-        integer-GEMM form for calls of more than INT4_MAX_ROWS float32 rows (``IntGemmWeight.matching``)."""
+        integer-GEMM form for calls of more than INT_GEMM_SMALL_ROWS float32 rows (``IntGemmWeight.matching``)."""
         self.weight = weight
         self.bias = bias
         self.quant = quant

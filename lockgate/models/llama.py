@@ -471,7 +471,7 @@ def _log_quant(m: LlamaModel, mode: str) -> None:
     large = sum(lin.large is not None for lin in [*lins, m.head])
     if large:
         log.info("%d of %d projections run larger float32 steps on lockgate's int16 x int%d GEMM (AVX512-VNNI), "
-                 "the same weights", large, len(lins) + 1, min(lin.large.bits for lin in [*lins, m.head] if lin.large))
+                 "the same codes", large, len(lins) + 1, min(lin.large.bits for lin in [*lins, m.head] if lin.large))
 
 
 def _check_shapes(m: LlamaModel) -> None:

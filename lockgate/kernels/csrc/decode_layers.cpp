@@ -1,4 +1,4 @@
-// A whole small decode step's decoder layers in one operator call.
+// A whole all-decode step's decoder layers in one operator call.
 //
 // lockgate::decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache,
 //                          Tensor out_slots, Tensor slots, Tensor offsets, Tensor[] weights, int[] kinds,

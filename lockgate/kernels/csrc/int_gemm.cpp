@@ -23,14 +23,21 @@
 // 2^31) and then scaled in float32: y[m, n] = sum_g (d[n,g] s[m,g] sum_k q x16 + z[n,g] sum_k x).
 // The offset term uses the block sums of the unrounded x.
 //
-// Work split: threads take tiles of 48 output rows (3 zmm of 16). For each tile and block of 256
-// columns the codes are widened to int16 once into a 24 KB buffer (L1) and reused by every group
-// of 4 x rows; the 4 x 3 int32 accumulators and their 4 x 3 float32 sums stay in registers.
-// Weights are read from memory once per call in their packed size (4 or 8 bits per weight).
+// Work split: threads take tiles of 48 output rows (3 zmm of 16). x's rows go in chunks of 128
+// (their int16 copy stays in L2 while a thread walks its tiles); for each chunk, tile and block
+// of 256 columns the codes are widened to int16 into a 24 KB per-thread buffer (L1) and reused by
+// every group of 4 x rows; the 4 x 3 int32 accumulators and their 4 x 3 float32 sums stay in
+// registers. Weights are read in their packed size (4 or 8 bits per weight) once per chunk of
+// 128 rows: once per call at decode sizes.
 //
-// Invariants: no allocation besides the output and the quantized x; the result depends only on
-// the inputs (not on the thread count); a CPU without AVX512-VNNI takes a plain C++ path with the
-// same arithmetic (exact int32 sums, float32 scaling in the same order per block).
+// Non-finite x: a block holding NaN or +-inf gets a NaN scale, so the rows it feeds come out NaN
+// (as F.linear's would); a block whose largest magnitude is below 1e-30 is taken as zeros.
+//
+// Invariants: allocations are the output, x's int16 copy with its scales and sums, and one
+// widening buffer per thread; the result depends only on the inputs (not on the thread count or
+// on the other rows); a CPU without AVX512-VNNI takes a plain C++ path (``tile_generic``) with
+// the same arithmetic (exact int32 sums, float32 scaling in the same order per block), which
+// ``int_linear_reference`` runs on any CPU so tests compare the two bitwise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,10 +47,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 
@@ -53,7 +61,7 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = 16;             // output rows per zmm
 constexpr int kTileN = 3;                  // zmm of output rows per tile (48 rows)
 constexpr int kTileM = 4;                  // x rows per register block
-constexpr int64_t kBlockK = 256;           // columns widened at a time (kTileN * 256 * 2 B = 24 KB)
+constexpr int64_t kBlockK = 256;           // columns widened at a time (48 rows * 256 * 2 B = 24 KB)
 constexpr int64_t kPairsPerGroup = kGroup / 2;
 constexpr int64_t kChunkM = 128;           // x rows per pass over a thread's tiles
 
@@ -67,6 +75,7 @@ struct Job {
   const float* zeros;  // [NB, G, 16] or nullptr
   int bits;
   float* out;          // [M, N]
+  bool generic;        // the plain C++ path even where VNNI is there (int_linear_reference)
 };
 
 // Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767.
@@ -77,15 +86,22 @@ void quantize_rows(const float* x, int64_t m, int64_t k, bool sums, int16_t* xq,
       for (int64_t g = 0; g < groups; ++g) {
         const float* src = x + r * k + g * kGroup;
         float amax = 0.f, sum = 0.f;
+        bool finite = true;
         for (int64_t j = 0; j < kGroup; ++j) {
-          amax = std::max(amax, std::fabs(src[j]));
+          const float a = std::fabs(src[j]);
+          finite &= a <= std::numeric_limits<float>::max();  // false for NaN and +-inf
+          amax = std::max(amax, a);
           sum += src[j];
         }
-        const float scale = amax / 32767.f;
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        const bool used = finite && amax >= 1e-30f;  // 32767 / amax stays finite
+        const float inv = used ? 32767.f / amax : 0.f;
         int16_t* dst = xq + r * k + g * kGroup;
-        for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int16_t>(std::nearbyint(src[j] * inv));
-        xs[r * groups + g] = scale;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          // |src * inv| <= 32767 up to rounding: clamped so the conversion is always defined
+          const float v = std::min(std::max(src[j] * inv, -32767.f), 32767.f);
+          dst[j] = static_cast<int16_t>(std::nearbyint(v));
+        }
+        xs[r * groups + g] = finite ? (used ? amax / 32767.f : 0.f) : std::numeric_limits<float>::quiet_NaN();
         if (sums) xsum[r * groups + g] = sum;
       }
     }
@@ -102,7 +118,7 @@ void widen_block(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, in
       // chunk c covers columns 4c .. 4c + 3: low nibbles = pair 2c, high nibbles = pair 2c + 1
       const uint8_t* src = job.packed + ((nb0 + t) * (job.k / 4) + k0 / 4) * 32;
       for (int64_t c = 0; c < kb / 4; ++c) {
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * 32)));
         _mm512_storeu_si512(dst + (2 * c) * 32, _mm512_and_si512(w, _mm512_set1_epi16(0xF)));
         _mm512_storeu_si512(dst + (2 * c + 1) * 32, _mm512_srli_epi16(w, 4));
@@ -116,7 +132,7 @@ void widen_block(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, in
     } else {
       const int8_t* src = reinterpret_cast<const int8_t*>(job.packed) + ((nb0 + t) * (job.k / 2) + k0 / 2) * 32;
       for (int64_t p = 0; p < pairs; ++p) {
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
         _mm512_storeu_si512(dst + p * 32,
                             _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + p * 32))));
 #else
@@ -201,17 +217,19 @@ template <int NR>
 void rows_of_tile(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf,
                   bool first) {
 #if defined(__AVX512VNNI__)
-  for (; m0 + kTileM <= m1; m0 += kTileM) tile_vnni<kTileM, NR>(job, m0, nb0, k0, kb, buf, first);
-  switch (m1 - m0) {
-    case 3: tile_vnni<3, NR>(job, m0, nb0, k0, kb, buf, first); break;
-    case 2: tile_vnni<2, NR>(job, m0, nb0, k0, kb, buf, first); break;
-    case 1: tile_vnni<1, NR>(job, m0, nb0, k0, kb, buf, first); break;
-    default: break;
+  if (!job.generic) {
+    for (; m0 + kTileM <= m1; m0 += kTileM) tile_vnni<kTileM, NR>(job, m0, nb0, k0, kb, buf, first);
+    switch (m1 - m0) {
+      case 3: tile_vnni<3, NR>(job, m0, nb0, k0, kb, buf, first); break;
+      case 2: tile_vnni<2, NR>(job, m0, nb0, k0, kb, buf, first); break;
+      case 1: tile_vnni<1, NR>(job, m0, nb0, k0, kb, buf, first); break;
+      default: break;
+    }
+    return;
   }
-#else
+#endif
   for (; m0 < m1; m0 += kTileM)
     tile_generic(job, m0, static_cast<int>(std::min<int64_t>(kTileM, m1 - m0)), nb0, NR, k0, kb, buf, first);
-#endif
 }
 
 void run(const Job& job) {
@@ -243,13 +261,15 @@ void run(const Job& job) {
 
 namespace lockgate {
 
-at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& zeros, int64_t bits) {
+namespace {
+
+at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& zeros, int64_t bits, bool generic) {
   TORCH_CHECK(bits == 4 || bits == 8, "int_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "int_linear: x must be contiguous float32 [M, K] on the CPU");
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
-  TORCH_CHECK(k % kGroup == 0, "int_linear: K = ", k, " is not a multiple of ", kGroup);
+  TORCH_CHECK(k > 0 && k % kGroup == 0, "int_linear: K = ", k, " is not a positive multiple of ", kGroup);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == k * bits / 16 && packed.size(2) == 32 &&
                   packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "int_linear: packed must be contiguous ", bits == 8 ? "int8 [N / 16, K / 2, 32]" : "uint8 [N / 16, K / 4, 32]");
@@ -269,9 +289,23 @@ at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   quantize_rows(x.data_ptr<float>(), m, k, zeros.has_value(), xq.data(), xs.data(), xsum.data());
   const Job job{xq.data(), xs.data(), zeros ? xsum.data() : nullptr, m, k, groups, nb,
                 reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<float>(),
-                zeros ? zeros->data_ptr<float>() : nullptr, static_cast<int>(bits), out.data_ptr<float>()};
+                zeros ? zeros->data_ptr<float>() : nullptr, static_cast<int>(bits), out.data_ptr<float>(),
+                generic};
   run(job);
   return out;
+}
+
+}  // namespace
+
+at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& zeros, int64_t bits) {
+  return int_linear_impl(x, packed, scales, zeros, bits, false);
+}
+
+// The plain C++ path on any CPU (what a CPU without VNNI runs): for tests of the vector path.
+at::Tensor int_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& zeros, int64_t bits) {
+  return int_linear_impl(x, packed, scales, zeros, bits, true);
 }
 
 bool int_linear_vectorized() {
@@ -286,7 +320,11 @@ bool int_linear_vectorized() {
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor");
+  m.def("int_linear_reference(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor");
   m.def("int_linear_vectorized() -> bool", &lockgate::int_linear_vectorized);
 }
 
-TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("int_linear", &lockgate::int_linear); }
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
+  m.impl("int_linear", &lockgate::int_linear);
+  m.impl("int_linear_reference", &lockgate::int_linear_reference);
+}
