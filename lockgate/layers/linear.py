@@ -73,10 +73,11 @@ import torch.nn.functional as F
 INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
 INT4_MAX_ROWS = 16  # quantized forms for calls with at most this many rows; dense above (measured crossover ~32)
 # With an integer-GEMM form (``IntGemmWeight``) the small-step form keeps only calls of at most this
-# many rows: measured over the default model's decode steps (float32 run, 2 cores), the integer GEMM
-# from 5 rows up beats torch's int4 kernel + the one-call decode path (8 rows 26.6 vs 32.7 ms, 16
-# rows 40.6 vs 60.7 ms) and is level at 3-4 rows.
-INT_GEMM_SMALL_ROWS = 4
+# many rows: measured over the default model's decode steps (float32 run, 2 cores, both in the
+# one-call decode path, alternating in one process), torch's int4 kernel is 3-4% faster at 1-3
+# rows (batch 1 9.16 vs 9.50 ms) and the integer GEMM from 4 rows up (4 rows 14.2 vs 15.8 ms; 8
+# rows 26.6 vs 32.7 ms, 16 rows 40.6 vs 60.7 ms).
+INT_GEMM_SMALL_ROWS = 3
 INT4_MODES = ("auto", "none", "int4")
 LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
 
