@@ -73,7 +73,8 @@ class ModelConfig:
                                    "per parameter): faster than bf16 on CPUs with AVX512-BF16 but no AMX. "
                                    "auto = 64 on such a CPU for a 16-bit dtype, else off; off; or a row count")
     cpu_kernels: str = option("auto", "lockgate's C++ CPU kernels (decode attention read from the KV pool by slot, "
-                              "fused layer ops, int8 matmuls, whole small decode steps in one call): "
+                              "fused layer ops, int8 matmuls, an int16 x int4/int8 GEMM on AVX512-VNNI for larger "
+                              "float32 steps, whole decode steps in one call): "
                               "auto = build them on first use (~15 s, cached under ~/.cache/lockgate/kernels) "
                               "and use them, falling back to plain torch ops if they cannot be built; off",
                               choices=["auto", "off"])
