@@ -31,7 +31,9 @@ Invariants:
 * The caller's logits are never modified; all arithmetic is float32.
 * ``logprobs`` / ``top_logprobs`` are the log-softmax of the RAW logits (before steps 1-5), as
   vLLM reports by default; ``top_*`` have ``K = max(num_logprobs)`` columns (>= 0, <= V),
-  sorted descending. Rows that asked for fewer just ignore the extra columns.
+  sorted descending. Rows that asked for fewer just ignore the extra columns. When no row asked
+  (every num_logprobs is -1) ``logprobs`` is NaN: the log-sum-exp over the vocabulary is skipped
+  (2.7 ms of a 32-row step of a 49k vocabulary on 2 cores).
 * A seeded row draws its noise, in vocabulary order, from its own ``torch.Generator`` seeded
   with ``step_seed(seed, seed_steps)``. Its token therefore depends only on (seed, seed_steps,
   its logits row, its own knobs), never on the other rows or its position in the batch.
@@ -277,6 +279,10 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, b: SamplingBatch) -> Samp
     """Raw log-softmax at the chosen tokens and the top-K of each row of ``raw`` [S, V]."""
     s, v = raw.shape
     k = min(max(int(b.num_logprobs.max()), 0), v) if s else 0
+    if not s or int(b.num_logprobs.max()) < 0:  # no row asked: skip the pass over the vocabulary
+        return SampleOutput(tokens=tokens, logprobs=torch.full((s,), float("nan"), device=raw.device),
+                            top_ids=torch.zeros(s, 0, dtype=torch.int64, device=raw.device),
+                            top_logprobs=torch.zeros(s, 0, dtype=torch.float32, device=raw.device))
     lse = torch.logsumexp(raw, dim=-1)  # [S]
     chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse  # [S]
     if k:
