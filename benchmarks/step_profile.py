@@ -163,11 +163,7 @@ def main() -> None:
         for i in args.int_gemm.split(",")}
     for name, r in runners.items():
         if name.endswith("int-gemm-off"):  # as if the forms had never been made: small forms up to 16 rows again
-            lins = [p for layer in r.model.layers for p in layer.projections().values()]
-            for lin in [*lins, r.model.head]:
-                lin.large = None
-            r.model._decode_small_rows = min(lin.small_max_rows for lin in lins)
-            r.model._decode_packs.clear()
+            r.model.drop_int_gemm_forms()
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()

@@ -109,6 +109,26 @@ def test_kernels_round_like_torch_in_bf16(tmp_path, pool_driver, kind: str) -> N
         assert _rel_err(k, ref) < 1.5 * _rel_err(t, ref)  # measured 0.8x to 1.15x
 
 
+def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int,
+                          steps: list[dict[int, list[int]]]) -> tuple[list, list, list[set[int]]]:
+    """The steps' outputs through the per-op path, then through the one-call decode path (same
+    pool contents), and the projection kinds of each decode_layers_ call."""
+    kinds_seen: list[set[int]] = []
+    real = torch.ops.lockgate.decode_layers_
+    monkeypatch.setattr(torch.ops.lockgate, "decode_layers_",
+                        lambda *a: kinds_seen.append(set(a[9])) or real(*a), raising=False)
+
+    def run(one_call: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(model, "_layers_decode",
+                            LlamaModel._layers_decode.__get__(model) if one_call else (lambda *a: None))
+        drv = pool_driver(model, seed=seed, kernels=True)
+        return [drv.step(step)[0] for step in steps]
+
+    per_op = run(one_call=False)
+    assert kinds_seen == []
+    return per_op, run(one_call=True), kinds_seen
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
     # A small all-decode step whose projections all have quantized forms runs its layers in one
@@ -117,27 +137,14 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
     build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
     assert cpu_kernels.load(), cpu_kernels.error()
     model = LlamaModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
+    model.drop_int_gemm_forms()  # the small-step kinds only (the test below covers the others)
     for layer in model.layers:
         layer.o.quant = GroupQuantWeight.from_weight(layer.o_weight.float(), 8)
         layer.down.quant = GroupQuantWeight.from_weight(layer.down_weight.float(), 4)
-    calls = []
-    real = torch.ops.lockgate.decode_layers_
-
-    def run(one_call: bool) -> list[torch.Tensor]:
-        if one_call:
-            monkeypatch.setattr(model, "_layers_decode", LlamaModel._layers_decode.__get__(model))
-        else:
-            monkeypatch.setattr(model, "_layers_decode", lambda *a: None)
-        drv = pool_driver(model, seed=3, kernels=True)
-        out = [drv.step({0: PROMPT[:9], 1: OTHER[:4]})[0]]  # prefill: never the one-call path
-        out += [drv.step({0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]})[0] for i in range(9, 14)]
-        return out
-
-    monkeypatch.setattr(torch.ops.lockgate, "decode_layers_", lambda *a: calls.append(1) or real(*a), raising=False)
-    per_op = run(one_call=False)
-    assert calls == []
-    one_call = run(one_call=True)
-    assert len(calls) == 5  # every decode step, not the prefill
+    steps = [{0: PROMPT[:9], 1: OTHER[:4]}]  # prefill: never the one-call path
+    steps += [{0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]} for i in range(9, 14)]
+    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 3, steps)
+    assert kinds == [{0, 4, 8}] * 5  # every decode step, not the prefill
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 
@@ -153,26 +160,12 @@ def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool
     assert int_gemm_available()
     model = LlamaModel.from_pretrained(tmp_path, torch.float32, quantization="int4", cpu_kernels=True)
     assert all(lin.large is not None for layer in model.layers for lin in layer.projections().values())
-    kinds_seen: list[set[int]] = []
-    real = torch.ops.lockgate.decode_layers_
     seqs = INT_GEMM_SMALL_ROWS + 2
-
-    def run(one_call: bool) -> list[torch.Tensor]:
-        if one_call:
-            monkeypatch.setattr(model, "_layers_decode", LlamaModel._layers_decode.__get__(model))
-        else:
-            monkeypatch.setattr(model, "_layers_decode", lambda *a: None)
-        drv = pool_driver(model, seed=4, kernels=True)
-        out = [drv.step({s: PROMPT[s:s + 5] for s in range(seqs)})[0]]
-        out += [drv.step({s: PROMPT[s + i:s + i + 1] for s in range(seqs)})[0] for i in range(5, 8)]
-        out += [drv.step({0: PROMPT[8:9], 1: PROMPT[9:10]})[0]]  # two sequences: the small forms
-        return out
-
-    monkeypatch.setattr(torch.ops.lockgate, "decode_layers_",
-                        lambda *a: kinds_seen.append(set(a[9])) or real(*a), raising=False)
-    per_op = run(one_call=False)
-    one_call = run(one_call=True)
-    assert kinds_seen == [{104}] * 3 + [{0}]
+    steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
+    steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 8)]
+    steps += [{0: PROMPT[8:9], 1: PROMPT[9:10]}]  # two sequences: the small forms
+    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 4, steps)
+    assert kinds == [{104}] * 3 + [{0}]
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 

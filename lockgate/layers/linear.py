@@ -49,9 +49,9 @@ The small-step form (``quant``, either kind) is chosen per projection by ``choos
 nothing is lost; ``int4`` forces 4 bits (lossy for 16-bit checkpoints); ``none`` keeps it dense.
 
 Invariants: ``weight`` (run dtype) stays the source of truth for shapes and tests; a call of r
-rows uses the quantized form if it has one and r <= ``INT4_MAX_ROWS`` (``INT_GEMM_SMALL_ROWS``
-when it also has an integer-GEMM form and x is float32), else the integer-GEMM form if it has one
-and x is float32, else float32 if it has that form and r >= ``fp32_min_rows``,
+rows uses the quantized form if it has one and r <= ``small_max_rows`` (``INT4_MAX_ROWS``, or
+``INT_GEMM_SMALL_ROWS`` when it also has an integer-GEMM form, which only float32 runs get), else
+the integer-GEMM form if it has one, else float32 if it has that form and r >= ``fp32_min_rows``,
 else the dense run-dtype weight; each equals ``F.linear`` with the corresponding weight
 (dequantized, the float32 source, ``weight``) up to accumulation order, the integer GEMM's
 int16 rounding of x and the output's rounding to x's dtype. The quantized forms of one
@@ -411,20 +411,17 @@ class Linear:
 
     @property
     def small_max_rows(self) -> int:
-        """The largest call (rows) the small-step form takes; 0 without one."""
+        """The largest call (rows) the small-step form takes; 0 without one. The one rule both
+        ``__call__`` and the one-call decode path (``LlamaModel._layers_decode``) follow."""
         if self.quant is None:
             return 0
         return INT4_MAX_ROWS if self.large is None else INT_GEMM_SMALL_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        large = self.large is not None and x.dtype == torch.float32
-        if self.quant is not None and rows <= (INT_GEMM_SMALL_ROWS if large else INT4_MAX_ROWS):
-            y = self.quant(x.reshape(-1, x.shape[-1]), self.bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        if large:
-            assert self.large is not None
-            y = self.large(x.reshape(-1, x.shape[-1]), self.bias)
+        form = self.quant if rows <= self.small_max_rows else self.large  # large: float32 runs only
+        if form is not None:
+            y = form(x.reshape(-1, x.shape[-1]), self.bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.weight32 is not None and rows >= typing.cast(int, self.fp32_min_rows):
             return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)

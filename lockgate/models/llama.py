@@ -262,8 +262,18 @@ class LlamaModel(nn.Module):
         # steps of up to _decode_small_rows sequences (the rows every projection gives them), the
         # integer-GEMM forms (key True) for larger ones, as ``Linear`` picks them per call.
         self._decode_packs: dict[bool, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
-        lins = [lin for layer in typing.cast(list[DecoderLayer], self.layers) for lin in layer.projections().values()]
-        self._decode_small_rows = min([lin.small_max_rows for lin in lins], default=0)
+        self._decode_small_rows = min([lin.small_max_rows for lin in self._layer_projections()], default=0)
+
+    def drop_int_gemm_forms(self) -> None:
+        """Forget every projection's integer-GEMM form (for A/B measurements): calls go back to the
+        small-step forms up to their own limit and to the dense weight above."""
+        for lin in [*self._layer_projections(), self.head]:
+            lin.large = None
+        self._decode_small_rows = min([lin.small_max_rows for lin in self._layer_projections()], default=0)
+        self._decode_packs.clear()
+
+    def _layer_projections(self) -> list[Linear]:
+        return [lin for layer in typing.cast(list[DecoderLayer], self.layers) for lin in layer.projections().values()]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -330,8 +340,6 @@ class LlamaModel(nn.Module):
         if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
             return None
         large = t > self._decode_small_rows
-        if large and x.dtype != torch.float32:
-            return None
         if large not in self._decode_packs:
             self._decode_packs[large] = self._pack_decode_weights(large)
         packed = self._decode_packs[large]
@@ -455,7 +463,7 @@ class LlamaModel(nn.Module):
 
 def _log_quant(m: LlamaModel, mode: str) -> None:
     """One line on which projections got a small-step form, which kind, and what it cost in precision."""
-    lins = [lin for layer in typing.cast(list[DecoderLayer], m.layers) for lin in layer.projections().values()]
+    lins = m._layer_projections()
     forms = [lin.quant for lin in [*lins, m.head] if lin.quant is not None]
     if not forms:
         log.info("quantization=%s: no projection has a quantized form (%s)", mode,

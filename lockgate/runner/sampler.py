@@ -278,13 +278,13 @@ def _exp_noise(shape: torch.Size, rows: np.ndarray, b: SamplingBatch, gen: torch
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     """Raw log-softmax at the chosen tokens and the top-K of each row of ``raw`` [S, V]."""
     s, v = raw.shape
-    k = min(max(int(b.num_logprobs.max()), 0), v) if s else 0
-    if not s or int(b.num_logprobs.max()) < 0:  # no row asked: skip the pass over the vocabulary
-        return SampleOutput(tokens=tokens, logprobs=torch.full((s,), float("nan"), device=raw.device),
-                            top_ids=torch.zeros(s, 0, dtype=torch.int64, device=raw.device),
-                            top_logprobs=torch.zeros(s, 0, dtype=torch.float32, device=raw.device))
-    lse = torch.logsumexp(raw, dim=-1)  # [S]
-    chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse  # [S]
+    most = int(b.num_logprobs.max()) if s else -1  # -1: no row asked for logprobs
+    k = min(max(most, 0), v)
+    if most < 0:  # skip the pass over the vocabulary
+        chosen = torch.full((s,), float("nan"), device=raw.device)
+    else:
+        lse = torch.logsumexp(raw, dim=-1)  # [S]
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse  # [S]
     if k:
         vals, ids = torch.topk(raw, k, dim=-1)  # [S, K] each, descending
         top_lp = vals - lse[:, None]  # [S, K]
