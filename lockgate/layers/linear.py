@@ -80,6 +80,7 @@ INT4_MAX_ROWS = 16  # quantized forms for calls with at most this many rows; den
 INT_GEMM_SMALL_ROWS = 3
 INT4_MODES = ("auto", "none", "int4")
 LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
+_NONE = torch.empty(0)  # "no tensor" in lockgate::decode_layers_'s flat list
 
 
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -208,6 +209,11 @@ class Int4Weight:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(act), self.packed, self.group, self.scales_zeros).to(x.dtype)
         return y if bias is None else y + bias
 
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """This form's kind and tensors (a, b, c) for ``lockgate::decode_layers_`` (contract in
+        decode_layers.cpp), or None when that operator cannot run it."""
+        return (0, [self.packed, self.scales_zeros, _NONE]) if self.group == INT4_GROUP else None
+
     def dequantize(self, n: int, k: int) -> torch.Tensor:
         """The weight [N, K] float32 the kernel multiplies by (for tests and error reports)."""
         eye = torch.eye(k, dtype=self.scales_zeros.dtype)
@@ -261,6 +267,10 @@ class GroupQuantWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 or bf16 -> [M, N] in x's dtype."""
         return torch.ops.lockgate.quant_linear(x.contiguous(), self.qweight, self.scales, self.zeros, bias, self.bits)
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``)."""
+        return self.bits, [self.qweight, self.scales, _NONE if self.zeros is None else self.zeros]
 
     def dequantize(self, n: int, k: int) -> torch.Tensor:
         """The weight [N, K] float32 the kernel multiplies by (for tests and error reports)."""
@@ -330,6 +340,10 @@ class IntGemmWeight:
         """x [M, K] float32 -> [M, N] float32."""
         y = torch.ops.lockgate.int_linear(x.contiguous(), self.packed, self.scales, self.zeros, self.bits)
         return y if bias is None else y + bias
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``)."""
+        return 100 + self.bits, [self.packed, self.scales, _NONE if self.zeros is None else self.zeros]
 
     def dequantize(self, n: int, k: int) -> torch.Tensor:
         """The weight [N, K] float32 the kernel multiplies by (for tests)."""

@@ -48,7 +48,6 @@ from lockgate.layers.linear import (
     INT4_MODES,
     LOSSLESS_TOLERANCE,
     GroupQuantWeight,
-    Int4Weight,
     IntGemmWeight,
     Linear,
     QuantForm,
@@ -355,28 +354,17 @@ class LlamaModel(nn.Module):
         """The layers' tensors in ``decode_layers_``'s order, and each projection's kind, for the
         small-step forms or (``large``) the integer-GEMM forms; () when some projection lacks that
         form (then such steps stay on ``_layers_fused``)."""
-        none = torch.empty(0)
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
         for layer in typing.cast(list[DecoderLayer], self.layers):
             weights += [layer.attn_norm, layer.mlp_norm]
             for lin in layer.projections().values():
-                q = lin.quant
-                bias = none if lin.bias is None else lin.bias
-                if large:
-                    if lin.large is None:
-                        return ()
-                    weights += [lin.large.packed, lin.large.scales, none if lin.large.zeros is None else lin.large.zeros,
-                                bias]
-                    kinds.append(100 + lin.large.bits)
-                elif isinstance(q, Int4Weight) and q.group == INT4_GROUP:
-                    weights += [q.packed, q.scales_zeros, none, bias]
-                    kinds.append(0)
-                elif isinstance(q, GroupQuantWeight):
-                    weights += [q.qweight, q.scales, none if q.zeros is None else q.zeros, bias]
-                    kinds.append(q.bits)
-                else:
+                form = lin.large if large else lin.quant
+                args = None if form is None else form.decode_layers_args()
+                if args is None:
                     return ()
+                kinds.append(args[0])
+                weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]
         return weights, kinds
 
     def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
