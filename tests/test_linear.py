@@ -53,6 +53,7 @@ def _on_grid(n: int, k: int, seed: int) -> torch.Tensor:
     codes[..., 0], codes[..., 1] = 0, 15
     step = torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 1e-3
     low = -7.5 * step + torch.randn(n, k // INT4_GROUP, 1, generator=g) * 1e-3
+    step, low = step.half().float(), low.half().float()  # GGUF keeps fp16 scales and offsets
     return (codes * step + low).view(n, k)
 
 
@@ -284,10 +285,11 @@ def test_int_gemm_form_multiplies_the_small_forms_weight(kernels_loaded, bits: i
         IntGemmWeight.from_weight(torch.randn(40, 64), bits)
 
 
-def test_linear_takes_the_int_gemm_form_for_larger_float32_calls(kernels_loaded) -> None:
-    # Three different weights show which form ran: the small int4 form up to INT_GEMM_SMALL_ROWS
-    # rows, the integer GEMM above; 16-bit runs get no integer-GEMM form (they keep oneDNN).
-    from lockgate.layers.linear import INT_GEMM_SMALL_ROWS, IntGemmWeight, int_gemm_available
+def test_linear_takes_the_int_gemm_form_for_every_float32_call(kernels_loaded) -> None:
+    # Three different weights show which form ran: with an integer-GEMM form, every call of a
+    # float32 run takes it (int_linear's few-row path included); without one, the small int4 form
+    # takes calls up to INT4_MAX_ROWS rows; 16-bit runs get no integer-GEMM form (they keep oneDNN).
+    from lockgate.layers.linear import IntGemmWeight, int_gemm_available
 
     assert int_gemm_available()  # the suite runs on a CPU with AVX512-VNNI (test_kernels checks the flag)
     torch.manual_seed(0)
@@ -297,13 +299,25 @@ def test_linear_takes_the_int_gemm_form_for_larger_float32_calls(kernels_loaded)
     assert IntGemmWeight.matching(w_large, None, torch.float32) is None  # no small form: stays dense
     assert IntGemmWeight.matching(w_large, small, torch.bfloat16) is None  # 16-bit run
     large = IntGemmWeight.matching(w_large, small, torch.float32)
-    assert large is not None and large.bits == 4
-    lin = Linear(w_dense, b, small, large=large)
-    assert lin.small_max_rows == INT_GEMM_SMALL_ROWS < INT4_MAX_ROWS
-    assert Linear(w_dense, b, small).small_max_rows == INT4_MAX_ROWS
+    assert large is not None and large.bits == 4 and large.error < 1e-3
+    with_large, without = Linear(w_dense, b, small, large=large), Linear(w_dense, b, small)
+    assert with_large.small_max_rows == 0 and without.small_max_rows == INT4_MAX_ROWS
     with torch.inference_mode():
-        for rows in (1, INT_GEMM_SMALL_ROWS, INT_GEMM_SMALL_ROWS + 1, INT4_MAX_ROWS + 1, 200):
+        for rows in (1, 2, 3, 4, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 200):
             x = torch.randn(rows, 64)
-            which = w_small if rows <= INT_GEMM_SMALL_ROWS else w_large
-            tol = 0.03 if rows <= INT_GEMM_SMALL_ROWS else 1e-3  # bf16 activations vs int16
-            torch.testing.assert_close(lin(x), F.linear(x, which, b), atol=tol, rtol=tol)
+            torch.testing.assert_close(with_large(x), F.linear(x, w_large, b), atol=1e-3, rtol=1e-3)
+            which = w_small if rows <= INT4_MAX_ROWS else w_dense
+            tol = 0.03 if rows <= INT4_MAX_ROWS else 1e-5  # bf16 activations
+            torch.testing.assert_close(without(x), F.linear(x, which, b), atol=tol, rtol=tol)
+
+
+def test_int_gemm_form_is_not_made_where_float16_scales_would_lose_precision(kernels_loaded) -> None:
+    # int_linear keeps scales in float16 (GGUF's own precision): a grid whose steps fall below
+    # float16's normal range would be rounded, so matching() leaves such a projection without the form.
+    from lockgate.layers.linear import IntGemmWeight
+
+    tiny = _on_grid(96, 64, seed=11) * 1e-4  # steps ~1e-7..1e-6: float16 subnormals
+    small = GroupQuantWeight.from_weight(tiny, 4)
+    assert small.error < 1e-3
+    assert IntGemmWeight.from_weight(tiny, 4).error > 1e-3
+    assert IntGemmWeight.matching(tiny, small, torch.float32) is None

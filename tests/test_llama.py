@@ -151,21 +151,21 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
 
 def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch) -> None:
     # A float32 run with integer-GEMM forms (lockgate::int_linear, AVX512-VNNI) takes the one-call
-    # path for decode steps of any size: up to INT_GEMM_SMALL_ROWS sequences on the small-step
-    # forms, above on the integer-GEMM forms (kinds 104), exactly as the per-op path picks per call.
-    from lockgate.layers.linear import INT_GEMM_SMALL_ROWS, int_gemm_available
+    # path for decode steps of any size, on the integer-GEMM forms (kinds 104: its few-row path at
+    # 1-3 sequences, its tiles above), exactly as the per-op path picks per call.
+    from lockgate.layers.linear import int_gemm_available
 
     build(tmp_path, "llama_bias_mha", tie=False)
     assert cpu_kernels.load(), cpu_kernels.error()
     assert int_gemm_available()
     model = LlamaModel.from_pretrained(tmp_path, torch.float32, quantization="int4", cpu_kernels=True)
     assert all(lin.large is not None for layer in model.layers for lin in layer.projections().values())
-    seqs = INT_GEMM_SMALL_ROWS + 2
+    seqs = 5
     steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
     steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 8)]
-    steps += [{0: PROMPT[8:9], 1: PROMPT[9:10]}]  # two sequences: the small forms
+    steps += [{0: PROMPT[8:9], 1: PROMPT[9:10]}, {0: PROMPT[9:10]}]  # two sequences, then one
     per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 4, steps)
-    assert kinds == [{104}] * 3 + [{0}]
+    assert kinds == [{104}] * 5
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 

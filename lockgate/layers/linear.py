@@ -36,32 +36,35 @@ load) and the choice between them per call:
   it per row would lose precision; at one row the int8 head takes 1.0-1.1 ms where the float32
   head takes 3.8-4.4 ms. Its int4 serves shapes torch's int4 kernel does not take.
 
-* groupwise int4 / int8 for large float32 calls (``IntGemmWeight``, ``lockgate::int_linear``, when
-  the kernels are built and the CPU has AVX512-VNNI): the same grid as the small-step form, the
-  codes packed for VNNI's int16 dot products (32 products per instruction, twice float32 FMA's
-  16) and x rounded to int16 per 32 columns (2^8 times finer than bf16). Measured on the default
-  model's shapes on a 2-core CPU without bf16 units (docs/performance.md): 1.2-3x sgemm on the
-  dense float32 weight at 17-64 rows (decode batches: 4-8x fewer weight bytes read), 1.0-1.4x
-  at 256-1,024 rows (prefill), the LM head 2-2.7x at 17-32 rows.
+* groupwise int4 / int8 for every float32 call (``IntGemmWeight``, ``lockgate::int_linear``, when
+  the kernels are built and the CPU has AVX512-VNNI): the same grid as the small-step form (its
+  float16 scales exact for GGUF blocks), the codes packed for VNNI's int16 dot products (32
+  products per instruction, twice float32 FMA's 16) and x rounded to int16 per 32 columns (2^8
+  times finer than bf16). Measured on the default model's shapes on a 2-core CPU without bf16
+  units (docs/performance.md): at 1-3 rows it streams the codes from memory faster than torch's
+  int4 kernel (decode steps 1.3-1.5x faster); 1.2-3x sgemm on the dense float32 weight at 17-64
+  rows (decode batches: 4-8x fewer weight bytes read), 1.0-1.4x at 256-1,024 rows (prefill), the
+  LM head 2-2.7x at 17-32 rows.
 
 The small-step form (``quant``, either kind) is chosen per projection by ``choose_quant``:
 ``auto`` takes the smallest grid (4, then 8 bits) the checkpoint's values already lie on, so
 nothing is lost; ``int4`` forces 4 bits (lossy for 16-bit checkpoints); ``none`` keeps it dense.
 
 Invariants: ``weight`` (run dtype) stays the source of truth for shapes and tests; a call of r
-rows uses the quantized form if it has one and r <= ``small_max_rows`` (``INT4_MAX_ROWS``, or
-``INT_GEMM_SMALL_ROWS`` when it also has an integer-GEMM form, which only float32 runs get), else
-the integer-GEMM form if it has one, else float32 if it has that form and r >= ``fp32_min_rows``,
-else the dense run-dtype weight; each equals ``F.linear`` with the corresponding weight
-(dequantized, the float32 source, ``weight``) up to accumulation order, the integer GEMM's
-int16 rounding of x and the output's rounding to x's dtype. The quantized forms of one
-projection are made from the same codes and float32 scales (torch's int4 form keeps its scales and
-offsets in bf16, so there the small form's weight differs from the large one's by that rounding).
+rows uses the integer-GEMM form if it has one (only float32 runs get it), else the small-step
+quantized form if it has one and r <= ``small_max_rows`` (``INT4_MAX_ROWS``), else float32 if
+it has that form and r >= ``fp32_min_rows``, else the dense run-dtype weight; each equals
+``F.linear`` with the corresponding weight (dequantized, the float32 source, ``weight``) up to
+accumulation order, the integer GEMM's int16 rounding of x and the output's rounding to x's
+dtype. The quantized forms of one projection are made from the same codes; the integer GEMM's
+float16 scales equal the small forms' float32 ones for GGUF grids (else it is not made), torch's
+int4 form rounds its scales and offsets to bf16.
 Called by ``lockgate.models.llama`` (every projection and the LM head).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import typing
 from dataclasses import dataclass
@@ -72,12 +75,6 @@ import torch.nn.functional as F
 
 INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
 INT4_MAX_ROWS = 16  # quantized forms for calls with at most this many rows; dense above (measured crossover ~32)
-# With an integer-GEMM form (``IntGemmWeight``) the small-step form keeps only calls of at most this
-# many rows: measured over the default model's decode steps (float32 run, 2 cores, both in the
-# one-call decode path, alternating in one process), torch's int4 kernel is 3-4% faster at 1-3
-# rows (batch 1 9.16 vs 9.50 ms) and the integer GEMM from 4 rows up (4 rows 14.2 vs 15.8 ms; 8
-# rows 26.6 vs 32.7 ms, 16 rows 40.6 vs 60.7 ms).
-INT_GEMM_SMALL_ROWS = 3
 INT4_MODES = ("auto", "none", "int4")
 LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
 _NONE = torch.empty(0)  # "no tensor" in lockgate::decode_layers_'s flat list
@@ -145,6 +142,14 @@ def int4_activation_dtype(run_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if run_dtype == torch.float32 else run_dtype
 
 
+def grid_error(back: torch.Tensor, source: torch.Tensor, step: torch.Tensor, group: int = INT4_GROUP) -> float:
+    """The largest |back - source| over a weight [N, K], in units of its group's quantization step
+    ``step`` [N, K/group] (absolute where the step is 0): 0 for a weight already on the grid."""
+    n, k = source.shape
+    err = (back.float() - source.float()).abs().view(n, k // group, group).amax(-1)  # [N, K/g]
+    return float(torch.where(step > 0, err / torch.where(step > 0, step, 1), err).max())
+
+
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Groupwise asymmetric min/max 4-bit quantization of weight [N, K] (computed in float32).
 
@@ -181,8 +186,7 @@ class Int4Weight:
         codes, step, low = quantize_int4(source, group)
         n, k = source.shape
         back = (codes.view(n, k // group, group).float() * step[..., None] + low[..., None]).view(n, k)
-        err = (back - source.float()).abs().view(n, k // group, group).amax(-1)  # [N, K/g]
-        error = float(torch.where(step > 0, err / torch.where(step > 0, step, 1), err).max())
+        error = grid_error(back, source, step, group)
         zero = low + 8 * step  # the kernel subtracts 8 from each code
         scales_zeros = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/g, N, 2]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -260,9 +264,7 @@ class GroupQuantWeight:
             codes8, step = quantize_int8(source)
             back = codes8.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None]
             qweight, zeros = codes8, None
-        err = (back.view(n, k) - source.float()).abs().view(n, k // INT4_GROUP, INT4_GROUP).amax(-1)
-        error = float(torch.where(step > 0, err / torch.where(step > 0, step, 1), err).max())
-        return GroupQuantWeight(bits, qweight, step.contiguous(), zeros, error)
+        return GroupQuantWeight(bits, qweight, step.contiguous(), zeros, grid_error(back.view(n, k), source, step))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 or bf16 -> [M, N] in x's dtype."""
@@ -306,8 +308,9 @@ class IntGemmWeight:
 
     bits: int
     packed: torch.Tensor  # bits 4: uint8 [N/16, K/4, 32]; bits 8: int8 [N/16, K/2, 32]
-    scales: torch.Tensor  # float32 [N/16, K/32, 16]
-    zeros: torch.Tensor | None  # float32 [N/16, K/32, 16] (bits 4) or None
+    scales: torch.Tensor  # float16 [N/16, K/32, 16]
+    zeros: torch.Tensor | None  # float16 [N/16, K/32, 16] (bits 4) or None
+    error: float  # largest |weight - dequantized| in quantization steps, float16 scales included
 
     @staticmethod
     def fits(shape: tuple[int, ...]) -> bool:
@@ -323,18 +326,21 @@ class IntGemmWeight:
             raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
                              f"got [{n}, {k}] at {bits} bits")
 
-        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
-            return t.view(n // 16, 16, -1).permute(0, 2, 1).contiguous()
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16] float16
+            return t.view(n // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
 
+        zeros: torch.Tensor | None = None
         if bits == 4:
             codes, step, low = quantize_int4(source)
             # (nb, lane, chunk c, pair-in-chunk, column-in-pair) -> (nb, c, lane, column-in-pair, pair-in-chunk)
             c = codes.view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3).to(torch.uint8)
             packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, k // 4, 32).contiguous()
-            return IntGemmWeight(4, packed, per_block(step), per_block(low))
-        codes8, step = quantize_int8(source)
-        packed = codes8.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
-        return IntGemmWeight(8, packed, per_block(step), None)
+            zeros = per_block(low)
+        else:
+            codes8, step = quantize_int8(source)
+            packed = codes8.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
+        made = IntGemmWeight(bits, packed, per_block(step), zeros, 0.0)
+        return dataclasses.replace(made, error=grid_error(made.dequantize(n, k), source, step))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32."""
@@ -353,10 +359,10 @@ class IntGemmWeight:
             codes = torch.stack([lo, hi], dim=-2).permute(0, 2, 1, 3, 4).reshape(n, k).float()
         else:
             codes = self.packed.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).float()
-        scales = self.scales.permute(0, 2, 1).reshape(n, k // INT4_GROUP)
+        scales = self.scales.permute(0, 2, 1).reshape(n, k // INT4_GROUP).float()
         w = codes.view(n, k // INT4_GROUP, INT4_GROUP) * scales[..., None]
         if self.zeros is not None:
-            w = w + self.zeros.permute(0, 2, 1).reshape(n, k // INT4_GROUP)[..., None]
+            w = w + self.zeros.permute(0, 2, 1).reshape(n, k // INT4_GROUP).float()[..., None]
         return w.reshape(n, k)
 
     @staticmethod
@@ -368,7 +374,13 @@ class IntGemmWeight:
         if (quant is None or run_dtype != torch.float32 or source.device.type != "cpu"
                 or not IntGemmWeight.fits(tuple(source.shape)) or not int_gemm_available()):
             return None
-        return IntGemmWeight.from_weight(source, quant.bits)
+        large = IntGemmWeight.from_weight(source, quant.bits)
+        # float16 scales are exact for GGUF grids. Where they would round: a lossless grid stays
+        # lossless by not having this form; a lossy one (``int4`` on a 16-bit checkpoint) may lose
+        # up to 1/16 step more (float16 scales: <= 15 * 2^-11 step; torch's bf16 ones lose 15 * 2^-8)
+        lossless = quant.error <= LOSSLESS_TOLERANCE
+        slack = LOSSLESS_TOLERANCE if lossless else 1 / 16
+        return large if large.error <= max(quant.error, LOSSLESS_TOLERANCE) + slack else None
 
 
 def choose_quant(source: torch.Tensor, mode: str, dtype: torch.dtype, kernels: bool) -> QuantForm | None:
@@ -406,7 +418,7 @@ class Linear:
                  source_bias: torch.Tensor | None = None, large: IntGemmWeight | None = None) -> None:
         """``source``/``source_bias``: the unrounded values the float32 form is made from
         (default: ``weight``/``bias``); used only when ``fp32_min_rows`` is set. ``large``: the
-        integer-GEMM form for calls of more than INT_GEMM_SMALL_ROWS float32 rows (``IntGemmWeight.matching``)."""
+        integer-GEMM form, which then takes every call (float32 runs, ``IntGemmWeight.matching``)."""
         self.weight = weight
         self.bias = bias
         self.quant = quant
@@ -426,14 +438,18 @@ class Linear:
     @property
     def small_max_rows(self) -> int:
         """The largest call (rows) the small-step form takes; 0 without one. The one rule both
-        ``__call__`` and the one-call decode path (``LlamaModel._layers_decode``) follow."""
-        if self.quant is None:
+        ``__call__`` and the one-call decode path (``LlamaModel._layers_decode``) follow.
+
+        With an integer-GEMM form the small-step form takes no call: ``int_linear``'s few-row path
+        streams the codes at least as fast as torch's int4 kernel and quant_linear, without
+        rounding x to bf16 (docs/performance.md, round 5: decode batch 1-3 steps 1.3-1.5x faster)."""
+        if self.quant is None or self.large is not None:
             return 0
-        return INT4_MAX_ROWS if self.large is None else INT_GEMM_SMALL_ROWS
+        return INT4_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        form = self.quant if rows <= self.small_max_rows else self.large  # large: float32 runs only
+        form = self.large or (self.quant if rows <= self.small_max_rows else None)  # large: float32 runs only
         if form is not None:
             y = form(x.reshape(-1, x.shape[-1]), self.bias)
             return y.view(*x.shape[:-1], y.shape[-1])

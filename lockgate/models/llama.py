@@ -45,6 +45,7 @@ from torch import nn
 from lockgate.layers.attention import AttentionMetadata, paged_attention
 from lockgate.layers.linear import (
     INT4_GROUP,
+    INT4_MAX_ROWS,
     INT4_MODES,
     LOSSLESS_TOLERANCE,
     GroupQuantWeight,
@@ -457,17 +458,21 @@ def _log_quant(m: LlamaModel, mode: str) -> None:
         log.info("quantization=%s: no projection has a quantized form (%s)", mode,
                  "none is already on a 4- or 8-bit grid" if mode == "auto" else "the kernel does not fit")
         return
-    kinds = sorted({f"{q.bits}-bit {'lockgate' if isinstance(q, GroupQuantWeight) else 'torch'}" for q in forms})
     worst = max(q.error for q in forms)
-    log.info("quantization=%s: %d of %d projections%s quantized (%s, groups of %d) for steps of <= %d rows; "
-             "largest re-quantization error %.3g steps (%s)", mode, len(forms), len(lins) + 1,
-             " and the LM head" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP,
-             max(lin.small_max_rows for lin in [*lins, m.head]),
-             worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
-    large = sum(lin.large is not None for lin in [*lins, m.head])
+    large = [lin.large for lin in [*lins, m.head] if lin.large is not None]
     if large:
-        log.info("%d of %d projections run larger float32 steps on lockgate's int16 x int%d GEMM (AVX512-VNNI), "
-                 "the same codes", large, len(lins) + 1, min(lin.large.bits for lin in [*lins, m.head] if lin.large))
+        kinds = sorted({f"{q.bits}-bit" for q in large})
+        where = "lockgate's int16 x int GEMM (AVX512-VNNI) for every call"
+    else:
+        kinds = sorted({f"{q.bits}-bit {'lockgate' if isinstance(q, GroupQuantWeight) else 'torch'}" for q in forms})
+        where = f"for steps of <= {max(lin.small_max_rows for lin in [*lins, m.head])} rows"
+    log.info("quantization=%s: %d of %d projections%s quantized (%s, groups of %d), %s; "
+             "largest re-quantization error %.3g steps (%s)", mode, len(forms), len(lins) + 1,
+             " and the LM head" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP, where,
+             worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
+    if large and len(large) < len(forms):
+        log.info("%d of %d quantized projections run on the integer GEMM, the rest on their small-step form "
+                 "up to %d rows", len(large), len(forms), INT4_MAX_ROWS)
 
 
 def _check_shapes(m: LlamaModel) -> None:

@@ -10,8 +10,10 @@
 //                   code(n, k + 2) in its high nibble (codes 0..15, W = code * scale + zero)
 //           bits 8: int8 [N / 16, K / 2, 32]: byte i of chunk (nb, p) = code(16 nb + i / 2, 2 p + i % 2)
 //                   (codes -127..127, W = code * scale)
-//   scales, zeros  float32 [N / 16, K / 32, 16] (zeros only for bits 4): entry (nb, g, l) belongs
-//           to output row 16 nb + l and columns [32 g, 32 g + 32)
+//   scales, zeros  float16 [N / 16, K / 32, 16] (zeros only for bits 4): entry (nb, g, l) belongs
+//           to output row 16 nb + l and columns [32 g, 32 g + 32). GGUF keeps its Q4_1 / Q8_0
+//           block scales and offsets in float16, so they are exact; half the bytes of float32
+//           matter when one row streams the weights from memory (17% of a Q4_1 weight's bytes)
 //   returns [M, N] float32
 //
 // Why: on a CPU without bf16 matrix units, float32 FMA is the fastest float arithmetic, and MKL's
@@ -64,6 +66,16 @@ constexpr int kTileM = 4;                  // x rows per register block
 constexpr int64_t kBlockK = 256;           // columns widened at a time (48 rows * 256 * 2 B = 24 KB)
 constexpr int64_t kPairsPerGroup = kGroup / 2;
 constexpr int64_t kChunkM = 128;           // x rows per pass over a thread's tiles
+constexpr int64_t kGemvMaxRows = 3;        // at most this many x rows: run_gemv (no widening buffer)
+constexpr int kGemvTileN = 4;              // output-row blocks of 16 per gemv tile (64 rows)
+constexpr int64_t kGemvGrain = 8;          // fewest 16-row blocks worth a thread of their own
+// Software prefetch in run_gemv, which streams the weights from memory: each code stream this many
+// bytes ahead, scales and zeros this many groups ahead. Measured on the default model's shapes
+// (one row, 120 MB of distinct weights per pass, 2 threads, settings interleaved in one
+// process): 4-bit 12-14 -> 13-17 GB/s with 512 bytes / 2 groups, 8-bit 18 -> 19 GB/s; 256-1,536
+// bytes were within the noise of each other.
+constexpr int64_t kGemvPrefetchBytes = 512;
+constexpr int64_t kGemvPrefetchGroups = 2;
 
 struct Job {
   const int16_t* xq;   // [M, K] int16
@@ -71,8 +83,8 @@ struct Job {
   const float* xsum;   // [M, G] sum of x per row and group (bits 4), else nullptr
   int64_t m, k, g, nb; // rows, columns, groups, 16-row blocks of the output
   const uint8_t* packed;
-  const float* scales; // [NB, G, 16]
-  const float* zeros;  // [NB, G, 16] or nullptr
+  const at::Half* scales; // [NB, G, 16]
+  const at::Half* zeros;  // [NB, G, 16] or nullptr
   int bits;
   float* out;          // [M, N]
   bool generic;        // the plain C++ path even where VNNI is there (int_linear_reference)
@@ -144,6 +156,11 @@ void widen_block(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, in
 }
 
 #if defined(__AVX512VNNI__)
+// 16 float16 scales or offsets as float32 (exact).
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // out[m0 .. m0 + MR, 16 nb0 .. 16 (nb0 + NR)] += the products of columns [k0, k0 + kb).
 template <int MR, int NR>
 void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
@@ -171,8 +188,8 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
     }
     __m512 d[NR], z[NR];
     for (int j = 0; j < NR; ++j) {
-      d[j] = _mm512_loadu_ps(job.scales + ((nb0 + j) * job.g + g) * kLanes);
-      if (job.zeros) z[j] = _mm512_loadu_ps(job.zeros + ((nb0 + j) * job.g + g) * kLanes);
+      d[j] = load_half16(job.scales + ((nb0 + j) * job.g + g) * kLanes);
+      if (job.zeros) z[j] = load_half16(job.zeros + ((nb0 + j) * job.g + g) * kLanes);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 s = _mm512_set1_ps(job.xs[(m0 + i) * job.g + g]);
@@ -185,6 +202,107 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) _mm512_storeu_ps(job.out + (m0 + i) * n + (nb0 + j) * kLanes, f[i][j]);
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// Few rows (decode): out[0 .. MR, 16 nb0 .. 16 (nb0 + NR)] over all of K, the codes widened in
+// registers straight from their packed bytes (no buffer: each byte is used by MR <= 3 rows only,
+// so the step is bound by reading the weights and the widening's stores and reloads would cost
+// more than they save). Same arithmetic, in the same order, as tile_vnni.
+template <int MR, int NR>
+void gemv_tile(const Job& job, int64_t nb0) {
+  const int64_t n = job.nb * kLanes;
+  __m512 f[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) f[i][j] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi16(0xF);
+  for (int64_t g = 0; g < job.g; ++g) {
+    __m512i a[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) a[i][j] = _mm512_setzero_si512();
+    if (job.bits == 4) {
+      // the group's 8 chunks: chunk c holds columns 4c, 4c + 1 (low nibbles) and 4c + 2, 4c + 3 (high)
+#pragma GCC unroll 8
+      for (int64_t cg = 0; cg < kGroup / 4; ++cg) {
+        const int64_t c = g * kGroup / 4 + cg;
+        __m512i lo[MR], hi[MR];
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair[2];
+          std::memcpy(pair, job.xq + i * job.k + 4 * c, sizeof pair);
+          lo[i] = _mm512_set1_epi32(pair[0]);
+          hi[i] = _mm512_set1_epi32(pair[1]);
+        }
+        for (int j = 0; j < NR; ++j) {
+          const uint8_t* src = job.packed + ((nb0 + j) * (job.k / 4) + c) * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(src + kGemvPrefetchBytes), _MM_HINT_T0);
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+          const __m512i wl = _mm512_and_si512(w, nibble), wh = _mm512_srli_epi16(w, 4);
+          for (int i = 0; i < MR; ++i) {
+            a[i][j] = _mm512_dpwssd_epi32(a[i][j], lo[i], wl);
+            a[i][j] = _mm512_dpwssd_epi32(a[i][j], hi[i], wh);
+          }
+        }
+      }
+    } else {
+      const int8_t* codes = reinterpret_cast<const int8_t*>(job.packed);
+#pragma GCC unroll 16
+      for (int64_t pg = 0; pg < kPairsPerGroup; ++pg) {
+        const int64_t p = g * kPairsPerGroup + pg;
+        __m512i xv[MR];
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, job.xq + i * job.k + 2 * p, sizeof pair);
+          xv[i] = _mm512_set1_epi32(pair);
+        }
+        for (int j = 0; j < NR; ++j) {
+          const int8_t* src = codes + ((nb0 + j) * (job.k / 2) + p) * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(src + kGemvPrefetchBytes), _MM_HINT_T0);
+          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+          for (int i = 0; i < MR; ++i) a[i][j] = _mm512_dpwssd_epi32(a[i][j], xv[i], w);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const int64_t ahead = ((nb0 + j) * job.g + g + kGemvPrefetchGroups) * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(job.scales + ahead), _MM_HINT_T0);
+      if (job.zeros) _mm_prefetch(reinterpret_cast<const char*>(job.zeros + ahead), _MM_HINT_T0);
+      const __m512 d = load_half16(job.scales + ((nb0 + j) * job.g + g) * kLanes);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 s = _mm512_set1_ps(job.xs[i * job.g + g]);
+        f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][j]), _mm512_mul_ps(d, s), f[i][j]);
+      }
+      if (job.zeros) {
+        const __m512 z = load_half16(job.zeros + ((nb0 + j) * job.g + g) * kLanes);
+        for (int i = 0; i < MR; ++i) f[i][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(job.xsum[i * job.g + g]), f[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(job.out + i * n + (nb0 + j) * kLanes, f[i][j]);
+}
+
+// Output-row blocks [b0, b1) for all MR rows, in tiles of kGemvTileN blocks.
+template <int MR>
+void gemv_blocks(const Job& job, int64_t b0, int64_t b1) {
+  for (; b0 + kGemvTileN <= b1; b0 += kGemvTileN) gemv_tile<MR, kGemvTileN>(job, b0);
+  switch (b1 - b0) {  // the share's last 1-3 blocks
+    case 3: gemv_tile<MR, 3>(job, b0); break;
+    case 2: gemv_tile<MR, 2>(job, b0); break;
+    case 1: gemv_tile<MR, 1>(job, b0); break;
+    default: break;
+  }
+}
+
+void run_gemv(const Job& job) {
+  // contiguous, even shares of the output's 16-row blocks (ATen splits the range evenly)
+  at::parallel_for(0, job.nb, kGemvGrain, [&](int64_t b0, int64_t b1) {
+    switch (job.m) {
+      case 1: gemv_blocks<1>(job, b0, b1); break;
+      case 2: gemv_blocks<2>(job, b0, b1); break;
+      default: gemv_blocks<3>(job, b0, b1); break;
+    }
+  });
 }
 #endif
 
@@ -204,8 +322,8 @@ void tile_generic(const Job& job, int64_t m0, int mr, int64_t nb0, int nr, int64
             for (int e = 0; e < 2; ++e)
               acc += static_cast<int32_t>(job.xq[(m0 + i) * job.k + k0 + 2 * p + e]) * buf[(j * pairs + p) * 32 + 2 * l + e];
           const int64_t at = ((nb0 + j) * job.g + g) * kLanes + l;
-          f = std::fma(static_cast<float>(acc), job.scales[at] * job.xs[(m0 + i) * job.g + g], f);
-          if (job.zeros) f = std::fma(job.zeros[at], job.xsum[(m0 + i) * job.g + g], f);
+          f = std::fma(static_cast<float>(acc), static_cast<float>(job.scales[at]) * job.xs[(m0 + i) * job.g + g], f);
+          if (job.zeros) f = std::fma(static_cast<float>(job.zeros[at]), job.xsum[(m0 + i) * job.g + g], f);
         }
         *o = f;
       }
@@ -233,6 +351,9 @@ void rows_of_tile(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k
 }
 
 void run(const Job& job) {
+#if defined(__AVX512VNNI__)
+  if (!job.generic && job.m <= kGemvMaxRows) return run_gemv(job);
+#endif
   const int64_t tiles = (job.nb + kTileN - 1) / kTileN;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int16_t> buf(static_cast<size_t>(kTileN * kBlockK / 2 * 32));
@@ -275,12 +396,12 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
               "int_linear: packed must be contiguous ", bits == 8 ? "int8 [N / 16, K / 2, 32]" : "uint8 [N / 16, K / 4, 32]");
   const int64_t nb = packed.size(0);
   TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups, kLanes}) && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat,
-              "int_linear: scales must be contiguous float32 [N / 16, K / 32, 16]");
+                  scales.scalar_type() == at::kHalf,
+              "int_linear: scales must be contiguous float16 [N / 16, K / 32, 16]");
   TORCH_CHECK((bits == 4) == zeros.has_value(), "int_linear: zeros are required for bits 4 and not allowed for bits 8");
   if (zeros) {
-    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->is_contiguous() && zeros->scalar_type() == at::kFloat,
-                "int_linear: zeros must be contiguous float32 [N / 16, K / 32, 16]");
+    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->is_contiguous() && zeros->scalar_type() == at::kHalf,
+                "int_linear: zeros must be contiguous float16 [N / 16, K / 32, 16]");
   }
   at::Tensor out = at::empty({m, nb * kLanes}, x.options());
   if (m == 0) return out;
@@ -288,8 +409,8 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
   std::vector<float> xs(static_cast<size_t>(m * groups)), xsum(zeros ? static_cast<size_t>(m * groups) : 0);
   quantize_rows(x.data_ptr<float>(), m, k, zeros.has_value(), xq.data(), xs.data(), xsum.data());
   const Job job{xq.data(), xs.data(), zeros ? xsum.data() : nullptr, m, k, groups, nb,
-                reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<float>(),
-                zeros ? zeros->data_ptr<float>() : nullptr, static_cast<int>(bits), out.data_ptr<float>(),
+                reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<at::Half>(),
+                zeros ? zeros->data_ptr<at::Half>() : nullptr, static_cast<int>(bits), out.data_ptr<float>(),
                 generic};
   run(job);
   return out;
