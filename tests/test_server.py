@@ -205,8 +205,12 @@ def test_queue_limit_429_and_api_key() -> None:
         r = httpx.get(s.url + "/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        r = httpx.post(s.url + "/generate", json={"inputs": "x"})  # TGI route: TGI's error body
+        assert r.status_code == 401 and "API key" in r.json()["error"] and r.json()["error_type"] == "error"
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
         assert c.models.list().data[0].id == "sim"
+        chunks = list(c.completions.create(model="sim", prompt="x", max_tokens=3, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length"
         codes: list[int] = []
         headers: list[str | None] = []
 
