@@ -287,8 +287,10 @@ def test_int_linear_is_vectorized_where_the_cpu_has_vnni(ops) -> None:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int_linear_vector_path_equals_the_plain_path(ops, bits: int) -> None:
     # The plain C++ loops (what a CPU without VNNI runs) do the same arithmetic in the same order:
-    # the two give the same numbers, on every tile and row remainder.
-    for n, k, m in ((80, 288, 130), (16, 32, 3), (960, 576, 9)):
+    # the two give the same numbers, on every tile and row remainder, and on the few-row path
+    # (1-3 rows: run_gemv, 16-row blocks shared between threads in tiles of 4 plus 1-3 left over).
+    for n, k, m in ((80, 288, 130), (16, 32, 3), (960, 576, 9), (960, 576, 1), (112, 96, 2), (80, 288, 3),
+                    (3072, 64, 1)):
         q, _ = _int_gemm_case(bits, n, k, seed=n * m)
         x = torch.randn(m, k) * 2
         assert torch.equal(ops.int_linear(x, q.packed, q.scales, q.zeros, bits),

@@ -30,7 +30,9 @@
 // of 256 columns the codes are widened to int16 into a 24 KB per-thread buffer (L1) and reused by
 // every group of 4 x rows; the 4 x 3 int32 accumulators and their 4 x 3 float32 sums stay in
 // registers. Weights are read in their packed size (4 or 8 bits per weight) once per chunk of
-// 128 rows: once per call at decode sizes.
+// 128 rows: once per call at decode sizes. Calls of 1-3 rows (batch-1 decode: bound by reading
+// the weights from memory) take run_gemv instead: each thread an even share of the 16-row
+// blocks, codes widened in registers as they stream in, software prefetch ahead of each stream.
 //
 // Non-finite x: a block holding NaN or +-inf gets a NaN scale, so the rows it feeds come out NaN
 // (as F.linear's would); a block whose largest magnitude is below 1e-30 is taken as zeros.
