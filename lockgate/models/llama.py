@@ -468,7 +468,7 @@ def _log_quant(m: LlamaModel, mode: str) -> None:
         where = f"for steps of <= {max(lin.small_max_rows for lin in [*lins, m.head])} rows"
     log.info("quantization=%s: %d of %d projections%s quantized (%s, groups of %d), %s; "
              "largest re-quantization error %.3g steps (%s)", mode, len(forms), len(lins) + 1,
-             " and the LM head" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP, where,
+             " (the LM head included)" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP, where,
              worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
     if large and len(large) < len(forms):
         log.info("%d of %d quantized projections run on the integer GEMM, the rest on their small-step form "
