@@ -367,10 +367,11 @@ class IntGemmWeight:
 
     @staticmethod
     def matching(source: torch.Tensor, quant: QuantForm | None, run_dtype: torch.dtype) -> IntGemmWeight | None:
-        """The form for large calls of a projection whose small-step form is ``quant``: the same
-        grid (same codes; float32 scales, where torch's int4 form rounds its scales to bf16).
+        """The form for every call of a projection whose small-step form is ``quant``: the same
+        grid (same codes; float16 scales, where torch's int4 form rounds its scales to bf16).
         None when there is no small-step form, the run is not float32 (16-bit runs keep oneDNN),
-        the shape does not fit or the kernel is not vectorized on this CPU."""
+        the shape does not fit, the kernel is not vectorized on this CPU, or float16 scales would
+        lose more than the small form does."""
         if (quant is None or run_dtype != torch.float32 or source.device.type != "cpu"
                 or not IntGemmWeight.fits(tuple(source.shape)) or not int_gemm_available()):
             return None
@@ -378,9 +379,8 @@ class IntGemmWeight:
         # float16 scales are exact for GGUF grids. Where they would round: a lossless grid stays
         # lossless by not having this form; a lossy one (``int4`` on a 16-bit checkpoint) may lose
         # up to 1/16 step more (float16 scales: <= 15 * 2^-11 step; torch's bf16 ones lose 15 * 2^-8)
-        lossless = quant.error <= LOSSLESS_TOLERANCE
-        slack = LOSSLESS_TOLERANCE if lossless else 1 / 16
-        return large if large.error <= max(quant.error, LOSSLESS_TOLERANCE) + slack else None
+        limit = LOSSLESS_TOLERANCE if quant.error <= LOSSLESS_TOLERANCE else quant.error + 1 / 16
+        return large if large.error <= limit else None
 
 
 def choose_quant(source: torch.Tensor, mode: str, dtype: torch.dtype, kernels: bool) -> QuantForm | None:
