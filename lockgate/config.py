@@ -132,6 +132,13 @@ class SchedulerConfig:
     init_new_token_ratio: float = option(0.7, "ratio admission: starting fraction of max_tokens reserved")
     min_new_token_ratio: float = option(0.1, "ratio admission: floor the ratio decays to")
     new_token_ratio_decay_steps: int = option(600, "ratio admission: decode steps to decay from start to floor")
+    speculative_tokens: int = option(2, "n-gram speculation (prompt lookup): most tokens guessed per greedy "
+                                     "request and decode step, verified in the same step; 0 turns it off")
+    speculative_max_rows: int = option(3, "speculate only while the step's decode rows (one per decoding request "
+                                       "plus its guesses) stay within this; where a step is bound by reading the "
+                                       "weights, up to about 3 rows cost little more than one")
+    speculative_ngram_min: int = option(2, "n-gram speculation: shortest suffix looked up in the request's tokens")
+    speculative_ngram_max: int = option(4, "n-gram speculation: longest suffix looked up in the request's tokens")
 
     @property
     def queue_delay_bound(self) -> tuple[int | None, float | None]:
@@ -149,6 +156,13 @@ class SchedulerConfig:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"--speculative-tokens must be >= 0 (0 = off), got {self.speculative_tokens}")
+        if self.speculative_max_rows < 1:
+            raise ValueError(f"--speculative-max-rows must be >= 1, got {self.speculative_max_rows}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("need 1 <= --speculative-ngram-min <= --speculative-ngram-max, got "
+                             f"{self.speculative_ngram_min} and {self.speculative_ngram_max}")
 
 
 @dataclass(frozen=True)

@@ -355,6 +355,28 @@ def test_decode_kernel_splits_long_contexts_exactly() -> None:
         torch.set_num_threads(threads)
 
 
+def test_decode_kernel_result_does_not_depend_on_the_batch_or_threads() -> None:
+    """A sequence's output is bitwise the same alone, beside others and on 1-3 threads: the
+    key chunks and their merge order are fixed per sequence (what lets a request verify
+    speculative guesses in rows of its own and get the logits it would get one at a time)."""
+    load_kernels()
+    lens = [700, 1, 130, 4000, 257]
+    q, kc, vc, slots, offsets = _decode_inputs(lens, 9, 3, 64, torch.float32, torch.float32, seed=11, capacity=6000)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch, batch_lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, 0.125)
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for b in range(len(lens)):
+                lo, hi = int(offsets[b]), int(offsets[b + 1])
+                one, one_lse = torch.ops.lockgate.decode_attention(q[b:b + 1], kc, vc, slots[lo:hi],
+                                                                   torch.tensor([0, hi - lo]), 0.125)
+                assert torch.equal(one[0], batch[b]) and torch.equal(one_lse[0], batch_lse[b]), (n, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_kernel_rejects_bad_input() -> None:
     op = load_kernels().decode_attention
     q, kc, vc, slots, offsets = _decode_inputs([3, 4], 9, 3, 16, torch.float32, torch.float32, seed=0)

@@ -122,3 +122,28 @@ def test_kernels_off_gives_the_same_greedy_text(smol_fp32) -> None:
     got = [o.outputs[0].token_ids for o in off.generate(prompts, sp)]
     want = [o.outputs[0].token_ids for o in smol_fp32.generate(prompts, sp)]
     assert got == want
+
+
+def test_speculation_gives_bitwise_the_same_greedy_tokens_and_logprobs() -> None:
+    """N-gram speculation on the real model, in the default CPU configuration (dtype auto:
+    float32 with the integer-GEMM kernels, whose rows do not depend on each other): the same
+    tokens and bitwise the same log-probabilities as one token per step, in fewer steps."""
+    import torch
+
+    from lockgate import LLM
+
+    prompts = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "Count: 1, 2, 3, 4, 5, 6,",
+               "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for k in (0, 2):
+        llm = LLM("default", max_total_tokens=2048, speculative_tokens=k, check_invariants=True)
+        assert llm.engine.runner.dtype == torch.float32, "bitwise equality needs the float32 integer-kernel path"
+        outs = [llm.generate(p, sp)[0].outputs[0] for p in prompts]  # one at a time: room for guesses
+        runs[k] = (outs, llm.engine.num_steps, llm.engine.scheduler.num_accepted_tokens)
+        del llm
+    (off, off_steps, _), (on, on_steps, accepted) = runs[0], runs[2]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.logprobs for o in on] == [o.logprobs for o in off]
+    assert [o.top_logprobs for o in on] == [o.top_logprobs for o in off]
+    assert accepted > 0 and on_steps == off_steps - accepted  # each accepted guess saved a step

@@ -283,7 +283,10 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, b: SamplingBatch) -> Samp
     if most < 0:  # skip the pass over the vocabulary
         chosen = torch.full((s,), float("nan"), device=raw.device)
     else:
-        lse = torch.logsumexp(raw, dim=-1)  # [S]
+        # One row at a time: torch splits a lone row's reduction over threads but a batch's by
+        # rows, and a row's log-probabilities must not depend on the rows beside it (a greedy
+        # request verifying speculative guesses samples several rows at once).
+        lse = torch.stack([torch.logsumexp(raw[i], dim=-1) for i in range(s)]) if s else raw.new_zeros(0)  # [S]
         chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse  # [S]
     if k:
         vals, ids = torch.topk(raw, k, dim=-1)  # [S, K] each, descending

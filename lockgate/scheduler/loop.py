@@ -33,6 +33,7 @@ class StepInfo:
     num_decode: int
     seconds: float
     num_cached_tokens: int = 0
+    num_generated: int = 0  # tokens appended to outputs (several per request when guesses were accepted)
 
 
 class EngineCore:
@@ -74,7 +75,7 @@ class EngineCore:
         outs = self.scheduler.update(step, result)
         self.num_steps += 1
         self.last_step = StepInfo(len(step.rows), step.num_new_seqs, step.num_prefill_tokens, step.num_decode,
-                                  time.perf_counter() - t0, step.num_cached_tokens)
+                                  time.perf_counter() - t0, step.num_cached_tokens, step.num_generated)
         if self.check:
             self.scheduler.check_invariants()
         return outs

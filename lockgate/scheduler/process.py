@@ -250,13 +250,16 @@ class SchedulerProcess:
                      st.running, st.waiting)
         if info.num_decode:
             self.decode_steps += 1
-            self.decode_tokens += info.num_decode
+            self.decode_tokens += info.num_generated
             if self.decode_steps % self.args.decode_log_interval == 0:
                 now = time.monotonic()
                 tput = self.decode_tokens / max(now - self.decode_t0, 1e-9)
+                sched = self.engine.scheduler
+                spec = (f", accepted guesses: {sched.num_accepted_tokens}/{sched.num_draft_tokens}"
+                        if sched.num_draft_tokens else "")
                 log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                         "gen throughput (token/s): %.2f, #queue-req: %d", st.running, st.slots_used, usage, tput,
-                         st.waiting)
+                         "gen throughput (token/s): %.2f, #queue-req: %d%s", st.running, st.slots_used, usage, tput,
+                         st.waiting, spec)
                 self.decode_tokens, self.decode_t0 = 0, now
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from lockgate.sampling import SamplingParams
+from lockgate.scheduler.speculate import NgramIndex
 
 
 class FinishReason(StrEnum):
@@ -53,6 +54,10 @@ class Request:
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission (reported in usage)
     num_retractions: int = 0
     pending: int = 0  # slots[num_computed:num_computed + pending] were allocated for the step in flight
+    # N-gram speculation (scheduler-side, made on the first step the request may speculate):
+    drafter: NgramIndex | None = None
+    num_drafted: int = 0  # guessed tokens fed to the model
+    num_accepted: int = 0  # of those, the ones the model agreed with (extra tokens gained)
     prefill_len: int = field(init=False)  # tokens to compute before sampling: the prompt, or all tokens on resume
     slots: np.ndarray = field(init=False)
 

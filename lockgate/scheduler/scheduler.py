@@ -20,6 +20,15 @@ bookkeeping between requests and that cache. Each call to ``schedule()`` builds 
    not fit blocks the rest. Admitted requests get their first chunk in this same step.
 3. **Decode** every running request whose prefill is done: one token each, in the same
    step as the prefill chunks, so a long prompt never stalls running decodes.
+4. **Speculate** (``_drafts``) while the step's decode rows are few: a greedy request is fed
+   its newest token and up to ``speculative_tokens`` guesses from its own history
+   (``speculate.NgramIndex``), one plan row each. The rows of one request are ordinary
+   one-token decode rows whose contexts are prefixes of each other (row ``j`` sees the
+   request's keys through its own guess ``j``), so the runner, the attention kernel and
+   the sampler need nothing new. ``update`` keeps the sampled tokens while they agree with
+   the guesses (plus the first one that does not) and frees the slots of the guesses the
+   model did not take. Greedy results are the same tokens as without speculation, since a
+   row's logits do not depend on the other rows.
 
 ``update()`` applies the runner's ``ForwardResult``: appends tokens, inserts freshly
 prefilled KV into the tree (so concurrent requests can share it), finishes requests
@@ -33,7 +42,11 @@ When the allocator runs short, unlocked tree nodes are evicted (LRU). Invariant 
 
     allocator.num_free + tree.total_size + sum(r.num_private for r in running) == capacity
 
-and, for ``peak`` and ``reserve`` admission, no ``alloc`` ever fails.
+and, for ``peak`` and ``reserve`` admission, no ``alloc`` ever fails. Speculation keeps that
+promise by running only while every running request could grow to its full
+``prompt + max_tokens`` at once (``_worst_case_fits``): a request that gains several tokens in
+a step breaks the lockstep the peak estimate assumes, and outside that condition requests
+advance in lockstep again.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.scheduler.admission import Charges, make_admission
 from lockgate.scheduler.policy import QueueDelayBound, make_policy
 from lockgate.scheduler.request import FinishReason, Request
+from lockgate.scheduler.speculate import NgramIndex
 
 log = logging.getLogger("lockgate.scheduler")
 I64 = np.int64
@@ -84,12 +98,15 @@ class StepOutput:
 @dataclass
 class ScheduledStep:
     plan: ForwardPlan
-    rows: list[Request]  # row b of the plan
-    sampled: list[Request]  # one per plan.sample_rows entry
+    rows: list[Request]  # row b of the plan (a speculating request has 1 + len(guesses) rows)
+    sampled: list[Request]  # the requests that get tokens this step, in plan.sample_rows order
+    drafts: list[list[int]]  # per sampled request, the guesses fed after its newest token ([] if none)
     num_new_seqs: int  # requests admitted in this step
     num_prefill_tokens: int
-    num_decode: int
+    num_decode: int  # decoding requests
+    num_decode_rows: int  # their plan rows (the first rows of the plan): num_decode + guesses
     num_cached_tokens: int = 0  # prompt tokens the new requests took from the prefix cache
+    num_generated: int = 0  # tokens the step appended to outputs (set by ``update``)
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,8 @@ class SchedulerStats:
     capacity: int
     headroom: int  # capacity - (admission estimate of the running batch + locked cache slots)
     retractions: int = 0
+    draft_tokens: int = 0  # speculation: guesses fed to the model so far
+    accepted_tokens: int = 0  # of those, the ones it agreed with
 
 
 class Scheduler:
@@ -124,6 +143,8 @@ class Scheduler:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_retractions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self._step_cached = 0  # prompt tokens new requests took from the cache in the step being built
 
     # ---- intake ----------------------------------------------------------------------
@@ -186,7 +207,8 @@ class Scheduler:
         return SchedulerStats(running=len(self.running), waiting=len(self.waiting),
                               slots_used=self.capacity - free - evictable, slots_free=free,
                               slots_evictable=evictable, capacity=self.capacity,
-                              headroom=self.capacity - self.usage_estimate(), retractions=self.num_retractions)
+                              headroom=self.capacity - self.usage_estimate(), retractions=self.num_retractions,
+                              draft_tokens=self.num_draft_tokens, accepted_tokens=self.num_accepted_tokens)
 
     def usage_estimate(self) -> int:
         """The admission mode's estimate of the running batch's future KV need (cache slots
@@ -237,7 +259,7 @@ class Scheduler:
         decode = [r for r in self.running if not r.is_prefilling and id(r) not in chosen]
         if not decode and not prefill:
             return None
-        step = self._build(decode, prefill)
+        step = self._build(decode, self._drafts(decode), prefill)
         step.num_new_seqs = len(prefill) - n_old
         step.num_cached_tokens = self._step_cached
         if decode:
@@ -251,33 +273,61 @@ class Scheduler:
             if not r.finished:
                 r.num_computed += q
                 r.pending = 0
-                if b >= step.num_decode and self.tree is not None:
+                if b >= step.num_decode_rows and self.tree is not None:
                     self._cache(r, keep_lock=True)  # share freshly prefilled KV with later requests
         outs: list[StepOutput] = []
         k = result.top_ids.shape[1] if result.top_ids.ndim == 2 else 0
         tokens, lps = result.tokens.tolist(), result.logprobs.tolist()
-        for i, r in enumerate(step.sampled):
+        row = 0
+        for r, guesses in zip(step.sampled, step.drafts, strict=True):
+            first, row = row, row + 1 + len(guesses)
             if r.finished:  # aborted while the step ran
                 continue
-            tok = tokens[i]
-            r.output_ids.append(tok)
-            r.output_logprobs.append(lps[i])
-            n_top = r.params.logprobs or 0
-            top = [(int(a), float(b)) for a, b in zip(result.top_ids[i, :min(n_top, k)],
-                                                      result.top_logprobs[i, :min(n_top, k)], strict=True)]
-            r.output_top.append(top)
+            new: list[int] = []
+            new_lps: list[float] = []
+            new_top: list[list[tuple[int, float]]] = []
+            n_top = min(r.params.logprobs or 0, k)
+            reason = None
+            # Row first + j sampled after guess j - 1: its token counts while the guesses before it were right.
+            for j in range(1 + len(guesses)):
+                i = first + j
+                tok = tokens[i]
+                top = [(int(a), float(b)) for a, b in zip(result.top_ids[i, :n_top], result.top_logprobs[i, :n_top],
+                                                          strict=True)]
+                r.output_ids.append(tok)
+                r.output_logprobs.append(lps[i])
+                r.output_top.append(top)
+                new.append(tok)
+                new_lps.append(lps[i])
+                new_top.append(top)
+                if tok in r.stop_token_ids and r.num_output >= r.params.min_tokens:
+                    reason = FinishReason.STOP
+                elif r.num_output >= r.params.max_tokens:
+                    reason = FinishReason.LENGTH
+                if reason is not None or j == len(guesses) or guesses[j] != tok:
+                    break
+            if guesses:
+                self._drop_guesses(r, 1 + len(guesses) - len(new))
+                r.num_drafted += len(guesses)
+                r.num_accepted += len(new) - 1
+                self.num_draft_tokens += len(guesses)
+                self.num_accepted_tokens += len(new) - 1
             if r.first_token_time is None:
                 r.first_token_time = now
-            reason = None
-            if tok in r.stop_token_ids and r.num_output >= r.params.min_tokens:
-                reason = FinishReason.STOP
-            elif r.num_output >= r.params.max_tokens:
-                reason = FinishReason.LENGTH
+            step.num_generated += len(new)
             if reason is not None:
                 self._finish(r, reason)
-            outs.append(StepOutput(r.rid, [tok], [lps[i]], [top], reason, r.num_prompt, r.num_output,
+            outs.append(StepOutput(r.rid, new, new_lps, new_top, reason, r.num_prompt, r.num_output,
                                    r.cached_tokens))
         return outs
+
+    def _drop_guesses(self, r: Request, n: int) -> None:
+        """The last ``n`` computed positions of ``r`` held guesses the model did not take:
+        their slots (its own, never in the tree) go back to the pool."""
+        if n:
+            assert r.num_computed - n >= r.tree_len
+            self.allocator.free(r.slots[r.num_computed - n:r.num_computed].copy())
+            r.num_computed -= n
 
     # ---- admission -------------------------------------------------------------------
     def _admit(self, budget: int, prefill: list[tuple[Request, int]]) -> int:
@@ -416,6 +466,40 @@ class Scheduler:
             except ValueError:
                 pass
 
+    # ---- speculation -----------------------------------------------------------------
+    def _drafts(self, decode: list[Request]) -> list[list[int]]:
+        """Guesses for each decoding request (``[]`` for most): only while the step's decode
+        rows stay within ``speculative_max_rows`` and the pool could hold every running request
+        at its full size; earlier requests first; never beyond a request's last token."""
+        cfg = self.cfg
+        out: list[list[int]] = [[] for _ in decode]
+        room = cfg.speculative_max_rows - len(decode)
+        if cfg.speculative_tokens == 0 or room <= 0 or not self._worst_case_fits():
+            return out
+        for i, r in enumerate(decode):
+            k = min(cfg.speculative_tokens, room, r.left - 1)
+            if k <= 0 or not self._may_speculate(r):
+                continue
+            if r.drafter is None:
+                r.drafter = NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+            if len(r.drafter) < r.num_tokens:
+                r.drafter.extend(r.token_at(len(r.drafter), r.num_tokens).tolist())
+            out[i] = r.drafter.propose(k)
+            room -= len(out[i])
+        return out
+
+    @staticmethod
+    def _may_speculate(r: Request) -> bool:
+        """Greedy, no penalties and no suppressed stop tokens: the sampled token of each row
+        is then the model's argmax, whatever the rows before it."""
+        p = r.params
+        return p.temperature == 0.0 and not p.has_penalties and r.num_output >= p.min_tokens
+
+    def _worst_case_fits(self) -> bool:
+        """Every running request at ``prompt + max_tokens`` at once (cache slots they lock
+        counted once) fits the pool: no order of progress can run it out."""
+        return self.protected + sum(r.resident + r.left for r in self.running) <= self.capacity
+
     # ---- building the plan -----------------------------------------------------------
     def _alloc(self, n: int) -> np.ndarray:
         if self.allocator.num_free < n and self.tree is not None:
@@ -426,46 +510,55 @@ class Scheduler:
             raise OutOfSlots(f"need {n} KV slots, {self.allocator.num_free} free and nothing evictable")
         return self.allocator.alloc(n)
 
-    def _build(self, decode: list[Request], prefill: list[tuple[Request, int]]) -> ScheduledStep:
-        rows = decode + [r for r, _ in prefill]
-        q_lens = np.array([1] * len(decode) + [n for _, n in prefill], dtype=I64)
-        # Slots for this step's new tokens: one run for all decodes, one run per prefill chunk.
+    def _build(self, decode: list[Request], drafts: list[list[int]],
+               prefill: list[tuple[Request, int]]) -> ScheduledStep:
+        """The plan: decode rows first (request ``r`` with guesses ``g``: 1 + len(g) one-token
+        rows, fed its newest token then ``g``), then one row per prefill chunk."""
+        spans = [1 + len(g) for g in drafts]
+        n_dec = sum(spans)
+        rows = [r for r, s in zip(decode, spans, strict=True) for _ in range(s)] + [r for r, _ in prefill]
+        q_lens = np.array([1] * n_dec + [n for _, n in prefill], dtype=I64)
+        # Slots for this step's new tokens: one run for all decode rows, one run per prefill chunk.
         new_slots: list[np.ndarray] = []
         try:
             if decode:
-                new_slots.append(self._alloc(len(decode)))
+                new_slots.append(self._alloc(n_dec))
             for _, n in prefill:
                 new_slots.append(self._alloc(n))
         except OutOfSlots:
             for run in new_slots:  # give back what this step took before failing
                 self.allocator.free(run)
             raise
-        d_slots = new_slots[0] if decode else None
-        for i, r in enumerate(decode):
-            assert d_slots is not None
-            r.slots[r.num_computed] = d_slots[i]
-            r.pending = 1
-        for (r, n), s in zip(prefill, new_slots[1:] if decode else new_slots, strict=True):
-            r.slots[r.num_computed:r.num_computed + n] = s
+        at = 0
+        for r, s in zip(decode, spans, strict=True):
+            r.slots[r.num_computed:r.num_computed + s] = new_slots[0][at:at + s]
+            r.pending = s
+            at += s
+        for (r, n), run in zip(prefill, new_slots[1:] if decode else new_slots, strict=True):
+            r.slots[r.num_computed:r.num_computed + n] = run
             r.pending = n
+        # a request's j-th decode row sits j positions after its newest token
         starts = np.fromiter((r.num_computed for r in rows), dtype=I64, count=len(rows))
+        starts[:n_dec] += np.concatenate([np.arange(s, dtype=I64) for s in spans]) if decode else 0
         seq_lens = starts + q_lens
         input_ids = np.concatenate(
-            [np.fromiter((r.output_ids[-1] for r in decode), dtype=I64, count=len(decode))]
+            [np.asarray([t for r, g in zip(decode, drafts, strict=True) for t in (r.output_ids[-1], *g)], dtype=I64)]
             + [r.token_at(r.num_computed, r.num_computed + n) for r, n in prefill])
         out_slots = np.concatenate(new_slots)
         positions = np.repeat(starts - np.cumsum(q_lens) + q_lens, q_lens) + np.arange(int(q_lens.sum()))
         kv_offsets = np.zeros(len(rows) + 1, dtype=I64)
         np.cumsum(seq_lens, out=kv_offsets[1:])
         kv_slots = np.concatenate([r.slots[:s] for r, s in zip(rows, seq_lens.tolist(), strict=True)])
-        # A row samples when its prefill is complete after this step.
+        # A row samples when its prefill is complete after this step (every decode row does).
         sample_mask = seq_lens >= np.fromiter((r.prefill_len for r in rows), dtype=I64, count=len(rows))
         sample_rows = np.flatnonzero(sample_mask).astype(I64)
-        sampled = [rows[i] for i in sample_rows.tolist()]
+        done = [r for (r, _), m in zip(prefill, sample_mask[n_dec:].tolist(), strict=True) if m]
+        sampled, sample_drafts = decode + done, drafts + [[] for _ in done]
         plan = ForwardPlan(input_ids=input_ids.astype(I64, copy=False), positions=positions.astype(I64),
                            out_slots=out_slots, query_lens=q_lens, seq_lens=seq_lens, kv_slots=kv_slots,
-                           kv_offsets=kv_offsets, sample_rows=sample_rows, sampling=build_sampling(sampled))
-        return ScheduledStep(plan, rows, sampled, 0, int(q_lens[len(decode):].sum()), len(decode))
+                           kv_offsets=kv_offsets, sample_rows=sample_rows,
+                           sampling=build_sampling([rows[i] for i in sample_rows.tolist()]))
+        return ScheduledStep(plan, rows, sampled, sample_drafts, 0, int(q_lens[n_dec:].sum()), len(decode), n_dec)
 
 
 def build_sampling(reqs: list[Request]) -> SamplingBatch:

@@ -14,9 +14,9 @@
 // kv head kv (GQA, G = H / Hkv). A work item is (sequence, kv head, key chunk): it reads each
 // key's K and V row once, straight from the pool by slot (no gathered copy, no padding to the
 // longest sequence), scores its G query heads against it, and keeps a partial softmax
-// (max, sum, weighted V sum) in float32. Sequences are split into key chunks only when there are
-// too few (sequence, kv head) pairs to keep every thread busy (batch-1 decode); partials are
-// then merged by their maxima, exactly. Math is float32 whatever the storage dtype; bf16 is
+// (max, sum, weighted V sum) in float32. Every sequence is split into chunks of kChunkKeys keys,
+// whose partials are then merged by their maxima in key order: the result does not depend on the
+// batch or the thread count. Math is float32 whatever the storage dtype; bf16 is
 // widened by a shift, so no AVX512-BF16 instruction is needed.
 
 #include <ATen/ATen.h>
@@ -49,26 +49,21 @@ struct Item {
   int64_t seq, kv, begin, end;  // keys [begin, end) of the sequence's slot list
 };
 
-// Keys per work item: all of a sequence's keys when (sequence, kv head) pairs already give every
-// thread several items; else chunks sized so that there are about kItemsPerThread per thread.
-constexpr int64_t kItemsPerThread = 4;
-constexpr int64_t kMinChunk = 32;
+// Keys per work item: a fixed number, whatever the batch and the thread count, so that a
+// sequence's result depends only on its own query and keys (the chunks and their merge order
+// are the same in a batch of one as in a batch of 64). That is what lets a sequence verify
+// speculative guesses in rows of their own and still get bitwise the logits it would have got
+// one token at a time. 128 keys: a batch-1 step at a few hundred tokens of context still gives
+// each of two threads several items, and a chunk's partial (G rows of D + 2 floats) costs far
+// less to merge than its 128 K and V rows cost to read.
+constexpr int64_t kChunkKeys = 128;
 
 std::vector<Item> plan_items(const int64_t* off, int64_t b, int64_t hkv) {
-  const int64_t want = kItemsPerThread * at::get_num_threads();
-  int64_t total = 0, longest = 0;
-  for (int64_t s = 0; s < b; ++s) {
-    total += off[s + 1] - off[s];
-    longest = std::max(longest, off[s + 1] - off[s]);
-  }
-  int64_t chunk = longest;
-  if (b * hkv < want) chunk = std::max(kMinChunk, (total * hkv + want - 1) / want);
   std::vector<Item> items;
   for (int64_t s = 0; s < b; ++s) {
+    const int64_t n = off[s + 1] - off[s];
     for (int64_t kv = 0; kv < hkv; ++kv) {
-      for (int64_t j = 0; j < off[s + 1] - off[s]; j += chunk) {
-        items.push_back({s, kv, j, std::min(j + chunk, off[s + 1] - off[s])});
-      }
+      for (int64_t j = 0; j < n; j += kChunkKeys) items.push_back({s, kv, j, std::min(j + kChunkKeys, n)});
     }
   }
   return items;
