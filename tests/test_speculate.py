@@ -62,7 +62,8 @@ def test_ngram_index_rejects_bad_sizes() -> None:
 
 class CycleRunner(SimRunner):
     """Next token: a fixed successor of the last token (a cycle through 3..9), except at
-    positions divisible by ``twist``, where it jumps elsewhere. Records every plan."""
+    positions divisible by ``twist``, where it jumps elsewhere; a token the row suppresses
+    (min_tokens) becomes 10, as a sampler would take the next best. Records every plan."""
 
     twist = 7
 
@@ -76,7 +77,12 @@ class CycleRunner(SimRunner):
 
     def execute(self, plan: ForwardPlan) -> ForwardResult:
         self.plans.append(plan)
-        return super().execute(plan)
+        res = super().execute(plan)
+        sb = plan.sampling
+        for i in range(sb.size):
+            if res.tokens[i] in sb.suppress_ids[sb.suppress_offsets[i]:sb.suppress_offsets[i + 1]]:
+                res.tokens[i] = 10
+        return res
 
 
 def cycle_engine(capacity: int = 10_000, **sched) -> EngineCore:  # type: ignore[no-untyped-def]
@@ -177,12 +183,24 @@ def test_only_greedy_requests_without_penalties_speculate() -> None:
         eng.add_request([3, 4, 5, 6, 7, 8, 9, 3, 4], params)
         drain(eng)
         assert eng.scheduler.num_draft_tokens == 0, params
-    eng = cycle_engine()  # min_tokens: no guesses while stop tokens are suppressed, guesses after
-    r = eng.add_request([3, 4, 5, 6, 7, 8, 9, 3, 4], greedy(30, min_tokens=20))
-    drain(eng)
-    assert 0 < r.num_drafted
-    first_guess = next(i for i, p in enumerate(eng.runner.plans) if decode_rows_beyond_requests(p))  # type: ignore[attr-defined]
-    assert first_guess >= 20  # prefill step + 19 single-token steps before output 20
+
+
+def test_min_tokens_suppression_applies_to_each_guess_row() -> None:
+    # Stop token 8 is suppressed (becomes 10) while a row's output would be shorter than
+    # min_tokens: guess rows must see their own output position, so the result is the one
+    # of one token per step. (What the benchmark client sends: ignore_eos with min_tokens.)
+    for m in range(15, 25):  # every alignment of the min_tokens boundary with a step's guess rows
+        outs = {}
+        for k in (0, 2):
+            eng = cycle_engine(speculative_tokens=k)
+            eng.runner.twist = 10**9  # type: ignore[attr-defined]
+            r = eng.add_request([3, 4, 5, 6, 7, 8, 9, 3, 4], greedy(60, min_tokens=m, stop_token_ids=(8,)))
+            got, reasons = drain(eng)
+            outs[k] = (got[r.rid], reasons[r.rid], r.num_accepted)
+        (off, off_reason, _), (on, on_reason, accepted) = outs[0], outs[2]
+        assert on == off and on_reason == off_reason == "stop", m
+        assert 8 not in off[:m] and 10 in off[:m] and off[-1] == 8, m
+        assert accepted > 0
 
 
 def test_no_guesses_while_the_pool_could_run_out() -> None:

@@ -490,10 +490,11 @@ class Scheduler:
 
     @staticmethod
     def _may_speculate(r: Request) -> bool:
-        """Greedy, no penalties and no suppressed stop tokens: the sampled token of each row
-        is then the model's argmax, whatever the rows before it."""
+        """Greedy without penalties: each row's token is then the argmax of its own logits
+        (stop tokens suppressed while the row's output would be shorter than min_tokens, as
+        ``build_sampling``'s ``ahead`` arranges), whatever the rows before it."""
         p = r.params
-        return p.temperature == 0.0 and not p.has_penalties and r.num_output >= p.min_tokens
+        return p.temperature == 0.0 and not p.has_penalties
 
     def _worst_case_fits(self) -> bool:
         """Every running request at ``prompt + max_tokens`` at once (cache slots they lock
@@ -557,14 +558,18 @@ class Scheduler:
         plan = ForwardPlan(input_ids=input_ids.astype(I64, copy=False), positions=positions.astype(I64),
                            out_slots=out_slots, query_lens=q_lens, seq_lens=seq_lens, kv_slots=kv_slots,
                            kv_offsets=kv_offsets, sample_rows=sample_rows,
-                           sampling=build_sampling([rows[i] for i in sample_rows.tolist()]))
+                           sampling=build_sampling([rows[i] for i in sample_rows.tolist()],
+                                                   [j for s in spans for j in range(s)] + [0] * len(done)))
         return ScheduledStep(plan, rows, sampled, sample_drafts, 0, int(q_lens[n_dec:].sum()), len(decode), n_dec)
 
 
-def build_sampling(reqs: list[Request]) -> SamplingBatch:
-    """Per-row sampling arrays for the requests that sample this step."""
+def build_sampling(reqs: list[Request], ahead: list[int] | None = None) -> SamplingBatch:
+    """Per-row sampling arrays for the requests that sample this step. ``ahead[i]``: row ``i``
+    samples the request's output token ``num_output + ahead[i]`` (a speculating request's
+    rows after its first; 0 for every other row), which is what seeds and min_tokens see."""
     ps = [r.params for r in reqs]
     n = len(ps)
+    made = [r.num_output + (ahead[i] if ahead else 0) for i, r in enumerate(reqs)]  # outputs before each row's token
 
     def col(get, dtype):  # type: ignore[no-untyped-def]
         return np.fromiter((get(p) for p in ps), dtype=dtype, count=n)
@@ -579,7 +584,7 @@ def build_sampling(reqs: list[Request]) -> SamplingBatch:
         presence_penalty=col(lambda p: p.presence_penalty, np.float32),
         seeds=col(lambda p: (p.seed or 0) & 0x7FFF_FFFF_FFFF_FFFF, I64),
         has_seed=col(lambda p: p.seed is not None, np.bool_),
-        seed_steps=np.fromiter((r.num_output for r in reqs), dtype=I64, count=n),
+        seed_steps=np.asarray(made, dtype=I64).reshape(n),
         num_logprobs=col(lambda p: -1 if p.logprobs is None else p.logprobs, I64),
     )
     if any(p.has_penalties for p in ps):
@@ -590,5 +595,5 @@ def build_sampling(reqs: list[Request]) -> SamplingBatch:
             [r.output_ids if r.params.has_penalties else [] for r in reqs])
     if any(p.min_tokens for p in ps):
         batch.suppress_ids, batch.suppress_offsets = SamplingBatch.ragged(
-            [sorted(r.stop_token_ids) if r.num_output < r.params.min_tokens else [] for r in reqs])
+            [sorted(r.stop_token_ids) if m < r.params.min_tokens else [] for r, m in zip(reqs, made, strict=True)])
     return batch
