@@ -150,10 +150,11 @@ class _Pending:
     pieces: list[str] = field(default_factory=list)
 
     def add(self, ids: list[int], lps: list[float], top: list[list[tuple[int, float]]]) -> None:
-        self.token_ids += ids
-        self.logprobs += lps
-        self.top += top
-        self.pieces.append(self.detok.push(ids))
+        text, used = self.detok.push_until_stop(ids)  # tokens after a stop string are left out
+        self.token_ids += ids[:used]
+        self.logprobs += lps[:used]
+        self.top += top[:used]
+        self.pieces.append(text)
 
     def finish(self, reason: FinishReason) -> RequestOutput:
         self.pieces.append(self.detok.flush())

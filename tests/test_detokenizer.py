@@ -64,3 +64,29 @@ def test_matches_one_shot_decode(text, stop, chunk):
     if cuts:
         expect = text[:min(cuts)]
     assert "".join(pieces) == expect
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="abcE ND", max_size=30), stop=st.lists(st.sampled_from(["END", "b", "cc", "E"]),
+                                                                     max_size=2), chunk=st.integers(1, 5))
+def test_push_until_stop_uses_exactly_the_tokens_one_at_a_time_would(text, stop, chunk):
+    """Several tokens at once (a step that accepted speculative guesses): the text and the
+    number of tokens used are those of pushing them one by one and stopping at the stop."""
+    ids = TOK.encode(text)
+    one = IncrementalDetokenizer(TOK, tuple(stop))
+    used_one, text_one = 0, []
+    for t in ids:
+        if one.stopped:
+            break
+        text_one.append(one.push([t]))
+        used_one += 1
+    many = IncrementalDetokenizer(TOK, tuple(stop))
+    used_many, text_many = 0, []
+    for i in range(0, len(ids), chunk):
+        if many.stopped:
+            break
+        piece, used = many.push_until_stop(ids[i:i + chunk])
+        text_many.append(piece)
+        used_many += used
+    assert used_many == used_one and many.stopped == one.stopped
+    assert "".join(text_many) + many.flush() == "".join(text_one) + one.flush()

@@ -141,9 +141,16 @@ def test_speculation_gives_bitwise_the_same_greedy_tokens_and_logprobs() -> None
         assert llm.engine.runner.dtype == torch.float32, "bitwise equality needs the float32 integer-kernel path"
         outs = [llm.generate(p, sp)[0].outputs[0] for p in prompts]  # one at a time: room for guesses
         runs[k] = (outs, llm.engine.num_steps, llm.engine.scheduler.num_accepted_tokens)
+        # A stop string inside a step's accepted run: the tokens after it are left out, as
+        # they would never have been generated one token per step.
+        # (The greedy answer to the first prompt repeats "print(fibonacci(10))  # Output: ..." lines.)
+        stop = SamplingParams(max_tokens=48, temperature=0.0, stop=("33\nprint(fibonacci(10))  # Output: 33\nprint(",), logprobs=0)
+        runs[k] += (llm.generate(prompts[0], stop)[0].outputs[0],)
         del llm
-    (off, off_steps, _), (on, on_steps, accepted) = runs[0], runs[2]
+    (off, off_steps, _, off_stop), (on, on_steps, accepted, on_stop) = runs[0], runs[2]
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert [o.logprobs for o in on] == [o.logprobs for o in off]
     assert [o.top_logprobs for o in on] == [o.top_logprobs for o in off]
     assert accepted > 0 and on_steps == off_steps - accepted  # each accepted guess saved a step
+    assert off_stop.finish_reason == on_stop.finish_reason == "stop"
+    assert (on_stop.text, on_stop.token_ids, on_stop.logprobs) == (off_stop.text, off_stop.token_ids, off_stop.logprobs)

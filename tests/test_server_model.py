@@ -105,3 +105,32 @@ def test_chat_answer_and_seeded_sampling(client) -> None:
     a = client.chat.completions.create(model="default", messages=msgs, max_tokens=20, temperature=1.0, seed=7, n=2)
     b = client.chat.completions.create(model="default", messages=msgs, max_tokens=20, temperature=1.0, seed=7, n=2)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def test_speculation_streams_accepted_guesses_and_counts_them(server, client) -> None:
+    """A greedy request on repetitive text: n-gram guesses are accepted (several tokens reach
+    the client in one chunk), the streamed tokens and logprobs are the non-streamed ones, and
+    /metrics counts the guesses."""
+    def spec_counts() -> tuple[float, float]:
+        text = httpx.get(server.url + "/metrics").text
+        vals = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                if ln.startswith("lockgate:spec_decode_")}
+        return vals.get("lockgate:spec_decode_draft_tokens_total", 0.0), \
+            vals.get("lockgate:spec_decode_accepted_tokens_total", 0.0)
+
+    drafted0, accepted0 = spec_counts()
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    kw = {"model": "default", "prompt": prompt, "max_tokens": 48, "temperature": 0, "logprobs": 1,
+          "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    lps = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert "".join(c.text for c in chunks) == whole.text
+    # (The second request finds its prompt in the prefix cache and computes only its last token
+    # afresh: a different order of additions, so logprobs agree to rounding, not bitwise.)
+    assert tokens == whole.logprobs.tokens and len(tokens) == 48
+    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-3)
+    assert max(len(c.logprobs.tokens) for c in chunks if c.logprobs) > 1  # one step gave several tokens
+    drafted, accepted = spec_counts()
+    assert drafted > drafted0 and accepted > accepted0 and accepted - accepted0 <= drafted - drafted0

@@ -80,6 +80,8 @@ class EngineStats(_Msg):
     capacity: int
     headroom: int  # capacity minus the admission peak estimate
     num_steps: int
+    draft_tokens: int = 0  # speculation since start: guesses fed to the model
+    accepted_tokens: int = 0  # of those, the ones it agreed with
 
 
 class StepBatch(_Msg):

@@ -53,6 +53,12 @@ go through ``peak_usage``; each stalled request is charged its whole
 its contribution can only shrink (in lockstep it holds at most ``resident + left`` at any
 time), so the estimate never grows as steps run and the guarantee holds.
 
+Requests that advance faster (speculation) also break lockstep: a request whose guesses are
+accepted gains several tokens in one step. The scheduler therefore only speculates while every
+running request could hold its whole ``resident + left`` at once (``Scheduler._worst_case_fits``),
+which no order of progress can exceed; outside that condition requests advance in lockstep and
+the estimate holds as above.
+
 Adding a request adds a non-negative term to ``usage(t)`` at every ``t``, so the peak
 never decreases when requests join. Hence the candidates that fit "one after another"
 form a prefix of the queue, and ``admit_many`` finds its length by binary search.

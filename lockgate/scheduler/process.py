@@ -200,7 +200,8 @@ class SchedulerProcess:
         st = self.engine.scheduler.stats()
         stats = EngineStats(running=st.running, waiting=st.waiting, slots_used=st.slots_used,
                             slots_free=st.slots_free, slots_evictable=st.slots_evictable, capacity=st.capacity,
-                            headroom=st.headroom, num_steps=self.engine.num_steps)
+                            headroom=st.headroom, num_steps=self.engine.num_steps,
+                            draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens)
         self.out.send(StepBatch(self.pending, stats))
         self.pending = []
         if events:

@@ -48,6 +48,11 @@ class Metrics:
                                       labels, registry=r)
         self.prefix_hits = Counter("lockgate:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
                                    registry=r)
+        self.spec_draft = Counter("lockgate:spec_decode_draft_tokens", "Speculative guesses fed to the model",
+                                  labels, registry=r)
+        self.spec_accepted = Counter("lockgate:spec_decode_accepted_tokens",
+                                     "Speculative guesses the model agreed with (tokens gained)", labels, registry=r)
+        self._spec_seen = (0, 0)  # the scheduler's running totals at the last update
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(model_name, reason)  # export zeros from the start
 
@@ -58,6 +63,11 @@ class Metrics:
         self.kv_used.labels(m).set(s.slots_used)
         self.kv_capacity.labels(m).set(s.capacity)
         self.kv_usage.labels(m).set(s.slots_used / max(s.capacity, 1))
+        drafted, accepted = self._spec_seen
+        if s.draft_tokens > drafted:
+            self.spec_draft.labels(m).inc(s.draft_tokens - drafted)
+            self.spec_accepted.labels(m).inc(s.accepted_tokens - accepted)
+            self._spec_seen = (s.draft_tokens, s.accepted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,20 @@ class IncrementalDetokenizer:
                 self.stop_reason = s
         return self._release(final=self.stopped)
 
+    def push_until_stop(self, new_ids: list[int]) -> tuple[str, int]:
+        """``push`` for several tokens at once (a step that accepted speculative guesses):
+        (text, how many of ``new_ids`` were used). With stop strings the tokens go in one at
+        a time, and those after the one that completed a stop string are left out, so ids,
+        logprobs and usage end where they would had the tokens come one per step."""
+        if not self.stop or len(new_ids) <= 1:
+            return self.push(new_ids), len(new_ids)
+        text = []
+        for i, t in enumerate(new_ids):
+            text.append(self.push([t]))
+            if self.stopped:
+                return "".join(text), i + 1
+        return "".join(text), len(new_ids)
+
     def flush(self) -> str:
         """The request ended: release whatever was held back."""
         return self._release(final=True)

@@ -100,7 +100,12 @@ class DetokenizerProcess:
         detok = self.live.get(o.rid)
         if detok is None:
             return None  # finished here already (stop string); the scheduler's echo is dropped
-        text = detok.push(o.ids) if o.ids else ""
+        text, used = detok.push_until_stop(o.ids) if o.ids else ("", 0)
+        if used < len(o.ids):  # tokens after a stop string, from one step's accepted guesses
+            o.num_output_tokens -= len(o.ids) - used
+            o.ids = o.ids[:used]
+            o.logprobs = o.logprobs[:used] if o.logprobs is not None else None
+            o.top = o.top[:used] if o.top is not None else None
         reason, matched = o.finish_reason, None
         if detok.stopped:
             if reason is None:
