@@ -125,8 +125,9 @@ class LLM:
                 pend.add(ev.new_token_ids, ev.new_logprobs, ev.new_top)
                 pend.out.num_cached_tokens = ev.cached_tokens
                 reason = ev.finish_reason
-                if pend.detok.stopped and reason is None:  # a stop string ended it
-                    self.engine.abort(ev.rid)
+                if pend.detok.stopped:  # a stop string ended it (before any length limit in the same step)
+                    if reason is None:
+                        self.engine.abort(ev.rid)
                     reason = FinishReason.STOP
                 if reason is not None:
                     done[ev.rid] = pend.finish(reason)

@@ -467,6 +467,7 @@ def test_logprobs_are_raw_log_softmax_at_chosen_token():
     torch.testing.assert_close(out.top_logprobs, true_vals, rtol=0, atol=1e-5)
     assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
 
+
 def test_logprobs_of_a_row_do_not_depend_on_the_rows_beside_it():
     # A request verifying speculative guesses samples several rows at once; each row's
     # log-probabilities must be bitwise those it gets alone.

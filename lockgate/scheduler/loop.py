@@ -27,7 +27,7 @@ log = logging.getLogger("lockgate.engine")
 
 @dataclass
 class StepInfo:
-    num_seqs: int
+    num_seqs: int  # plan rows (a speculating request counts once per guess row)
     num_new_seqs: int
     num_prefill_tokens: int
     num_decode: int

@@ -251,7 +251,7 @@ class SchedulerProcess:
                      st.running, st.waiting)
         if info.num_decode:
             self.decode_steps += 1
-            self.decode_tokens += info.num_generated
+            self.decode_tokens += info.num_generated  # accepted guesses included
             if self.decode_steps % self.args.decode_log_interval == 0:
                 now = time.monotonic()
                 tput = self.decode_tokens / max(now - self.decode_t0, 1e-9)

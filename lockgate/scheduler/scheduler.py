@@ -27,8 +27,9 @@ bookkeeping between requests and that cache. Each call to ``schedule()`` builds 
    request's keys through its own guess ``j``), so the runner, the attention kernel and
    the sampler need nothing new. ``update`` keeps the sampled tokens while they agree with
    the guesses (plus the first one that does not) and frees the slots of the guesses the
-   model did not take. Greedy results are the same tokens as without speculation, since a
-   row's logits do not depend on the other rows.
+   model did not take. Greedy results are the same tokens as without speculation where a
+   row's logits do not depend on the other rows (bitwise on the float32 integer-kernel path;
+   up to rounding where the row count changes the numerics, as batching does).
 
 ``update()`` applies the runner's ``ForwardResult``: appends tokens, inserts freshly
 prefilled KV into the tree (so concurrent requests can share it), finishes requests

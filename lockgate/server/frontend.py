@@ -171,7 +171,9 @@ class EngineClient:
                 stream.first_token = now
                 m.ttft.labels(name).observe(now - stream.arrival)
             elif stream.last_token is not None:
-                m.itl.labels(name).observe((now - stream.last_token) / len(out.ids))
+                gap = (now - stream.last_token) / len(out.ids)
+                for _ in out.ids:  # one observation per token (a step can bring several)
+                    m.itl.labels(name).observe(gap)
             stream.last_token = now
             m.generation_tokens.labels(name).inc(len(out.ids))
         if out.finish_reason is not None:
