@@ -288,9 +288,10 @@ def test_int_linear_is_vectorized_where_the_cpu_has_vnni(ops) -> None:
 def test_int_linear_vector_path_equals_the_plain_path(ops, bits: int) -> None:
     # The plain C++ loops (what a CPU without VNNI runs) do the same arithmetic in the same order:
     # the two give the same numbers, on every tile and row remainder, and on the few-row path
-    # (1-3 rows: run_gemv, 16-row blocks shared between threads in tiles of 4 plus 1-3 left over).
+    # (1-6 rows: run_gemv, 16-row blocks shared between threads in tiles of 4 (2 beyond 3 rows)
+    # plus what is left over).
     for n, k, m in ((80, 288, 130), (16, 32, 3), (960, 576, 9), (960, 576, 1), (112, 96, 2), (80, 288, 3),
-                    (3072, 64, 1)):
+                    (3072, 64, 1), (112, 96, 4), (80, 288, 5), (960, 576, 6), (48, 64, 6), (16, 32, 5), (960, 576, 7)):
         q, _ = _int_gemm_case(bits, n, k, seed=n * m)
         x = torch.randn(m, k) * 2
         assert torch.equal(ops.int_linear(x, q.packed, q.scales, q.zeros, bits),

@@ -41,7 +41,7 @@ load) and the choice between them per call:
   float16 scales exact for GGUF blocks), the codes packed for VNNI's int16 dot products (32
   products per instruction, twice float32 FMA's 16) and x rounded to int16 per 32 columns (2^8
   times finer than bf16). Measured on the default model's shapes on a 2-core CPU without bf16
-  units (docs/performance.md): at 1-3 rows it streams the codes from memory faster than torch's
+  units (docs/performance.md): at 1-6 rows it streams the codes from memory faster than torch's
   int4 kernel (decode steps 1.3-1.5x faster); 1.2-3x sgemm on the dense float32 weight at 17-64
   rows (decode batches: 4-8x fewer weight bytes read), 1.0-1.4x at 256-1,024 rows (prefill), the
   LM head 2-2.7x at 17-32 rows.

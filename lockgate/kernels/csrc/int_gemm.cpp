@@ -30,9 +30,10 @@
 // of 256 columns the codes are widened to int16 into a 24 KB per-thread buffer (L1) and reused by
 // every group of 4 x rows; the 4 x 3 int32 accumulators and their 4 x 3 float32 sums stay in
 // registers. Weights are read in their packed size (4 or 8 bits per weight) once per chunk of
-// 128 rows: once per call at decode sizes. Calls of 1-3 rows (batch-1 decode: bound by reading
-// the weights from memory) take run_gemv instead: each thread an even share of the 16-row
-// blocks, codes widened in registers as they stream in, software prefetch ahead of each stream.
+// 128 rows: once per call at decode sizes. Calls of 1-6 rows (batch-1 decode, a request and its
+// speculative guesses: bound by reading the weights from memory) take run_gemv instead: each
+// thread an even share of the 16-row blocks, codes widened in registers as they stream in,
+// software prefetch ahead of each stream.
 //
 // Non-finite x: a block holding NaN or +-inf gets a NaN scale, so the rows it feeds come out NaN
 // (as F.linear's would); a block whose largest magnitude is below 1e-30 is taken as zeros.
@@ -68,8 +69,11 @@ constexpr int kTileM = 4;                  // x rows per register block
 constexpr int64_t kBlockK = 256;           // columns widened at a time (48 rows * 256 * 2 B = 24 KB)
 constexpr int64_t kPairsPerGroup = kGroup / 2;
 constexpr int64_t kChunkM = 128;           // x rows per pass over a thread's tiles
-constexpr int64_t kGemvMaxRows = 3;        // at most this many x rows: run_gemv (no widening buffer)
-constexpr int kGemvTileN = 4;              // output-row blocks of 16 per gemv tile (64 rows)
+constexpr int64_t kGemvMaxRows = 6;        // at most this many x rows: run_gemv (no widening buffer)
+// Output-row blocks of 16 per gemv tile: 4 (64 rows) for up to 3 x rows; 2 beyond, so that the
+// MR x NR int32 sums, their float32 totals and the broadcast x pairs still fit the 32 zmm registers.
+template <int MR>
+constexpr int gemv_tile_n() { return MR <= 3 ? 4 : 2; }
 constexpr int64_t kGemvGrain = 8;          // fewest 16-row blocks worth a thread of their own
 // Software prefetch in run_gemv, which streams the weights from memory: each code stream this many
 // bytes ahead, scales and zeros this many groups ahead. Measured on the default model's shapes
@@ -209,7 +213,7 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
 
 #if defined(__AVX512VNNI__)
 // Few rows (decode): out[0 .. MR, 16 nb0 .. 16 (nb0 + NR)] over all of K, the codes widened in
-// registers straight from their packed bytes (no buffer: each byte is used by MR <= 3 rows only,
+// registers straight from their packed bytes (no buffer: each byte is used by MR <= 6 rows only,
 // so the step is bound by reading the weights and the widening's stores and reloads would cost
 // more than they save). Same arithmetic, in the same order, as tile_vnni.
 template <int MR, int NR>
@@ -284,11 +288,12 @@ void gemv_tile(const Job& job, int64_t nb0) {
     for (int j = 0; j < NR; ++j) _mm512_storeu_ps(job.out + i * n + (nb0 + j) * kLanes, f[i][j]);
 }
 
-// Output-row blocks [b0, b1) for all MR rows, in tiles of kGemvTileN blocks.
+// Output-row blocks [b0, b1) for all MR rows, in tiles of gemv_tile_n<MR>() blocks.
 template <int MR>
 void gemv_blocks(const Job& job, int64_t b0, int64_t b1) {
-  for (; b0 + kGemvTileN <= b1; b0 += kGemvTileN) gemv_tile<MR, kGemvTileN>(job, b0);
-  switch (b1 - b0) {  // the share's last 1-3 blocks
+  constexpr int tn = gemv_tile_n<MR>();
+  for (; b0 + tn <= b1; b0 += tn) gemv_tile<MR, tn>(job, b0);
+  switch (b1 - b0) {  // the share's last blocks (fewer than a tile)
     case 3: gemv_tile<MR, 3>(job, b0); break;
     case 2: gemv_tile<MR, 2>(job, b0); break;
     case 1: gemv_tile<MR, 1>(job, b0); break;
@@ -302,7 +307,10 @@ void run_gemv(const Job& job) {
     switch (job.m) {
       case 1: gemv_blocks<1>(job, b0, b1); break;
       case 2: gemv_blocks<2>(job, b0, b1); break;
-      default: gemv_blocks<3>(job, b0, b1); break;
+      case 3: gemv_blocks<3>(job, b0, b1); break;
+      case 4: gemv_blocks<4>(job, b0, b1); break;
+      case 5: gemv_blocks<5>(job, b0, b1); break;
+      default: gemv_blocks<6>(job, b0, b1); break;
     }
   });
 }
