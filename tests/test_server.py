@@ -189,7 +189,8 @@ def test_metrics_exposed(server, client) -> None:
                  "lockgate:e2e_request_latency_seconds_count", "lockgate:queue_time_seconds_count",
                  "lockgate:num_requests_running", "lockgate:num_requests_waiting", "lockgate:kv_slot_usage_ratio",
                  "lockgate:prompt_tokens_total", "lockgate:generation_tokens_total",
-                 "lockgate:prefix_cache_queries_total", "lockgate:prefix_cache_hits_total"):
+                 "lockgate:prefix_cache_queries_total", "lockgate:prefix_cache_hits_total",
+                 "lockgate:spec_decode_draft_tokens_total", "lockgate:spec_decode_accepted_tokens_total"):
         assert name in text, name
     gen = next(ln for ln in text.splitlines() if ln.startswith("lockgate:generation_tokens_total"))
     assert float(gen.split()[-1]) >= 4

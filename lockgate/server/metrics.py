@@ -53,6 +53,8 @@ class Metrics:
         self.spec_accepted = Counter("lockgate:spec_decode_accepted_tokens",
                                      "Speculative guesses the model agreed with (tokens gained)", labels, registry=r)
         self._spec_seen = (0, 0)  # the scheduler's running totals at the last update
+        self.spec_draft.labels(model_name)  # export zeros from the start
+        self.spec_accepted.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(model_name, reason)  # export zeros from the start
 
