@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_scheduler import run_all
 
 from lockgate.config import EngineConfig
 from lockgate.plan import ForwardPlan, ForwardResult
@@ -91,17 +92,9 @@ def cycle_engine(capacity: int = 10_000, **sched) -> EngineCore:  # type: ignore
 
 
 def drain(eng: EngineCore) -> tuple[dict[str, list[int]], dict[str, str]]:
-    outs: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    for _ in range(100_000):
-        if not eng.has_work:
-            break
-        for ev in eng.step():
-            outs.setdefault(ev.rid, []).extend(ev.new_token_ids)
-            if ev.finish_reason is not None:
-                reasons[ev.rid] = ev.finish_reason.value
-    assert not eng.has_work
-    return outs, reasons
+    """Every request's output ids and finish reason once the engine has no work left."""
+    outs = run_all(eng)
+    return outs, eng.reasons  # type: ignore[attr-defined]
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:  # type: ignore[no-untyped-def]

@@ -542,7 +542,9 @@ class Scheduler:
             r.pending = n
         # a request's j-th decode row sits j positions after its newest token
         starts = np.fromiter((r.num_computed for r in rows), dtype=I64, count=len(rows))
-        starts[:n_dec] += np.concatenate([np.arange(s, dtype=I64) for s in spans]) if decode else 0
+        if n_dec > len(decode):  # some request has guesses (every span is 1 otherwise)
+            span = np.asarray(spans, dtype=I64)
+            starts[:n_dec] += np.arange(n_dec, dtype=I64) - np.repeat(np.cumsum(span) - span, span)
         seq_lens = starts + q_lens
         input_ids = np.concatenate(
             [np.asarray([t for r, g in zip(decode, drafts, strict=True) for t in (r.output_ids[-1], *g)], dtype=I64)]
