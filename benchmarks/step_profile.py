@@ -12,7 +12,8 @@ time in matmuls, attention, K/V gathers and writes, other ops, and what is left 
 dispatch), plus the top ops.
 
 Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--quantization auto,none]
-        [--fp32-matmul-rows auto,off] [--cpu-kernels auto,off] [--int-gemm on,off] [--threads 2,1]
+        [--fp32-matmul-rows auto,off] [--cpu-kernels auto,off] [--matmul-forms "auto;dense;int-gemm:64,dense"]
+        [--tuning auto,off] [--threads 2,1]
         [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
         [--shared-prefix 1024 --group-size 8 [--no-prefix-attention]]
 """
@@ -131,9 +132,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto", help="comma list of --quantization modes (auto,none,int4)")
     ap.add_argument("--fp32-matmul-rows", default="auto", help="comma list of --fp32-matmul-rows settings")
     ap.add_argument("--cpu-kernels", default="auto", help="comma list of --cpu-kernels settings (auto,off)")
-    ap.add_argument("--int-gemm", default="on", help="comma list of on,off: off drops the projections' integer-GEMM "
-                    "forms (lockgate::int_linear) after load: calls of <= 16 rows take the small-step forms "
-                    "again (and the one-call decode path), larger float32 calls the dense weight")
+    ap.add_argument("--matmul-forms", default="auto", help="semicolon list of --matmul-forms settings (auto = "
+                    "the measured table; a form, e.g. dense or int-gemm; or spans, e.g. int-gemm:64,dense)")
+    ap.add_argument("--tuning", default="auto", help="comma list of --tuning settings (auto, off, refresh)")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
@@ -155,15 +156,13 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     seq = args.prompt_len + args.decoded + 1
     capacity = max(batches) * seq + max(batches) + args.prefill + 8
-    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/int-gemm-{i}": ModelRunner(
-        ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k),
+    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/forms-{m}/tuning-{t}": ModelRunner(
+        ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k, matmul_forms=m,
+                    tuning=t),
         CacheConfig(max_total_tokens=capacity))
         for d in args.dtypes.split(",") for q in args.quantization.split(",")
         for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")
-        for i in args.int_gemm.split(",")}
-    for name, r in runners.items():
-        if name.endswith("int-gemm-off"):  # as if the forms had never been made: small forms up to 16 rows again
-            r.model.drop_int_gemm_forms()
+        for m in args.matmul_forms.split(";") for t in args.tuning.split(",")}
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()

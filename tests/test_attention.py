@@ -310,7 +310,7 @@ def _dense_decode(q, k_cache, v_cache, slots, offsets, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-@pytest.mark.parametrize("d", [16, 64, 128, 80])  # 64 and 128 take the AVX-512 path where there is one
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 80])  # 64 and 128 (and 32 on AVX2) take a vector path where there is one
 @pytest.mark.parametrize("h,hkv", [(9, 3), (8, 1), (10, 2), (4, 4)])  # G = 3, 8 (two passes of 4), 5, 1
 def test_decode_kernel_matches_float64(d: int, h: int, hkv: int) -> None:
     load_kernels()

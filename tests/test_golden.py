@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lockgate import LLM, SamplingParams
-from lockgate.layers.linear import INT4_MAX_ROWS
+from lockgate.kernel_choice import STATIC_SMALL_ROWS, FormChoice
 
 N_NEW = 24
 RAW_PROMPTS = [
@@ -108,17 +108,21 @@ def test_fp32_first_step_logits_and_logprobs(smol_fp32, hf_reference, prompts, p
 
 @pytest.mark.parametrize("quantization", ["auto", "none"])
 def test_bf16_close_to_fp32_reference(hf_reference, prompts, reference, pool_driver, quantization) -> None:
-    # auto (the default) gives the default model's Q4_1 projections an int4 form used by every
-    # call of <= 16 rows: here the first step of each short prompt and every batched decode step.
-    llm = LLM("default", dtype="bfloat16", max_total_tokens=4096, quantization=quantization)
+    # auto (the default) gives the default model's Q4_1 projections and Q8_0 head lossless
+    # quantized forms; --tuning off asks for the static table (a quantized form for every call of
+    # <= 16 rows: here the first step of each short prompt and every batched decode step), so
+    # this checks that path on any CPU, whatever a measurement would pick.
+    llm = LLM("default", dtype="bfloat16", max_total_tokens=4096, quantization=quantization, tuning="off")
     assert llm.engine.runner.dtype == torch.bfloat16
-    lins = [lin for layer in llm.engine.runner.model.layers for lin in layer.projections().values()]
-    assert all((lin.quant is not None) == (quantization == "auto") for lin in lins)
-    assert all(lin.quant.error == 0 for lin in lins if lin.quant is not None)  # lossless: Q4_1 blocks re-gridded
-    head = llm.engine.runner.model.head.quant  # the Q8_0 head: int8 groups on lockgate's kernel, also lossless
+    model = llm.engine.runner.model
+    lins = [lin for layer in model.layers for lin in layer.projections().values()]
+    assert all(bool(lin.quantized) == (quantization == "auto") for lin in lins)
+    assert all(f.error == 0 for lin in lins for f in lin.quantized)  # lossless: Q4_1 blocks re-gridded
+    assert all(lin.choice == FormChoice.static(lin.forms) for lin in [*lins, model.head])
     assert llm.engine.runner.cpu_kernels  # a machine that runs the suite builds them
-    assert (head is not None and head.bits == 8 and head.error == 0) == (quantization == "auto")
-    assert min(len(p) for p in prompts) <= INT4_MAX_ROWS < max(len(p) for p in prompts)
+    head = model.head.quantized  # the Q8_0 head: int8 groups on lockgate's kernels, also lossless
+    assert bool(head) == (quantization == "auto") and all(f.bits == 8 and f.error == 0 for f in head)
+    assert min(len(p) for p in prompts) <= STATIC_SMALL_ROWS < max(len(p) for p in prompts)
     for ids in prompts:
         with torch.no_grad():
             want = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
@@ -141,28 +145,32 @@ def test_fp32_matmul_tier_on_a_long_prompt(hf_reference, prompts, pool_driver) -
     top = torch.topk(want, 20).indices
     got = {}
     for rows in ("1", "off"):
-        llm = LLM("default", dtype="bfloat16", max_total_tokens=1024, quantization="none", fp32_matmul_rows=rows)
-        assert (llm.engine.runner.model.layers[0].qkv.weight32 is not None) == (rows == "1")
+        llm = LLM("default", dtype="bfloat16", max_total_tokens=1024, quantization="none", fp32_matmul_rows=rows,
+                  tuning="off")
+        assert ("fp32" in llm.engine.runner.model.layers[0].qkv.forms) == (rows == "1")
         got[rows] = _first_logits(llm, pool_driver, ids).log_softmax(-1)
         assert got[rows].argmax() == want.argmax()
         assert (got[rows][top] - want[top]).abs().max() < 0.6
     assert not torch.equal(got["1"], got["off"])  # the float32 tier did run
 
 
-def test_quantized_float32_run_close_to_reference(hf_reference, prompts, reference) -> None:
-    # The float32 run with the checkpoint's own 4-bit grid (what --dtype auto serves on a CPU
-    # without native bf16): with AVX512-VNNI every call runs lockgate's int16 x int4 GEMM on the
-    # checkpoint's exact weights (float16 scales, as GGUF stores them); the first step of a prompt
-    # stays within a few thousandths of a nat of transformers' float32 log-probabilities, and
-    # greedy decoding (1-row steps: int_linear's few-row path) follows transformers'.
-    from lockgate.layers.linear import int_gemm_available
+@pytest.mark.parametrize("form", ["int-gemm", "group-quant"])
+def test_quantized_float32_run_close_to_reference(hf_reference, prompts, reference, form: str) -> None:
+    # The float32 run on the checkpoint's own 4-bit grid (what --dtype auto serves where bf16 is
+    # not faster), every call on lockgate's integer GEMM (x rounded to int16 per block) or its
+    # group-quant kernel (float32 math), asked for by name: the checkpoint's exact weights
+    # (float16 scales, as GGUF stores them); the first step of a prompt stays within a few
+    # thousandths of a nat of transformers' float32 log-probabilities, and greedy decoding follows
+    # transformers'. (torch's int4 form rounds x to bf16 and does not meet this: the tuning
+    # weighs it against the others, and it is the least exact.)
+    from lockgate.layers.forms import int_gemm_available, int_gemm_isa
 
-    llm = LLM("default", dtype="float32", quantization="int4", max_total_tokens=4096)
+    if form == "int-gemm" and not int_gemm_available():
+        pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
+    llm = LLM("default", dtype="float32", quantization="int4", max_total_tokens=4096, matmul_forms=form)
     model = llm.engine.runner.model
     lins = [lin for layer in model.layers for lin in layer.projections().values()] + [model.head]
-    assert all(lin.quant is not None and lin.quant.error == 0 for lin in lins)
-    assert all((lin.large is not None) == int_gemm_available() for lin in lins)
-    assert all(lin.large is None or lin.large.error == 0 for lin in lins)
+    assert all(str(lin.choice) == form and lin.forms[form].error == 0 for lin in lins)
     for ids in prompts:
         with torch.no_grad():
             want = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)

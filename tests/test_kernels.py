@@ -154,7 +154,7 @@ def test_silu_edges_match_torch(ops) -> None:
 def test_decode_layers_rejects_mismatched_weights(ops) -> None:
     # The one-call decode path takes a flat list of tensors; a wrong one must raise, not read past
     # the end of a buffer (torch's int4 kernel does not check its scales' first dimension).
-    from lockgate.layers.linear import Int4Weight
+    from lockgate.layers.forms import Int4Weight
 
     torch.manual_seed(0)
     hidden, h, hkv, d, f = 64, 4, 2, 16, 128
@@ -183,11 +183,11 @@ def test_decode_layers_rejects_mismatched_weights(ops) -> None:
                              torch.tensor([0]), torch.tensor([0, 1]), 1.0)
 
 
-# ---- int_linear (int_gemm.cpp): int16 x int4/int8 groupwise GEMM on AVX512-VNNI ----
+# ---- int_linear (int_gemm.cpp): int16 x int4/int8 groupwise GEMM (AVX512-VNNI, AVX512BW, AVX2) ----
 
 def _int_gemm_case(bits: int, n: int, k: int, seed: int):
     """A weight on a 4- or 8-bit grid of 32 columns, its IntGemmWeight, and the float weight."""
-    from lockgate.layers.linear import IntGemmWeight
+    from lockgate.layers.forms import IntGemmWeight
 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -277,19 +277,31 @@ def test_int_linear_rejects_bad_input(ops) -> None:
         ops.int_linear(x, q.packed, q.scales, q.zeros, 3)
 
 
-def test_int_linear_is_vectorized_where_the_cpu_has_vnni(ops) -> None:
-    # Built with -march=native: on a CPU with AVX512-VNNI the fast path must be compiled in (else
-    # large float32 calls would silently fall back to the scalar loop).
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    assert ops.int_linear_vectorized() == ("avx512_vnni" in flags)
+def test_int_linear_builds_the_vector_path_the_cpu_has(ops) -> None:
+    # Built with -march=native: the widest path the CPU can run must be compiled in (else large
+    # float32 calls would silently fall back to the scalar loop).
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if {"avx512bw", "avx512_vnni"} <= flags:
+        want = "avx512-vnni"
+    elif "avx512bw" in flags:
+        want = "avx512bw"
+    elif {"avx2", "fma", "f16c", "avx_vnni"} <= flags:
+        want = "avx2-vnni"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        want = "avx2"
+    else:
+        want = "generic"
+    assert ops.int_linear_isa() == want
+    assert ops.int_linear_vectorized() == (want != "generic")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int_linear_vector_path_equals_the_plain_path(ops, bits: int) -> None:
-    # The plain C++ loops (what a CPU without VNNI runs) do the same arithmetic in the same order:
+    # The plain C++ loops (what a CPU without AVX2 runs) do the same arithmetic in the same order:
     # the two give the same numbers, on every tile and row remainder, and on the few-row path
-    # (1-6 rows: run_gemv, 16-row blocks shared between threads in tiles of 4 (2 beyond 3 rows)
-    # plus what is left over).
+    # (1-6 rows: run_gemv; on AVX-512 16-row blocks shared between threads in tiles of 4 (2
+    # beyond 3 rows), on AVX2 passes of at most 3 rows over tiles of 1-2 blocks, plus what is
+    # left over). Whatever vector path this CPU builds (int_linear_isa) is held to this.
     for n, k, m in ((80, 288, 130), (16, 32, 3), (960, 576, 9), (960, 576, 1), (112, 96, 2), (80, 288, 3),
                     (3072, 64, 1), (112, 96, 4), (80, 288, 5), (960, 576, 6), (48, 64, 6), (16, 32, 5), (960, 576, 7)):
         q, _ = _int_gemm_case(bits, n, k, seed=n * m)

@@ -1,5 +1,5 @@
-"""Linear: the packed oneDNN path (bf16 on CPU) and the plain path both equal F.linear; the int4
-form re-grids 4-bit weights exactly and serves calls of up to INT4_MAX_ROWS rows."""
+"""Linear and its forms: each form equals F.linear on the weight it holds; FormChoice picks the
+form per row count; make_forms gives a weight the forms it can have without losing precision."""
 
 from __future__ import annotations
 
@@ -7,23 +7,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockgate.layers.linear import (
-    FP32_MIN_ROWS,
+from lockgate.kernel_choice import STATIC_SMALL_ROWS, UNBOUNDED, FormChoice
+from lockgate.layers.forms import (
     INT4_GROUP,
-    INT4_MAX_ROWS,
     LOSSLESS_TOLERANCE,
+    Fp32Weight,
     GroupQuantWeight,
     Int4Weight,
-    Linear,
-    choose_quant,
-    cpu_has_amx,
-    fp32_min_rows_for,
+    IntGemmWeight,
+    grid_bits,
     int4_activation_dtype,
     int4_unfit_reason,
+    int_gemm_available,
+    int_gemm_isa,
+    make_forms,
     onednn_packs,
     quantize_int4,
     quantize_int8,
 )
+from lockgate.layers.linear import Linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,7 +36,8 @@ def test_linear_equals_f_linear(dtype: torch.dtype, rows: int, with_bias: bool) 
     w = torch.randn(96, 64).to(dtype)
     b = torch.randn(96).to(dtype) if with_bias else None
     lin = Linear(w, b)
-    assert (lin.packed is not None) == onednn_packs(dtype, w.device)
+    assert set(lin.forms) == {"dense"} and str(lin.choice) == "dense"
+    assert (lin.forms["dense"].packed is not None) == onednn_packs(dtype, w.device)
     x = torch.randn(rows, 64).to(dtype)
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-2, rtol=1e-2)
@@ -43,6 +46,57 @@ def test_linear_equals_f_linear(dtype: torch.dtype, rows: int, with_bias: bool) 
 
 def test_float32_is_never_packed() -> None:
     assert not onednn_packs(torch.float32, torch.device("cpu"))
+
+
+# ---- FormChoice ------------------------------------------------------------------------------
+
+
+def test_form_choice_picks_by_rows_and_round_trips() -> None:
+    c = FormChoice.parse("torch-int4:3,int-gemm:48,dense")
+    assert [c.pick(r) for r in (1, 3, 4, 48, 49, 10**6)] == ["torch-int4"] * 2 + ["int-gemm"] * 2 + ["dense"] * 2
+    assert FormChoice.parse(str(c)) == c
+    assert c.describe() == "torch-int4 1-3, int-gemm 4-48, dense 49+"
+    assert FormChoice.parse("dense") == FormChoice.single("dense") and FormChoice.single("fp32").pick(1) == "fp32"
+    assert c.names() == {"torch-int4", "int-gemm", "dense"}
+
+
+@pytest.mark.parametrize("bad", ["", "int-gemm:64", "int-gemm,dense", "int-gemm:x,dense", "turbo", "dense:0,fp32",
+                                 "int-gemm:64,fp32:32,dense"])
+def test_form_choice_rejects_bad_specs(bad: str) -> None:
+    with pytest.raises(ValueError, match="matmul|form|bound|span"):
+        FormChoice.parse(bad)
+
+
+def test_form_choice_restriction_and_fp32_override() -> None:
+    c = FormChoice.parse("torch-int4:3,int-gemm:48,dense")
+    # a projection without torch-int4 gets dense there (adjacent dense spans merge)
+    assert str(c.restricted_to({"dense", "int-gemm"})) == "dense:3,int-gemm:48,dense"
+    assert str(c.restricted_to({"dense"})) == "dense"
+    # --fp32-matmul-rows N: calls of N rows or more take fp32, the rest keep the choice
+    assert str(c.from_rows(20, "fp32")) == "torch-int4:3,int-gemm:19,fp32"
+    assert str(c.from_rows(100, "fp32")) == "torch-int4:3,int-gemm:48,dense:99,fp32"
+    assert str(c.from_rows(1, "fp32")) == "fp32"
+    assert c.from_rows(4, "fp32").spans == ((3, "torch-int4"), (UNBOUNDED, "fp32"))
+
+
+def test_static_choice_is_quantized_for_small_calls_only() -> None:
+    assert str(FormChoice.static({"dense"})) == "dense"
+    assert str(FormChoice.static({"dense", "torch-int4", "int-gemm"})) == f"int-gemm:{STATIC_SMALL_ROWS},dense"
+    assert str(FormChoice.static({"dense", "group-quant"})) == f"group-quant:{STATIC_SMALL_ROWS},dense"
+
+
+def test_matmul_forms_flag_is_validated() -> None:
+    from lockgate.config import ModelConfig
+
+    assert ModelConfig(matmul_forms="int-gemm:64,dense").matmul_forms == "int-gemm:64,dense"
+    with pytest.raises(ValueError, match="unknown matmul form"):
+        ModelConfig(matmul_forms="int8")
+    for bad in ("0", "-3", "many", "1.5"):
+        with pytest.raises(ValueError, match="--fp32-matmul-rows must be auto, off or a row count"):
+            ModelConfig(fp32_matmul_rows=bad)
+
+
+# ---- the forms and which a weight gets ---------------------------------------------------------
 
 
 def _on_grid(n: int, k: int, seed: int) -> torch.Tensor:
@@ -66,15 +120,15 @@ def test_quantize_int4_recovers_a_4bit_grid_exactly() -> None:
     assert Int4Weight.from_weight(w, torch.bfloat16).error < LOSSLESS_TOLERANCE
 
 
-def test_auto_takes_int4_only_when_lossless() -> None:
-    grid, dense = _on_grid(64, 96, seed=2), torch.randn(64, 96)
-    assert Int4Weight.choose(grid, "auto", torch.bfloat16) is not None
-    assert Int4Weight.choose(dense, "auto", torch.bfloat16) is None  # off-grid: would lose precision
-    forced = Int4Weight.choose(dense, "int4", torch.bfloat16)
-    assert forced is not None and 0.3 < forced.error <= 0.5 + 1e-3  # round to nearest: at most half a step
-    assert Int4Weight.choose(grid, "none", torch.bfloat16) is None
+def test_grid_bits_finds_the_smallest_lossless_grid() -> None:
+    grid4, dense = _on_grid(64, 96, seed=2), torch.randn(64, 96)
+    assert grid_bits(grid4, "auto", kernels=False) == (4, pytest.approx(0, abs=LOSSLESS_TOLERANCE))
+    assert grid_bits(dense, "auto", kernels=True) is None  # off-grid: would lose precision
+    bits, loss = grid_bits(dense, "int4", kernels=False)
+    assert bits == 4 and 0.3 < loss <= 0.5 + 1e-3  # round to nearest: at most half a step
+    assert grid_bits(grid4, "none", kernels=True) is None
     with pytest.raises(ValueError, match="not one of"):
-        Int4Weight.choose(grid, "int3", torch.bfloat16)
+        grid_bits(grid4, "int3", kernels=True)
 
 
 def test_int4_unfit_shapes_are_named() -> None:
@@ -82,103 +136,90 @@ def test_int4_unfit_shapes_are_named() -> None:
     assert int4_unfit_reason((64, 96), torch.bfloat16, cpu) is None
     assert "rows % 16" in (int4_unfit_reason((100, 96), torch.bfloat16, cpu) or "")
     assert "columns % 32" in (int4_unfit_reason((64, 48), torch.bfloat16, cpu) or "")
-    assert Int4Weight.choose(_on_grid(64, 96, 3)[:40], "int4", torch.bfloat16) is None  # 40 rows: kernel unfit
+    assert "torch-int4" not in make_forms(_on_grid(64, 96, 3)[:40], torch.bfloat16, "int4", kernels=False)
     with pytest.raises(ValueError, match="rows % 16"):
         Int4Weight.from_weight(torch.randn(40, 64), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_uses_int4_up_to_max_rows_and_dense_above(dtype: torch.dtype, with_bias: bool) -> None:
+def test_linear_takes_each_form_where_its_choice_says(dtype: torch.dtype, with_bias: bool) -> None:
     # The int4 form is made from a *different* weight than the dense one, so each call's
     # result shows which kernel ran.
     torch.manual_seed(0)
     w_int4, w_dense = _on_grid(96, 64, seed=4), torch.randn(96, 64) * 0.05
     b = torch.randn(96) if with_bias else None
-    q = Int4Weight.from_weight(w_int4, dtype)
-    lin = Linear(w_dense.to(dtype), None if b is None else b.to(dtype), q)
-    deq = q.dequantize(96, 64)  # what the kernel multiplies by: w_int4 up to the scales' rounding to dtype
-    torch.testing.assert_close(deq, w_int4, atol=0.02 if dtype == torch.bfloat16 else 1e-6, rtol=0.01)
-    tol = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    q = Int4Weight.from_weight(w_int4, int4_activation_dtype(dtype))
+    lin = Linear(w_dense.to(dtype), None if b is None else b.to(dtype), {"torch-int4": q})
+    assert str(lin.choice) == f"torch-int4:{STATIC_SMALL_ROWS},dense"  # the static choice until told otherwise
+    deq = q.dequantize(96, 64)  # what the kernel multiplies by: w_int4 up to the scales' rounding to bf16
+    torch.testing.assert_close(deq, w_int4, atol=0.02, rtol=0.01)
+    tol = {"atol": 0.05, "rtol": 0.02}  # bf16 activations in the int4 form (float32 runs too)
     bias = None if b is None else b.to(dtype).float()
     with torch.inference_mode():
-        for rows in (1, 5, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64):
-            x = torch.randn(rows, 64).to(dtype)
-            want = F.linear(x.float(), deq if rows <= INT4_MAX_ROWS else w_dense.to(dtype).float(), bias)
-            got = lin(x)
-            assert got.dtype == dtype and got.shape == (rows, 96)
-            torch.testing.assert_close(got.float(), want, **tol)
+        for limit in (STATIC_SMALL_ROWS, 4):
+            lin.choose(FormChoice.parse(f"torch-int4:{limit},dense"))
+            for rows in (1, limit, limit + 1, 64):
+                x = torch.randn(rows, 64).to(dtype)
+                want = F.linear(x.float(), deq if rows <= limit else w_dense.to(dtype).float(), bias)
+                got = lin(x)
+                assert got.dtype == dtype and got.shape == (rows, 96)
+                torch.testing.assert_close(got.float(), want, **(tol if rows <= limit else {"atol": 0.02, "rtol": 0.02}))
         x3 = torch.randn(1, 3, 64).to(dtype)  # any leading shape
         torch.testing.assert_close(lin(x3), lin(x3.view(3, 64)).view(1, 3, 96))
+    lin.choose(FormChoice.single("group-quant"))  # a form it lacks: dense
+    assert str(lin.choice) == "dense"
 
 
 def test_float32_run_multiplies_int4_with_bf16_activations() -> None:
-    # A float32 run (--dtype auto on a CPU without native bf16) makes its int4 forms for bf16
-    # activations (the kernel's fast path): float32 in, float32 out, the input rounded to bf16.
+    # A float32 run makes its int4 forms for bf16 activations (the kernel's fast path): float32
+    # in, float32 out, the input rounded to bf16.
     assert int4_activation_dtype(torch.float32) == torch.bfloat16
     assert int4_activation_dtype(torch.bfloat16) == torch.bfloat16
     torch.manual_seed(1)
     w_int4, w_dense, b = _on_grid(96, 64, seed=6), torch.randn(96, 64) * 0.05, torch.randn(96)
     q = Int4Weight.from_weight(w_int4, int4_activation_dtype(torch.float32))
-    lin = Linear(w_dense, b, q)
+    lin = Linear(w_dense, b, {"torch-int4": q}, FormChoice.parse("torch-int4:8,dense"))
     with torch.inference_mode():
         x = torch.randn(3, 64)
         got = lin(x)
         assert got.dtype == torch.float32
         want = F.linear(x.bfloat16().float(), q.dequantize(96, 64)) + b
         torch.testing.assert_close(got, want, atol=0.02, rtol=0.01)  # the product is rounded to bf16 too
-        x = torch.randn(INT4_MAX_ROWS + 1, 64)  # above: the dense float32 weight, exactly
+        x = torch.randn(9, 64)  # above: the dense float32 weight, exactly
         torch.testing.assert_close(lin(x), F.linear(x, w_dense, b))
 
 
 def test_linear_three_forms_by_rows() -> None:
     # int4, dense bf16 and float32 forms made from three different weights: each call's result
-    # shows which one ran (int4 <= INT4_MAX_ROWS < dense < fp32_min_rows <= float32).
+    # shows which one ran. The fp32 form keeps the unrounded float32 bias of its own.
     torch.manual_seed(0)
     w_int4, w_dense, w_fp32 = _on_grid(96, 64, seed=5), torch.randn(96, 64) * 0.05, torch.randn(96, 64) * 0.05
     b = torch.randn(96)
     q = Int4Weight.from_weight(w_int4, torch.bfloat16)
-    lin = Linear(w_dense.bfloat16(), b.bfloat16(), q, fp32_min_rows=40, source=w_fp32, source_bias=b)
-    assert lin.weight32 is not None and lin.weight32.dtype == torch.float32
+    lin = Linear(w_dense.bfloat16(), b.bfloat16(), {"torch-int4": q, "fp32": Fp32Weight(w_fp32, b)},
+                 FormChoice.parse("torch-int4:16,dense:39,fp32"))
     with torch.inference_mode():
-        for rows, want_w in ((1, q.dequantize(96, 64)), (INT4_MAX_ROWS + 1, w_dense.bfloat16().float()),
+        for rows, want_w in ((1, q.dequantize(96, 64)), (17, w_dense.bfloat16().float()),
                              (39, w_dense.bfloat16().float()), (40, w_fp32), (300, w_fp32)):
             x = torch.randn(rows, 64).bfloat16()
             bias = b if want_w is w_fp32 else b.bfloat16().float()
             got = lin(x)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), F.linear(x.float(), want_w, bias), atol=0.05, rtol=0.02)
-    assert Linear(w_dense, None, None, fp32_min_rows=1).weight32 is None  # already float32: nothing to add
+    lin.choose(FormChoice.parse("torch-int4:16,dense"))
+    lin.drop_unchosen()
+    assert set(lin.forms) == {"dense", "torch-int4"}  # the float32 copy is freed
 
 
-def test_fp32_min_rows_setting() -> None:
-    cpu = torch.device("cpu")
-    assert fp32_min_rows_for("off", torch.bfloat16, cpu) is None
-    assert fp32_min_rows_for("100", torch.bfloat16, cpu) == 100
-    assert fp32_min_rows_for("auto", torch.float32, cpu) is None  # float32 runs need no copy
-    want = FP32_MIN_ROWS if onednn_packs(torch.bfloat16, cpu) and not cpu_has_amx() else None
-    assert fp32_min_rows_for("auto", torch.bfloat16, cpu) == want
-    with pytest.raises(ValueError, match="fp32-matmul-rows"):
-        fp32_min_rows_for("0", torch.bfloat16, cpu)
+def test_fp32_form_only_for_16_bit_runs() -> None:
+    w = torch.randn(32, 64)
+    assert "fp32" in make_forms(w, torch.bfloat16, "none", kernels=False, fp32=True)
+    assert make_forms(w, torch.float32, "none", kernels=False, fp32=True) == {}  # already float32
+    assert make_forms(w, torch.bfloat16, "none", kernels=False, fp32=False) == {}
 
 
-def test_fp32_matmul_rows_flag_is_validated() -> None:
-    from lockgate.config import ModelConfig
-    for bad in ("0", "-3", "many", "1.5"):
-        with pytest.raises(ValueError, match="--fp32-matmul-rows must be auto, off or a row count"):
-            ModelConfig(fp32_matmul_rows=bad)
-    assert ModelConfig(fp32_matmul_rows="128").fp32_matmul_rows == "128"
-
-
-def test_fp32_auto_stays_off_when_the_copy_would_not_fit() -> None:
-    cpu = torch.device("cpu")
-    if fp32_min_rows_for("auto", torch.bfloat16, cpu) is None:
-        pytest.skip("auto is off on this CPU anyway (AMX or no oneDNN bf16): nothing to switch off")
-    assert fp32_min_rows_for("auto", torch.bfloat16, cpu, fp32_copy_bytes=1 << 60) is None
-    assert fp32_min_rows_for("64", torch.bfloat16, cpu, fp32_copy_bytes=1 << 60) == 64  # explicit: obeyed
-
-
-# ---- groupwise int4 / int8 on lockgate's kernel ------------------------------------------------
+# ---- groupwise int4 / int8 on lockgate's kernels -------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +228,11 @@ def kernels_loaded() -> None:
 
     # A machine that runs the suite has a compiler: a failed build fails these tests, never skips them.
     assert kernels.load(), f"lockgate CPU kernels did not build: {kernels.error()}"
+
+
+def _needs_int_gemm() -> None:
+    if not int_gemm_available():
+        pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()}): the int-gemm form is not made")
 
 
 def _on_8bit_grid(n: int, k: int, seed: int) -> torch.Tensor:
@@ -218,9 +264,9 @@ def test_group_quant_matches_its_dequantized_weight(kernels_loaded, bits: int, d
     assert q.bits == bits and q.error <= LOSSLESS_TOLERANCE  # lossless on its own grid (up to float rounding)
     torch.testing.assert_close(q.dequantize(n, k), w, atol=1e-6, rtol=1e-6)
     b = torch.randn(n).to(dtype) if with_bias else None
-    lin = Linear(torch.randn(n, k).to(dtype), b, q)  # dense weight is different: results show which ran
+    lin = Linear(torch.randn(n, k).to(dtype), b, {"group-quant": q}, FormChoice.single("group-quant"))
     with torch.inference_mode():
-        for rows in (1, 2, 3, 4, 5, 9, INT4_MAX_ROWS):
+        for rows in (1, 2, 3, 4, 5, 9, 16, 40):
             x = torch.randn(rows, k).to(dtype)
             want = F.linear(x.float(), w, None if b is None else b.float())
             got = lin(x)
@@ -229,26 +275,28 @@ def test_group_quant_matches_its_dequantized_weight(kernels_loaded, bits: int, d
             torch.testing.assert_close(got.float(), want, **tol)
 
 
-def test_choose_quant_takes_the_smallest_lossless_grid(kernels_loaded) -> None:
+def test_make_forms_gives_the_smallest_lossless_grid(kernels_loaded) -> None:
     grid4, grid8, dense = _on_grid(64, 96, seed=3), _on_8bit_grid(64, 96, seed=3), torch.randn(64, 96) * 0.05
-    bf16 = torch.bfloat16
-    assert isinstance(choose_quant(grid4, "auto", bf16, kernels=True), Int4Weight)  # torch's int4 where it fits
-    q8 = choose_quant(grid8, "auto", bf16, kernels=True)
-    assert isinstance(q8, GroupQuantWeight) and q8.bits == 8
-    assert choose_quant(dense, "auto", bf16, kernels=True) is None  # would lose precision
-    forced = choose_quant(dense, "int4", bf16, kernels=True)
-    assert forced.bits == 4 and forced.error > 0.1
-    assert choose_quant(grid4, "none", bf16, kernels=True) is None
-    # A shape torch's int4 kernel does not take (rows % 16 != 0): lockgate's 4 bits, or nothing without them.
-    odd = _on_grid(40, 96, seed=3)
-    q4 = choose_quant(odd, "auto", bf16, kernels=True)
-    assert isinstance(q4, GroupQuantWeight) and q4.bits == 4
-    assert choose_quant(odd, "auto", bf16, kernels=False) is None
+    bf16, f32 = torch.bfloat16, torch.float32
+    quantized = {"torch-int4", "group-quant"} | ({"int-gemm"} if int_gemm_available() else set())
+    four = make_forms(grid4, f32, "auto", kernels=True)
+    assert set(four) == quantized and all(getattr(f, "bits", 4) == 4 for f in four.values())
+    eight = make_forms(grid8, bf16, "auto", kernels=True)
+    assert set(eight) == quantized - {"torch-int4"}  # torch has no 8-bit groups
+    assert all(f.bits == 8 and f.error <= LOSSLESS_TOLERANCE for f in eight.values())
+    assert make_forms(dense, f32, "auto", kernels=True) == {}  # would lose precision
+    forced = make_forms(dense, bf16, "int4", kernels=True)
+    assert forced["group-quant"].bits == 4 and forced["group-quant"].error > 0.1
+    assert make_forms(grid4, f32, "none", kernels=True) == {}
+    # A shape torch's int4 kernel does not take (rows % 16 != 0): lockgate's forms only, or none without them.
+    odd = make_forms(_on_grid(40, 96, seed=3), f32, "auto", kernels=True)
+    assert set(odd) == {"group-quant"}  # int-gemm needs rows % 16 == 0 too
+    assert make_forms(_on_grid(40, 96, seed=3), f32, "auto", kernels=False) == {}
     # Without lockgate's kernels: torch's int4 kernel, 4 bits only.
-    assert isinstance(choose_quant(grid4, "auto", bf16, kernels=False), Int4Weight)
-    assert choose_quant(grid8, "auto", bf16, kernels=False) is None
-    with pytest.raises(ValueError, match="int3"):
-        choose_quant(grid4, "int3", bf16, kernels=True)
+    assert set(make_forms(grid4, bf16, "auto", kernels=False)) == {"torch-int4"}
+    assert make_forms(grid8, bf16, "auto", kernels=False) == {}
+    # want: only what a measured table calls
+    assert set(make_forms(grid4, f32, "auto", kernels=True, want={"torch-int4"})) == {"torch-int4"}
 
 
 def test_quant_linear_rejects_bad_input(kernels_loaded) -> None:
@@ -269,10 +317,8 @@ def test_quant_linear_rejects_bad_input(kernels_loaded) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int_gemm_form_multiplies_the_small_forms_weight(kernels_loaded, bits: int) -> None:
-    # The large-call form is made from the same codes and scales as the small-step form: both
+    # The integer-GEMM form is made from the same codes and scales as the other forms: all
     # dequantize to the same weight, and a weight already on the grid comes back exactly.
-    from lockgate.layers.linear import IntGemmWeight
-
     w = _on_grid(96, 64, seed=8) if bits == 4 else _on_8bit_grid(96, 64, seed=8)
     large = IntGemmWeight.from_weight(w, bits)
     small = GroupQuantWeight.from_weight(w, bits)
@@ -285,39 +331,33 @@ def test_int_gemm_form_multiplies_the_small_forms_weight(kernels_loaded, bits: i
         IntGemmWeight.from_weight(torch.randn(40, 64), bits)
 
 
-def test_linear_takes_the_int_gemm_form_for_every_float32_call(kernels_loaded) -> None:
-    # Three different weights show which form ran: with an integer-GEMM form, every call of a
-    # float32 run takes it (int_linear's few-row path included); without one, the small int4 form
-    # takes calls up to INT4_MAX_ROWS rows; 16-bit runs get no integer-GEMM form (they keep oneDNN).
-    from lockgate.layers.linear import IntGemmWeight, int_gemm_available
-
-    assert int_gemm_available()  # the suite runs on a CPU with AVX512-VNNI (test_kernels checks the flag)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_runs_the_int_gemm_form_in_either_dtype(kernels_loaded, dtype: torch.dtype) -> None:
+    # Different weights show which form ran; a 16-bit run widens x for the kernel (exactly) and
+    # rounds the result once.
+    _needs_int_gemm()
     torch.manual_seed(0)
-    w_small, w_large, w_dense = _on_grid(96, 64, seed=9), _on_grid(96, 64, seed=10), torch.randn(96, 64) * 0.05
+    w_int, w_dense = _on_grid(96, 64, seed=10), torch.randn(96, 64) * 0.05
     b = torch.randn(96)
-    small = Int4Weight.from_weight(w_small, torch.bfloat16)
-    assert IntGemmWeight.matching(w_large, None, torch.float32) is None  # no small form: stays dense
-    assert IntGemmWeight.matching(w_large, small, torch.bfloat16) is None  # 16-bit run
-    large = IntGemmWeight.matching(w_large, small, torch.float32)
-    assert large is not None and large.bits == 4 and large.error < 1e-3
-    with_large, without = Linear(w_dense, b, small, large=large), Linear(w_dense, b, small)
-    assert with_large.small_max_rows == 0 and without.small_max_rows == INT4_MAX_ROWS
+    forms = make_forms(w_int, dtype, "auto", kernels=True)
+    assert "int-gemm" in forms and forms["int-gemm"].error < 1e-3
+    lin = Linear(w_dense.to(dtype), b.to(dtype), forms, FormChoice.parse("int-gemm:100,dense"))
+    tol = 1e-3 if dtype == torch.float32 else 0.05
     with torch.inference_mode():
-        for rows in (1, 2, 3, 4, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 200):
-            x = torch.randn(rows, 64)
-            torch.testing.assert_close(with_large(x), F.linear(x, w_large, b), atol=1e-3, rtol=1e-3)
-            which = w_small if rows <= INT4_MAX_ROWS else w_dense
-            tol = 0.03 if rows <= INT4_MAX_ROWS else 1e-5  # bf16 activations
-            torch.testing.assert_close(without(x), F.linear(x, which, b), atol=tol, rtol=tol)
+        for rows in (1, 2, 3, 4, 7, 16, 100, 101, 200):
+            x = torch.randn(rows, 64).to(dtype)
+            got = lin(x)
+            assert got.dtype == dtype
+            which = w_int if rows <= 100 else w_dense.to(dtype).float()
+            torch.testing.assert_close(got.float(), F.linear(x.float(), which, b.to(dtype).float()), atol=tol, rtol=tol)
 
 
 def test_int_gemm_form_is_not_made_where_float16_scales_would_lose_precision(kernels_loaded) -> None:
     # int_linear keeps scales in float16 (GGUF's own precision): a grid whose steps fall below
-    # float16's normal range would be rounded, so matching() leaves such a projection without the form.
-    from lockgate.layers.linear import IntGemmWeight
-
+    # float16's normal range would be rounded, so make_forms leaves such a projection without it.
+    _needs_int_gemm()
     tiny = _on_grid(96, 64, seed=11) * 1e-4  # steps ~1e-7..1e-6: float16 subnormals
-    small = GroupQuantWeight.from_weight(tiny, 4)
-    assert small.error < 1e-3
+    assert GroupQuantWeight.from_weight(tiny, 4).error < 1e-3
     assert IntGemmWeight.from_weight(tiny, 4).error > 1e-3
-    assert IntGemmWeight.matching(tiny, small, torch.float32) is None
+    forms = make_forms(tiny, torch.float32, "auto", kernels=True)
+    assert "int-gemm" not in forms and "group-quant" in forms

@@ -18,7 +18,8 @@ from transformers import (
 )
 
 from lockgate import kernels as cpu_kernels
-from lockgate.layers.linear import GroupQuantWeight, Int4Weight
+from lockgate.kernel_choice import FormChoice
+from lockgate.layers.forms import GroupQuantWeight, Int4Weight
 from lockgate.models.llama import LlamaArgs, LlamaModel
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -131,16 +132,17 @@ def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
-    # A small all-decode step whose projections all have quantized forms runs its layers in one
+    # A small all-decode step whose projections all pick quantized forms runs its layers in one
     # call (lockgate::decode_layers_); it must give exactly what the per-op path gives. Two
-    # projections of each layer are switched to lockgate's own int8 / int4 kernel so every kind runs.
+    # projections of each layer take lockgate's own int8 / int4 kernel so every small kind runs.
     build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
     assert cpu_kernels.load(), cpu_kernels.error()
     model = LlamaModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
-    model.drop_int_gemm_forms()  # the small-step kinds only (the test below covers the others)
     for layer in model.layers:
-        layer.o.quant = GroupQuantWeight.from_weight(layer.o_weight.float(), 8)
-        layer.down.quant = GroupQuantWeight.from_weight(layer.down_weight.float(), 4)
+        layer.o.forms["group-quant"] = GroupQuantWeight.from_weight(layer.o_weight.float(), 8)
+        layer.down.forms["group-quant"] = GroupQuantWeight.from_weight(layer.down_weight.float(), 4)
+    model.choose_forms({"qkv": FormChoice.parse("torch-int4:16,dense"), "gate_up": FormChoice.parse("torch-int4:16,dense"),
+                        "o": FormChoice.parse("group-quant:16,dense"), "down": FormChoice.parse("group-quant:16,dense")})
     steps = [{0: PROMPT[:9], 1: OTHER[:4]}]  # prefill: never the one-call path
     steps += [{0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]} for i in range(9, 14)]
     per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 3, steps)
@@ -150,22 +152,26 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
 
 
 def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch) -> None:
-    # A float32 run with integer-GEMM forms (lockgate::int_linear, AVX512-VNNI) takes the one-call
-    # path for decode steps of any size, on the integer-GEMM forms (kinds 104: its few-row path at
-    # 1-3 sequences, its tiles above), exactly as the per-op path picks per call.
-    from lockgate.layers.linear import int_gemm_available
+    # A float32 run whose projections pick the integer GEMM (lockgate::int_linear) takes the
+    # one-call path for decode steps of any size (kinds 104: its few-row path at 1-6 rows, its
+    # tiles above), exactly as the per-op path picks per call; where the table picks dense
+    # (here: steps of more than 3 sequences) the step runs per op.
+    from lockgate.layers.forms import int_gemm_available, int_gemm_isa
 
     build(tmp_path, "llama_bias_mha", tie=False)
     assert cpu_kernels.load(), cpu_kernels.error()
-    assert int_gemm_available()
+    if not int_gemm_available():
+        pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
     model = LlamaModel.from_pretrained(tmp_path, torch.float32, quantization="int4", cpu_kernels=True)
-    assert all(lin.large is not None for layer in model.layers for lin in layer.projections().values())
+    assert all("int-gemm" in lin.forms for layer in model.layers for lin in layer.projections().values())
+    model.choose_forms({role: FormChoice.parse("int-gemm:3,dense") for role in ("qkv", "o", "gate_up", "down")})
     seqs = 5
     steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
     steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 8)]
-    steps += [{0: PROMPT[8:9], 1: PROMPT[9:10]}, {0: PROMPT[9:10]}]  # two sequences, then one
+    steps += [{0: PROMPT[8:9], 1: PROMPT[9:10], 2: PROMPT[10:11]}, {0: PROMPT[9:10], 1: PROMPT[10:11]},
+              {0: PROMPT[10:11]}]  # three sequences, two, one
     per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 4, steps)
-    assert kinds == [{104}] * 5
+    assert kinds == [{104}] * 3  # the 5-sequence steps ran per op (dense)
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 
@@ -217,12 +223,15 @@ def test_int4_and_fp32_forms_match_transformers(tmp_path, pool_driver, kind: str
     if kernels:
         pool_driver(LlamaModel.from_pretrained(tmp_path, torch.bfloat16), kernels=True)  # builds them if need be
     q4 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="int4", cpu_kernels=kernels)
-    assert all(isinstance(lin.quant, Int4Weight) for layer in q4.layers for lin in layer.projections().values())
-    assert q4.head.quant is None  # random weights: no lossless grid for the head
+    q4.choose_forms({role: FormChoice.parse("torch-int4:16,dense") for role in ("qkv", "o", "gate_up", "down")})
+    assert all(isinstance(lin.forms["torch-int4"], Int4Weight) for layer in q4.layers
+               for lin in layer.projections().values())
+    assert not q4.head.quantized  # random weights: no lossless grid for the head
     a = q4.args
     with torch.no_grad():
         for layer, hl in zip(q4.layers, hf.model.layers, strict=True):
-            deq = {name: lin.quant.dequantize(*lin.weight.shape) for name, lin in layer.projections().items()}
+            deq = {name: lin.forms["torch-int4"].dequantize(*lin.weight.shape)
+                   for name, lin in layer.projections().items()}
             sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
             for proj, w in zip((hl.self_attn.q_proj, hl.self_attn.k_proj, hl.self_attn.v_proj),
                                deq["qkv"].split(sizes), strict=True):
@@ -235,7 +244,8 @@ def test_int4_and_fp32_forms_match_transformers(tmp_path, pool_driver, kind: str
     got4 = pool_driver(q4).step({0: PROMPT}, all_rows=True)[0]
     assert _rel_err(got4, want4) < 0.05 < _rel_err(got4, want)  # int4 ran, and ran right (measured 0.018 vs 0.3)
 
-    f32 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none", fp32_min_rows=1)
+    f32 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none", fp32=True)
+    f32.choose_forms({role: FormChoice.single("fp32") for role in ("qkv", "o", "gate_up", "down", "head")})
     dense = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none")
     got32 = pool_driver(f32).step({0: PROMPT}, all_rows=True)[0]
     gotb = pool_driver(dense).step({0: PROMPT}, all_rows=True)[0]

@@ -1,4 +1,4 @@
-"""The server on the default model (SmolLM2-135M-Instruct, bf16 as served by default).
+"""The server on the default model (SmolLM2-135M-Instruct, in the dtype --dtype auto measures best here).
 
 End-to-end checks that need real text: 64 concurrent streaming requests complete with
 correct usage; streamed text equals the whole response and the tokenizer's own decoding of
@@ -128,9 +128,11 @@ def test_speculation_streams_accepted_guesses_and_counts_them(server, client) ->
     lps = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
     assert "".join(c.text for c in chunks) == whole.text
     # (The second request finds its prompt in the prefix cache and computes only its last token
-    # afresh: a different order of additions, so logprobs agree to rounding, not bitwise.)
+    # afresh: a different order of additions, so logprobs agree to rounding, not bitwise: to
+    # float32's or, where --dtype auto measured bf16 faster, to bf16's.)
     assert tokens == whole.logprobs.tokens and len(tokens) == 48
-    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-3)
+    tol = 1e-3 if "in torch.float32, loaded" in server.log() else 0.05
+    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=tol)
     assert max(len(c.logprobs.tokens) for c in chunks if c.logprobs) > 1  # one step gave several tokens
     drafted, accepted = spec_counts()
     assert drafted > drafted0 and accepted > accepted0 and accepted - accepted0 <= drafted - drafted0

@@ -7,14 +7,14 @@ and the forward pass over one step of flat tokens.
 Invariants:
 
 * Weights are fused at load: one QKV matmul ([(H + 2 Hkv) D, hidden]) and one gate/up matmul
-  ([2 F, hidden]) per layer, each run through ``lockgate.layers.linear.Linear`` (which packs
-  bf16 weights for oneDNN once at load). With ``quantization`` auto/int4 each projection also
-  gets a quantized form for small steps, made from the checkpoint's full-precision values
-  (read as float32 one layer at a time, before rounding to the run dtype); auto takes it only
-  where nothing is lost (a Q4_1 GGUF's projections: 4 bits; Q8_0: 8 bits with lockgate's
-  kernels). The LM head gets one only where nothing is lost (the default model's Q8_0 head). With
-  ``fp32_min_rows`` every projection and the LM head also keep a float32 copy of those values
-  for large calls (prefill), which sgemm runs faster than bf16 on CPUs without AMX. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
+  ([2 F, hidden]) per layer, each a ``lockgate.layers.linear.Linear`` with its forms
+  (``lockgate.layers.forms.make_forms``: dense always; with ``quantization`` auto/int4 the
+  quantized forms, made from the checkpoint's full-precision values read as float32 one layer
+  at a time, before rounding to the run dtype, auto only where nothing is lost; with ``fp32`` a
+  float32 copy for 16-bit runs). The LM head gets quantized forms only where nothing is lost
+  (the default model's Q8_0 head). Which form serves which call is each projection's
+  ``FormChoice``, by role (``projections``, ``choose_forms``), measured by
+  ``lockgate.runner.tuning``. Biases are loaded when the checkpoint has them (Qwen2 q/k/v,
   Llama ``attention_bias`` / ``mlp_bias``); the config decides whether they must exist.
 * The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
   ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
@@ -42,18 +42,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from lockgate.kernel_choice import FormChoice
 from lockgate.layers.attention import AttentionMetadata, paged_attention
-from lockgate.layers.linear import (
-    INT4_GROUP,
-    INT4_MAX_ROWS,
-    INT4_MODES,
-    LOSSLESS_TOLERANCE,
-    GroupQuantWeight,
-    IntGemmWeight,
-    Linear,
-    QuantForm,
-    choose_quant,
-)
+from lockgate.layers.forms import INT4_GROUP, INT4_MODES, LOSSLESS_TOLERANCE, make_forms
+from lockgate.layers.linear import Linear
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, rope_type_of
 
@@ -187,10 +179,11 @@ class DecoderLayer(nn.Module):
     down_bias: nn.Parameter | None
 
     def __init__(self, w: dict[str, torch.Tensor | None], dtype: torch.dtype, quantization: str = "none",
-                 fp32_min_rows: int | None = None, cpu_kernels: bool = False):
+                 fp32: bool = False, cpu_kernels: bool = False, want: dict[str, set[str]] | None = None):
         """``w``: this layer's tensors at full precision (any float dtype), cast here to ``dtype``;
-        ``quantization``, ``fp32_min_rows`` and ``cpu_kernels`` (lockgate's kernels are loaded)
-        pick the projections' extra forms (``Linear``, ``choose_quant``)."""
+        ``quantization``, ``fp32`` (make float32 copies) and ``cpu_kernels`` (lockgate's kernels
+        are loaded) decide the projections' forms (``make_forms``); ``want``: per projection
+        (qkv, o, gate_up, down) the forms to make, None for every one it can have."""
         super().__init__()
 
         def need(name: str) -> nn.Parameter:
@@ -202,11 +195,6 @@ class DecoderLayer(nn.Module):
             t = w[name]
             return None if t is None else _frozen(t.to(dtype))
 
-        def quant(name: str) -> QuantForm | None:
-            t = w[name]
-            assert t is not None, name
-            return choose_quant(t, quantization, dtype, cpu_kernels)
-
         self.attn_norm = need("attn_norm")  # [hidden]
         self.qkv_weight = need("qkv_weight")  # [(H + 2 Hkv) D, hidden]
         self.qkv_bias = opt("qkv_bias")  # [(H + 2 Hkv) D] or None
@@ -217,13 +205,14 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = opt("gate_up_bias")  # [2 F] or None
         self.down_weight = need("down_weight")  # [hidden, F]
         self.down_bias = opt("down_bias")  # [hidden] or None
+
         def linear(name: str) -> Linear:
             weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
             source = w[f"{name}_weight"]
             assert source is not None, name
-            small = quant(f"{name}_weight")
-            large = IntGemmWeight.matching(source, small, dtype) if cpu_kernels else None
-            return Linear(weight, bias, small, fp32_min_rows, source, w[f"{name}_bias"], large)
+            forms = make_forms(source, dtype, quantization, cpu_kernels, fp32=fp32, source_bias=w[f"{name}_bias"],
+                               want=None if want is None else want.get(name, set()))
+            return Linear(weight, bias, forms)
 
         self.qkv = linear("qkv")
         self.o = linear("o")
@@ -239,10 +228,11 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: LlamaArgs, embed: torch.Tensor, layers: list[DecoderLayer],
                  norm: torch.Tensor, lm_head: torch.Tensor | None, dtype: torch.dtype | None = None,
-                 fp32_min_rows: int | None = None, quantization: str = "none", cpu_kernels: bool = False):
+                 fp32: bool = False, quantization: str = "none", cpu_kernels: bool = False,
+                 head_want: set[str] | None = None):
         """embed/norm/lm_head at full precision, cast to ``dtype`` (default: embed's). The LM head
-        gets a small-step form only where it loses nothing (``quantization`` other than none): a
-        head is a poor place to lose precision."""
+        gets quantized forms only where they lose nothing (``quantization`` other than none): a
+        head is a poor place to lose precision. ``head_want``: the head's forms to make (None: all)."""
         super().__init__()
         dtype = dtype or embed.dtype
         self.args = args
@@ -251,29 +241,37 @@ class LlamaModel(nn.Module):
         self.norm = _frozen(norm.to(dtype))  # [hidden]
         self.lm_head = self.embed if lm_head is None else _frozen(lm_head.to(dtype))  # [V, hidden] (tied: same)
         head_source = embed if lm_head is None else lm_head
-        head_quant = choose_quant(head_source, "none" if quantization == "none" else "auto", dtype, cpu_kernels)
-        head_large = IntGemmWeight.matching(head_source, head_quant, dtype) if cpu_kernels else None
-        self.head = Linear(self.lm_head, None, head_quant, fp32_min_rows, head_source, large=head_large)
+        head_forms = make_forms(head_source, dtype, "none" if quantization == "none" else "auto", cpu_kernels,
+                                fp32=fp32, want=head_want)
+        self.head = Linear(self.lm_head, None, head_forms)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
         # Run the layers on lockgate's fused CPU ops (``lockgate.kernels`` is loaded).
         self.fused_ops = cpu_kernels
-        # The one-call decode path's weights, made on first use: the small-step forms (key False) for
-        # steps of up to _decode_small_rows sequences (the rows every projection gives them), the
-        # integer-GEMM forms (key True) for larger ones, as ``Linear`` picks them per call.
-        self._decode_packs: dict[bool, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
-        self._decode_small_rows = min([lin.small_max_rows for lin in self._layer_projections()], default=0)
+        # The one-call decode path's weights per step size (rows), made on first use from the
+        # forms each projection's choice picks for that many rows; () when some form cannot go
+        # through decode_layers_ (then such steps run ``_layers_fused``).
+        self._decode_packs: dict[int, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
 
-    def drop_int_gemm_forms(self) -> None:
-        """Forget every projection's integer-GEMM form (for A/B measurements): calls go back to the
-        small-step forms up to their own limit and to the dense weight above."""
-        for lin in [*self._layer_projections(), self.head]:
-            lin.large = None
-        self._decode_small_rows = min([lin.small_max_rows for lin in self._layer_projections()], default=0)
+    def projections(self) -> dict[str, list[Linear]]:
+        """Every projection by role (qkv, o, gate_up, down: one per layer; head: the LM head)."""
+        roles: dict[str, list[Linear]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
+        for layer in typing.cast(list[DecoderLayer], self.layers):
+            for role, lin in layer.projections().items():
+                roles[role].append(lin)
+        roles["head"] = [self.head]
+        return roles
+
+    def choose_forms(self, choices: dict[str, FormChoice], drop: bool = False) -> None:
+        """Give each role's projections their choice (``Linear.choose``); roles not named keep
+        theirs. ``drop``: free the forms no choice calls (a measured table is final)."""
+        for role, lins in self.projections().items():
+            for lin in lins:
+                if role in choices:
+                    lin.choose(choices[role])
+                if drop:
+                    lin.drop_unchosen()
         self._decode_packs.clear()
-
-    def _layer_projections(self) -> list[Linear]:
-        return [lin for layer in typing.cast(list[DecoderLayer], self.layers) for lin in layer.projections().values()]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -328,10 +326,10 @@ class LlamaModel(nn.Module):
                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
         """An all-decode step in one call (``lockgate::decode_layers_``: ``_layers_fused``'s very
         ops, without returning to Python between them), or None when the step is not one: every
-        sequence decodes on the attention kernel without a shared prefix, and every projection
-        has a quantized form for this row count (small-step forms up to ``_decode_small_rows``
-        rows, integer-GEMM forms above). The weights are packed on first use: a projection's
-        forms must not change afterwards (they are made at load)."""
+        sequence decodes on the attention kernel without a shared prefix, and the form every
+        projection's choice picks for this row count is a quantized one the operator runs. The
+        weights are packed on first use per row count: a projection's forms and choice must not
+        change afterwards without ``choose_forms`` (which forgets the packs)."""
         t = x.shape[0]
         groups = meta.groups
         if len(groups) != 1:
@@ -339,10 +337,9 @@ class LlamaModel(nn.Module):
         g = groups[0]
         if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
             return None
-        large = t > self._decode_small_rows
-        if large not in self._decode_packs:
-            self._decode_packs[large] = self._pack_decode_weights(large)
-        packed = self._decode_packs[large]
+        if t not in self._decode_packs:
+            self._decode_packs[t] = self._pack_decode_weights(t, x.dtype)
+        packed = self._decode_packs[t]
         if not packed:
             return None
         weights, kinds = packed
@@ -351,18 +348,17 @@ class LlamaModel(nn.Module):
                                                  g.kernel_slots, g.kernel_offsets, weights, kinds, a.num_heads,
                                                  a.num_kv_heads, a.rms_norm_eps, self.scale)
 
-    def _pack_decode_weights(self, large: bool) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+    def _pack_decode_weights(self, rows: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
         """The layers' tensors in ``decode_layers_``'s order, and each projection's kind, for the
-        small-step forms or (``large``) the integer-GEMM forms; () when some projection lacks that
-        form (then such steps stay on ``_layers_fused``)."""
+        forms picked at ``rows`` rows; () when some picked form has no kind (dense, fp32) or is
+        the integer GEMM in a 16-bit run (the operator hands it x as it is)."""
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
         for layer in typing.cast(list[DecoderLayer], self.layers):
             weights += [layer.attn_norm, layer.mlp_norm]
             for lin in layer.projections().values():
-                form = lin.large if large else lin.quant
-                args = None if form is None else form.decode_layers_args()
-                if args is None:
+                args = lin.form_for(rows).decode_layers_args()
+                if args is None or (args[0] >= 100 and dtype != torch.float32):
                     return ()
                 kinds.append(args[0])
                 weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]
@@ -393,20 +389,24 @@ class LlamaModel(nn.Module):
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu", quantization: str = "none",
-                        fp32_min_rows: int | None = None, cpu_kernels: bool = False) -> LlamaModel:
+                        fp32: bool = False, cpu_kernels: bool = False,
+                        want: dict[str, set[str]] | None = None) -> LlamaModel:
         """Load config.json + safetensors (all shards) from a Hugging Face model directory.
 
-        ``fp32_min_rows``: calls with at least this many rows multiply in float32 against a copy
-        made from the checkpoint's values (``Linear``); None: never.
-        ``quantization`` (``lockgate.layers.linear.INT4_MODES``): none, int4 (every projection the
+        ``fp32``: 16-bit runs also keep float32 copies of every projection and the LM head, made
+        from the checkpoint's values (the ``fp32`` form).
+        ``quantization`` (``lockgate.layers.forms.INT4_MODES``): none, int4 (every projection the
         kernel fits), auto (only projections already on a 4- or 8-bit grid: nothing lost).
         ``cpu_kernels``: lockgate's CPU kernels are loaded (``lockgate.kernels.load``): the model
-        runs its fused ops and its own quantized matmuls (``choose_quant``).
+        runs its fused ops and may have lockgate's quantized forms (``make_forms``).
+        ``want``: per role (qkv, o, gate_up, down, head) the forms to make; None: every form a
+        projection can have (what a measurement needs). Projections follow their static choice
+        (``FormChoice.static``) until ``choose_forms``.
         """
         if quantization not in INT4_MODES:
             raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
-        # int4 and float32 forms are made from the unrounded values (read one layer at a time)
-        source = dtype if quantization == "none" and fp32_min_rows is None else torch.float32
+        # quantized and float32 forms are made from the unrounded values (read one layer at a time)
+        source = dtype if quantization == "none" and not fp32 else torch.float32
         model_dir = Path(model_dir)
         cfg_path = model_dir / "config.json"
         if not cfg_path.is_file():
@@ -429,7 +429,7 @@ class LlamaModel(nn.Module):
                     "gate_up_bias": w.cat([n + ".bias" for n in gu]) if args.mlp_bias else None,
                     "down_weight": w.get(p + "mlp.down_proj.weight", source),
                     "down_bias": w.get(p + "mlp.down_proj.bias") if args.mlp_bias else None,
-                }, dtype, quantization, fp32_min_rows, cpu_kernels))
+                }, dtype, quantization, fp32, cpu_kernels, want))
             embed = w.get("model.embed_tokens.weight", source)
             lm_head = None
             if args.tie_word_embeddings:
@@ -442,7 +442,8 @@ class LlamaModel(nn.Module):
             unused = w.unused()
         if unused:
             log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])
-        model = LlamaModel(args, embed, layers, norm, lm_head, dtype, fp32_min_rows, quantization, cpu_kernels)
+        model = LlamaModel(args, embed, layers, norm, lm_head, dtype, fp32, quantization, cpu_kernels,
+                           None if want is None else want.get("head", set()))
         del embed, lm_head  # the float32 copies (if any) live on only in the Linear forms
         _check_shapes(model)
         if quantization != "none":
@@ -451,28 +452,22 @@ class LlamaModel(nn.Module):
 
 
 def _log_quant(m: LlamaModel, mode: str) -> None:
-    """One line on which projections got a small-step form, which kind, and what it cost in precision."""
-    lins = m._layer_projections()
-    forms = [lin.quant for lin in [*lins, m.head] if lin.quant is not None]
-    if not forms:
+    """One line on which projections have quantized forms, on which grid, and what that costs in
+    precision (which form serves which calls is the tuning's log line)."""
+    lins = [lin for group in m.projections().values() for lin in group]
+    quantized = [lin.quantized for lin in lins if lin.quantized]
+    if not quantized:
         log.info("quantization=%s: no projection has a quantized form (%s)", mode,
                  "none is already on a 4- or 8-bit grid" if mode == "auto" else "the kernel does not fit")
         return
-    worst = max(q.error for q in forms)
-    large = [lin.large for lin in [*lins, m.head] if lin.large is not None]
-    if large:
-        kinds = sorted({f"{q.bits}-bit" for q in large})
-        where = "lockgate's int16 x int GEMM (AVX512-VNNI) for every call"
-    else:
-        kinds = sorted({f"{q.bits}-bit {'lockgate' if isinstance(q, GroupQuantWeight) else 'torch'}" for q in forms})
-        where = f"for steps of <= {max(lin.small_max_rows for lin in [*lins, m.head])} rows"
-    log.info("quantization=%s: %d of %d projections%s quantized (%s, groups of %d), %s; "
-             "largest re-quantization error %.3g steps (%s)", mode, len(forms), len(lins) + 1,
-             " (the LM head included)" if m.head.quant is not None else "", ", ".join(kinds), INT4_GROUP, where,
-             worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
-    if large and len(large) < len(forms):
-        log.info("%d of %d quantized projections run on the integer GEMM, the rest on their small-step form "
-                 "up to %d rows", len(large), len(forms), INT4_MAX_ROWS)
+    forms = [f for fs in quantized for f in fs]
+    worst = max(typing.cast(float, getattr(f, "error", 0.0)) for f in forms)
+    grids = sorted({f"{getattr(f, 'bits', 4)}-bit" for f in forms})
+    names = sorted({f.name for f in forms})
+    log.info("quantization=%s: %d of %d projections%s have quantized forms (%s grid, groups of %d: %s); "
+             "largest re-quantization error %.3g steps (%s)", mode, len(quantized), len(lins),
+             " (the LM head included)" if m.head.quantized else "", "/".join(grids), INT4_GROUP,
+             ", ".join(names), worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
 
 
 def _check_shapes(m: LlamaModel) -> None:

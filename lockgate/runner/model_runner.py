@@ -25,17 +25,20 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from lockgate import kernels
 from lockgate.config import CacheConfig, ModelConfig
+from lockgate.kernel_choice import FormChoice
 from lockgate.layers.attention import AttentionMetadata
-from lockgate.layers.linear import fp32_min_rows_for
+from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
 from lockgate.models.llama import LlamaArgs, LlamaModel
 from lockgate.models.loader import prepare_model_dir
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
+from lockgate.runner import tuning
 from lockgate.runner.sampler import sample
 
 log = logging.getLogger("lockgate.runner")
@@ -43,25 +46,14 @@ log = logging.getLogger("lockgate.runner")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 kernels available to torch and a CPU with AVX512-BF16 or AMX-BF16 instructions."""
-    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
-        return False
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a CUDA device that supports it or a CPU with native bf16, else float32."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The dtype ``name`` names; for ``auto``: bf16 on a CUDA device that supports it, float32 on
+    one that does not, and None on a CPU (measured: ``ModelRunner._auto_dtype``)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+    return None
 
 
 def read_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
@@ -87,27 +79,28 @@ class ModelRunner:
             torch.set_num_threads(model_cfg.num_threads)
         self.model_dir: Path = prepare_model_dir(model_cfg.model)
         self.device = torch.device(model_cfg.device)
-        self.dtype: torch.dtype = resolve_dtype(model_cfg.dtype, self.device)
         torch.manual_seed(model_cfg.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_cfg.seed)
-        # auto keeps an explicit --dtype float32 dense: what one asks for to match a reference exactly.
-        # float32 chosen by --dtype auto (a CPU without native bf16) still takes lossless int4 for decode.
-        self.quantization = "none" if model_cfg.quantization == "auto" and model_cfg.dtype == "float32" \
-            else model_cfg.quantization
         args = LlamaArgs.from_config(json.loads((self.model_dir / "config.json").read_text()))
-        self.fp32_min_rows = fp32_min_rows_for(model_cfg.fp32_matmul_rows, self.dtype, self.device,
-                                               4 * args.matmul_parameters)
         # lockgate's CPU kernels: decode attention read from the pool by slot, the layers' fused
         # element-wise ops, groupwise int4/int8 matmuls; plain torch where they cannot build (or
         # dtype float16, which they lack).
-        self.cpu_kernels: bool = (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-                                  and kernels.load(model_cfg.cpu_kernels))
+        kernels_built = self.device.type == "cpu" and model_cfg.dtype != "float16" and kernels.load(model_cfg.cpu_kernels)
+        self.dtype_info: dict[str, Any] = {"how": f"--dtype {model_cfg.dtype}"}  # how the dtype was chosen
+        self.dtype: torch.dtype = resolve_dtype(model_cfg.dtype, self.device) or self._auto_dtype(args, kernels_built)
+        self.cpu_kernels: bool = kernels_built and self.dtype in (torch.float32, torch.bfloat16)
+        # auto keeps an explicit --dtype float32 dense: what one asks for to match a reference exactly.
+        # float32 chosen by --dtype auto still takes the lossless quantized forms.
+        self.quantization = "none" if model_cfg.quantization == "auto" and model_cfg.dtype == "float32" \
+            else model_cfg.quantization
+        fp32 = (self.dtype != torch.float32 and model_cfg.fp32_matmul_rows != "off"
+                and (model_cfg.fp32_matmul_rows != "auto" or fp32_copies_fit(4 * args.matmul_parameters)))
         self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
-                                                self.fp32_min_rows, self.cpu_kernels).eval()
-        if self.fp32_min_rows is not None:
-            log.info("projections of >= %d rows multiply in float32 (--fp32-matmul-rows %s)", self.fp32_min_rows,
-                     model_cfg.fp32_matmul_rows)
+                                                fp32, self.cpu_kernels).eval()
+        # decode attention on lockgate's kernel (else gathers + SDPA): measured with the forms
+        self.decode_kernel: bool = self.cpu_kernels
+        self.tuned = self._choose_forms(model_cfg)
         args = self.model.args
         self.vocab_size: int = args.vocab_size
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
@@ -131,6 +124,93 @@ class ModelRunner:
         log.info("KV pool: %d tokens x %d bytes = %.1f MiB", self.capacity, bytes_per_token,
                  self.capacity * bytes_per_token / 2**20)
 
+    # ---- measured choices (lockgate.runner.tuning) ----
+
+    def _key(self, kind: str, args: LlamaArgs, dtype: str, forms: dict[str, list[str]] | None = None) -> tuning.TuningKey:
+        cpu = tuning.cpu_description()
+        shape = {"layers": args.num_layers, "hidden": args.hidden_size, "intermediate": args.intermediate_size,
+                 "heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
+                 "vocab": args.vocab_size}
+        built = kernels.build_name() if kernels.error() is None and kernels.load(self.cfg.cpu_kernels) else "none"
+        return tuning.TuningKey(kind=kind, cpu=cpu["cpu"], flags=cpu["flags"], threads=torch.get_num_threads(),
+                                torch=torch.__version__, kernels=built, shape=shape, dtype=dtype, forms=forms or {})
+
+    def _auto_dtype(self, args: LlamaArgs, kernels_built: bool) -> torch.dtype:
+        """``--dtype auto`` on a CPU: float32 unless bf16's matmuls measure faster (``tuning``)."""
+        if self.cfg.tuning == "off":
+            self.dtype_info = {"how": "--dtype auto with --tuning off: float32 without measuring"}
+            return torch.float32
+        shapes = [((args.num_heads + 2 * args.num_kv_heads) * args.head_dim, args.hidden_size),
+                  (args.hidden_size, args.num_heads * args.head_dim),
+                  (2 * args.intermediate_size, args.hidden_size), (args.hidden_size, args.intermediate_size)]
+        int_gemm = kernels_built and int_gemm_available()
+
+        def measure() -> dict[str, Any]:
+            log.info("measuring bf16 against float32 matmuls at this model's shapes (once per CPU and shape)")
+            figures = tuning.measure_dtypes(shapes, int_gemm)
+            return {"figures": figures, "dtype": tuning.decide_dtype(figures)}
+
+        data, hit = tuning.cached(self._key("dtype", args, "auto"), measure, refresh=self.cfg.tuning == "refresh")
+        dtype = str(data["dtype"])
+        if dtype not in ("float32", "bfloat16"):
+            dtype = tuning.decide_dtype(data.get("figures", {}))
+        ms = {p: {c: round(float(np.median(ts)), 2) for c, ts in at.items()} for p, at in data.get("figures", {}).items()}
+        how = "cached" if hit else f"measured in {data.get('seconds', 0):.1f}s"
+        self.dtype_info = {"how": f"--dtype auto: {how}, {data['path']}", "ms_per_layer_pass": ms}
+        log.info("--dtype auto -> %s (%s: one layer's projections, ms per pass by rows: %s)", dtype, how, ms)
+        return _DTYPES[dtype]
+
+    def _choose_forms(self, cfg: ModelConfig) -> dict[str, Any]:
+        """Give every projection its FormChoice and pick the decode attention path: measured
+        (cached), or ``--tuning off`` (static rule), or ``--matmul-forms`` (forced); then the
+        ``--fp32-matmul-rows N`` override. Logs the table; returns what was decided."""
+        roles = self.model.projections()
+        forms = {role: sorted({f for lin in lins for f in lin.forms}) for role, lins in roles.items()}
+        choices: dict[str, FormChoice] = {}
+        source = "static rule (--tuning off)"
+        info: dict[str, Any] = {}
+        if cfg.matmul_forms != "auto":
+            choices = {role: FormChoice.parse(cfg.matmul_forms) for role in roles}
+            source = f"--matmul-forms {cfg.matmul_forms}"
+        elif cfg.tuning != "off":
+            info = self._measured(forms, cfg.tuning == "refresh")
+            choices = {role: FormChoice.parse(text) for role, text in info["choices"].items()}
+            self.decode_kernel = self.cpu_kernels and info.get("attention", "kernel") == "kernel"
+            source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
+        self.model.choose_forms(choices)
+        if cfg.fp32_matmul_rows not in ("auto", "off"):
+            rows = int(cfg.fp32_matmul_rows)
+            for lin in (lin for lins in roles.values() for lin in lins):
+                if "fp32" in lin.forms:
+                    lin.choose(lin.choice.from_rows(rows, "fp32"))
+        self.model.choose_forms({}, drop=True)  # free the forms no projection calls
+        cpu = tuning.cpu_description()
+        lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning.notable_flags(cpu['flags'])}, "
+                 f"{torch.get_num_threads()} threads, {self.dtype}, int-gemm path {int_gemm_isa() or 'not built'}):"]
+        lines += [f"  {role:<8} {roles[role][0].choice.describe()}" for role in roles]
+        lines.append(f"  decode attention: {'lockgate kernel' if self.decode_kernel else 'gathers + SDPA'}")
+        log.info("\n".join(lines))
+        return {**info, "choices": {role: str(lins[0].choice) for role, lins in roles.items()},
+                "decode_attention": "kernel" if self.decode_kernel else "sdpa", "source": source,
+                "int_gemm_isa": int_gemm_isa()}
+
+    def _measured(self, forms: dict[str, list[str]], refresh: bool) -> dict[str, Any]:
+        roles = self.model.projections()
+        args = self.model.args
+
+        def measure() -> dict[str, Any]:
+            log.info("measuring the matmul forms at this model's shapes (once per CPU, threads and shape)")
+            samples = tuning.measure_forms(roles, self.dtype) if any(len(f) > 1 for f in forms.values()) else {}
+            attention = tuning.measure_attention(args.num_heads, args.num_kv_heads, args.head_dim, self.dtype,
+                                                 args.num_layers) if self.cpu_kernels else {}
+            choices = tuning.decide(samples)
+            return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
+                    "attention_ms": attention, "attention": tuning.decide_attention(attention)}
+
+        key = self._key("forms", args, str(self.dtype).removeprefix("torch."), forms)
+        data, hit = tuning.cached(key, measure, refresh=refresh)
+        return {**data, "cached": hit}
+
     def _context_length(self, cfg: ModelConfig) -> int:
         args = self.model.args
         n = args.max_position_embeddings
@@ -153,7 +233,7 @@ class ModelRunner:
             raise ValueError(f"bad plan: {t} tokens, out_slots {plan.out_slots.shape}, capacity {self.capacity}")
         dev = self.device
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.kv_slots, plan.kv_offsets,
-                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.cpu_kernels)
+                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.decode_kernel)
         s = int(plan.sample_rows.shape[0])
         rows = None
         if s:

@@ -17,7 +17,10 @@
 // (max, sum, weighted V sum) in float32. Every sequence is split into chunks of kChunkKeys keys,
 // whose partials are then merged by their maxima in key order: the result does not depend on the
 // batch or the thread count. Math is float32 whatever the storage dtype; bf16 is
-// widened by a shift, so no AVX512-BF16 instruction is needed.
+// widened by a shift, so no AVX512-BF16 instruction is needed. Vector paths for head sizes 64 and
+// 128 on AVX-512 (zmm) and, on CPUs without it, for 32, 64 and 128 on AVX2 + FMA (ymm); other
+// head sizes and CPUs take plain loops. Paths differ in summation order (last-bit differences
+// between CPU types), never within one build.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +38,9 @@
 #include <vector>
 
 #if defined(__AVX512F__)
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LOCKGATE_ATTN_256 1
 #include <immintrin.h>
 #endif
 
@@ -168,6 +174,85 @@ void attend_avx512(const float* qf, const TKV* kc, const TKV* vc, const int64_t*
 }
 #endif
 
+#if defined(LOCKGATE_ATTN_256)
+// The same on 256-bit registers (AVX2 + FMA CPUs without AVX-512). 16 ymm registers cannot hold
+// the queries, so they are read from L1 as FMA operands while a key row (up to 8 ymm) is held;
+// values go in passes of 16 columns (2 ymm = one cache line of float32) for all R rows at once.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+constexpr int kPrefetch256 = 8;  // rows ahead (slots are scattered)
+
+// R (<= 4) query rows x keys sl[0..n): scores, softmax, probabilities x values -> part. D = 8 * NV, NV even.
+template <int NV, int R, typename TKV>
+void attend_rows_avx2(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n, int64_t hkv,
+                      int64_t kv, float* sc, float* part) {
+  constexpr int64_t d = 8 * NV;
+  constexpr int kHeld = NV < 8 ? NV : 8;  // key vectors held at a time
+  for (int64_t j = 0; j < n; ++j) {
+    const TKV* kr = kc + (sl[j] * hkv + kv) * d;
+    if (j + kPrefetch256 < n) {
+      const char* ahead = reinterpret_cast<const char*>(kc + (sl[j + kPrefetch256] * hkv + kv) * d);
+      for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(TKV)); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    }
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int v0 = 0; v0 < NV; v0 += kHeld) {
+      __m256 k[kHeld];
+      for (int v = 0; v < kHeld; ++v) k[v] = load8(kr + 8 * (v0 + v));
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kHeld; ++v)
+          acc[r][v & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * d + 8 * (v0 + v)), k[v], acc[r][v & 1]);
+    }
+    for (int r = 0; r < R; ++r) sc[r * n + j] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+  softmax_rows(sc, R, n, part, d);
+  for (int v0 = 0; v0 < NV; v0 += 2) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      if (j + kPrefetch256 < n)
+        _mm_prefetch(reinterpret_cast<const char*>(vc + (sl[j + kPrefetch256] * hkv + kv) * d + 8 * v0), _MM_HINT_T0);
+      const TKV* vr = vc + (sl[j] * hkv + kv) * d + 8 * v0;
+      const __m256 v_lo = load8(vr), v_hi = load8(vr + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_broadcast_ss(sc + r * n + j);
+        acc[r][0] = _mm256_fmadd_ps(w, v_lo, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v_hi, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(part + r * (d + 2) + 2 + 8 * v0, acc[r][0]);
+      _mm256_storeu_ps(part + r * (d + 2) + 2 + 8 * v0 + 8, acc[r][1]);
+    }
+  }
+}
+
+template <int NV, typename TKV>
+void attend_avx2(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n, int64_t hkv,
+                 int64_t kv, int64_t g, float* sc, float* part) {
+  constexpr int64_t d = 8 * NV;
+  for (int64_t r0 = 0; r0 < g; r0 += 4) {
+    const float* q = qf + r0 * d;
+    float* pr = part + r0 * (d + 2);
+    switch (std::min<int64_t>(4, g - r0)) {
+      case 1: attend_rows_avx2<NV, 1>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+      case 2: attend_rows_avx2<NV, 2>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+      case 3: attend_rows_avx2<NV, 3>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+      default: attend_rows_avx2<NV, 4>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
+    }
+  }
+}
+#endif
+
 // Any head size, any CPU: plain loops (auto-vectorised where the compiler can).
 template <typename TKV>
 void attend_generic(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n, int64_t hkv,
@@ -208,6 +293,10 @@ void attend_item(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, const 
 #if defined(__AVX512F__)
   if (d == 64) return attend_avx512<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
   if (d == 128) return attend_avx512<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+#elif defined(LOCKGATE_ATTN_256)
+  if (d == 64) return attend_avx2<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+  if (d == 128) return attend_avx2<16>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+  if (d == 32) return attend_avx2<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
 #endif
   attend_generic(qf, kc, vc, sl, n, hkv, it.kv, g, d, sc, row, part);
 }

@@ -4,7 +4,7 @@
 // lockgate::int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor
 //
 //   x       [M, K] float32, contiguous; K % 32 == 0
-//   packed  the weight's codes in this kernel's layout (made by ``lockgate.layers.linear``):
+//   packed  the weight's codes in this kernel's layout (made by ``lockgate.layers.forms``):
 //           bits 4: uint8 [N / 16, K / 4, 32]: byte i of chunk (nb, c) holds, for output row
 //                   n = 16 nb + i / 2 and column k = 4 c + i % 2, code(n, k) in its low nibble and
 //                   code(n, k + 2) in its high nibble (codes 0..15, W = code * scale + zero)
@@ -38,11 +38,24 @@
 // Non-finite x: a block holding NaN or +-inf gets a NaN scale, so the rows it feeds come out NaN
 // (as F.linear's would); a block whose largest magnitude is below 1e-30 is taken as zeros.
 //
+// Vector paths, picked at compile time (-march=native: the code is built on the CPU it runs on):
+//   avx512-vnni  zmm, VPDPWSSD (one instruction per 32 int16 products)
+//   avx512bw     zmm, VPMADDWD + VPADDD (AVX-512 CPUs without VNNI: Skylake-SP)
+//   avx2-vnni    ymm, the VEX VPDPWSSD of AVX-VNNI (Alder Lake and later)
+//   avx2         ymm, VPMADDWD + VPADDD (every x86-64 CPU since Haswell / Zen 1)
+//   generic      plain C++ (no AVX2)
+// The 256-bit paths split each 16-row block into two halves of 8 rows (one ymm of int32 each);
+// with 16 ymm registers the tiles are 4 x rows by 2 halves, and the few-row path takes at most 3
+// x rows per pass over a tile (a 4-6-row call passes twice, the second time from L1).
+// ``int_linear_isa()`` names the path built. int32 sums of int16 products are exact whichever
+// instruction makes them, and every path scales them in float32 in the same order, so all paths
+// give bitwise the same result.
+//
 // Invariants: allocations are the output, x's int16 copy with its scales and sums, and one
-// widening buffer per thread; the result depends only on the inputs (not on the thread count or
-// on the other rows); a CPU without AVX512-VNNI takes a plain C++ path (``tile_generic``) with
-// the same arithmetic (exact int32 sums, float32 scaling in the same order per block), which
-// ``int_linear_reference`` runs on any CPU so tests compare the two bitwise.
+// widening buffer per thread; the result depends only on the inputs (not on the thread count, on
+// the other rows or on the vector path); the plain C++ path (``tile_generic``) does the same
+// arithmetic (exact int32 sums, float32 scaling in the same order per block), and
+// ``int_linear_reference`` runs it on any CPU so tests compare the two bitwise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,9 +67,16 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+#define LOCKGATE_IG_512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOCKGATE_IG_256 1
+#endif
+#if defined(LOCKGATE_IG_512) || defined(LOCKGATE_IG_256)
+#define LOCKGATE_IG_VECTOR 1
 #include <immintrin.h>
 #endif
 
@@ -136,10 +156,17 @@ void widen_block(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, in
       // chunk c covers columns 4c .. 4c + 3: low nibbles = pair 2c, high nibbles = pair 2c + 1
       const uint8_t* src = job.packed + ((nb0 + t) * (job.k / 4) + k0 / 4) * 32;
       for (int64_t c = 0; c < kb / 4; ++c) {
-#if defined(__AVX512BW__)
+#if defined(LOCKGATE_IG_512)
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * 32)));
         _mm512_storeu_si512(dst + (2 * c) * 32, _mm512_and_si512(w, _mm512_set1_epi16(0xF)));
         _mm512_storeu_si512(dst + (2 * c + 1) * 32, _mm512_srli_epi16(w, 4));
+#elif defined(LOCKGATE_IG_256)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c * 32 + 16 * h)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * c) * 32 + 16 * h),
+                              _mm256_and_si256(w, _mm256_set1_epi16(0xF)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * c + 1) * 32 + 16 * h), _mm256_srli_epi16(w, 4));
+        }
 #else
         for (int i = 0; i < 32; ++i) {
           dst[(2 * c) * 32 + i] = src[c * 32 + i] & 0xF;
@@ -150,9 +177,14 @@ void widen_block(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, in
     } else {
       const int8_t* src = reinterpret_cast<const int8_t*>(job.packed) + ((nb0 + t) * (job.k / 2) + k0 / 2) * 32;
       for (int64_t p = 0; p < pairs; ++p) {
-#if defined(__AVX512BW__)
+#if defined(LOCKGATE_IG_512)
         _mm512_storeu_si512(dst + p * 32,
                             _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + p * 32))));
+#elif defined(LOCKGATE_IG_256)
+        for (int h = 0; h < 2; ++h) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * 32 + 16 * h),
+                              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + p * 32 + 16 * h))));
+        }
 #else
         for (int i = 0; i < 32; ++i) dst[p * 32 + i] = src[p * 32 + i];
 #endif
@@ -161,10 +193,19 @@ void widen_block(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, in
   }
 }
 
-#if defined(__AVX512VNNI__)
+#if defined(LOCKGATE_IG_512)
 // 16 float16 scales or offsets as float32 (exact).
 inline __m512 load_half16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
+inline __m512i dot512(__m512i acc, __m512i x, __m512i w) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, x, w);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#endif
 }
 
 // out[m0 .. m0 + MR, 16 nb0 .. 16 (nb0 + NR)] += the products of columns [k0, k0 + kb).
@@ -189,7 +230,7 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
         int32_t pair;
         std::memcpy(&pair, job.xq + (m0 + i) * job.k + g * kGroup + 2 * p, sizeof pair);
         const __m512i xv = _mm512_set1_epi32(pair);
-        for (int j = 0; j < NR; ++j) a[i][j] = _mm512_dpwssd_epi32(a[i][j], xv, wv[j]);
+        for (int j = 0; j < NR; ++j) a[i][j] = dot512(a[i][j], xv, wv[j]);
       }
     }
     __m512 d[NR], z[NR];
@@ -211,7 +252,7 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
 }
 #endif
 
-#if defined(__AVX512VNNI__)
+#if defined(LOCKGATE_IG_512)
 // Few rows (decode): out[0 .. MR, 16 nb0 .. 16 (nb0 + NR)] over all of K, the codes widened in
 // registers straight from their packed bytes (no buffer: each byte is used by MR <= 6 rows only,
 // so the step is bound by reading the weights and the widening's stores and reloads would cost
@@ -245,8 +286,8 @@ void gemv_tile(const Job& job, int64_t nb0) {
           const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
           const __m512i wl = _mm512_and_si512(w, nibble), wh = _mm512_srli_epi16(w, 4);
           for (int i = 0; i < MR; ++i) {
-            a[i][j] = _mm512_dpwssd_epi32(a[i][j], lo[i], wl);
-            a[i][j] = _mm512_dpwssd_epi32(a[i][j], hi[i], wh);
+            a[i][j] = dot512(a[i][j], lo[i], wl);
+            a[i][j] = dot512(a[i][j], hi[i], wh);
           }
         }
       }
@@ -265,7 +306,7 @@ void gemv_tile(const Job& job, int64_t nb0) {
           const int8_t* src = codes + ((nb0 + j) * (job.k / 2) + p) * 32;
           _mm_prefetch(reinterpret_cast<const char*>(src + kGemvPrefetchBytes), _MM_HINT_T0);
           const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-          for (int i = 0; i < MR; ++i) a[i][j] = _mm512_dpwssd_epi32(a[i][j], xv[i], w);
+          for (int i = 0; i < MR; ++i) a[i][j] = dot512(a[i][j], xv[i], w);
         }
       }
     }
@@ -316,6 +357,185 @@ void run_gemv(const Job& job) {
 }
 #endif
 
+#if defined(LOCKGATE_IG_256)
+// ---- 256-bit paths (AVX2, AVX-VNNI). A "half" is 8 of a 16-row block's output rows: half h of
+// block nb is rows 16 nb + 8 h .. + 8, one ymm of int32 (or float32) lanes; in the packed codes and
+// the widening buffer it is bytes / int16 [16 h, 16 h + 16) of every 32-wide chunk. ----
+
+// 8 float16 scales or offsets as float32 (exact).
+inline __m256 load_half8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
+inline __m256i dot256(__m256i acc, __m256i x, __m256i w) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, x, w);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
+#endif
+}
+
+inline __m256i broadcast_pair(const int16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return _mm256_set1_epi32(pair);
+}
+
+// Scale one group's int32 sums into the float32 total f, as every path does: f + a (d s), then + z sum(x).
+inline __m256 scale_group(__m256 f, __m256i a, __m256 d, float s, const __m256* z, float xsum) {
+  f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(d, _mm256_set1_ps(s)), f);
+  return z ? _mm256_fmadd_ps(*z, _mm256_set1_ps(xsum), f) : f;
+}
+
+// out[m0 .. m0 + MR, the rows of halves h0 .. h0 + NH of the tile at block nb0] += the products of
+// columns [k0, k0 + kb), from the widened codes in buf. The float32 totals live in out between groups
+// (16 ymm registers hold the MR x NH int32 sums, the NH code vectors and one broadcast x pair).
+template <int MR, int NH>
+void tile_avx2(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
+  const int64_t pairs = kb / 2, n = job.nb * kLanes;
+  for (int64_t gi = 0; gi < kb / kGroup; ++gi) {
+    const int64_t g = k0 / kGroup + gi;
+    __m256i a[MR][NH];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NH; ++j) a[i][j] = _mm256_setzero_si256();
+    // row and code pointers once per group (a runtime index inside the unrolled loop makes gcc
+    // precompute and spill an address per pair)
+    const int16_t* wp[NH];
+    for (int j = 0; j < NH; ++j) {
+      const int h = h0 + j;
+      wp[j] = buf + ((h / 2) * pairs + gi * kPairsPerGroup) * 32 + 16 * (h % 2);
+    }
+    const int16_t* xr[MR];
+    for (int i = 0; i < MR; ++i) xr[i] = job.xq + (m0 + i) * job.k + g * kGroup;
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < kPairsPerGroup; ++p) {
+      __m256i wv[NH];
+      for (int j = 0; j < NH; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[j] + p * 32));
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv = broadcast_pair(xr[i] + 2 * p);
+        for (int j = 0; j < NH; ++j) a[i][j] = dot256(a[i][j], xv, wv[j]);
+      }
+    }
+    for (int j = 0; j < NH; ++j) {
+      const int h = h0 + j;
+      const int64_t at = ((nb0 + h / 2) * job.g + g) * kLanes + 8 * (h % 2);
+      const __m256 d = load_half8(job.scales + at);
+      __m256 z;
+      if (job.zeros) z = load_half8(job.zeros + at);
+      for (int i = 0; i < MR; ++i) {
+        float* o = job.out + (m0 + i) * n + (nb0 + h / 2) * kLanes + 8 * (h % 2);
+        const __m256 f = first && gi == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+        const int64_t xg = (m0 + i) * job.g + g;
+        _mm256_storeu_ps(o, scale_group(f, a[i][j], d, job.xs[xg], job.zeros ? &z : nullptr,
+                                        job.zeros ? job.xsum[xg] : 0.f));
+      }
+    }
+  }
+}
+
+// Few rows: out[m0 .. m0 + MR, blocks nb0 .. nb0 + NB] over all of K, codes widened in registers
+// as they stream in (as gemv_tile), float32 totals in registers.
+template <int MR, int NB>
+void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0) {
+  constexpr int NH = 2 * NB;
+  const int64_t n = job.nb * kLanes;
+  __m256 f[MR][NH];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NH; ++j) f[i][j] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi16(0xF);
+  for (int64_t g = 0; g < job.g; ++g) {
+    __m256i a[MR][NH];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NH; ++j) a[i][j] = _mm256_setzero_si256();
+    if (job.bits == 4) {
+#pragma GCC unroll 8
+      for (int64_t cg = 0; cg < kGroup / 4; ++cg) {
+        const int64_t c = g * kGroup / 4 + cg;
+        __m256i lo[MR], hi[MR];
+        for (int i = 0; i < MR; ++i) {
+          lo[i] = broadcast_pair(job.xq + (m0 + i) * job.k + 4 * c);
+          hi[i] = broadcast_pair(job.xq + (m0 + i) * job.k + 4 * c + 2);
+        }
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* src = job.packed + ((nb0 + b) * (job.k / 4) + c) * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(src + kGemvPrefetchBytes), _MM_HINT_T0);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * h)));
+            const __m256i wl = _mm256_and_si256(w, nibble), wh = _mm256_srli_epi16(w, 4);
+            for (int i = 0; i < MR; ++i) {
+              a[i][2 * b + h] = dot256(a[i][2 * b + h], lo[i], wl);
+              a[i][2 * b + h] = dot256(a[i][2 * b + h], hi[i], wh);
+            }
+          }
+        }
+      }
+    } else {
+      const int8_t* codes = reinterpret_cast<const int8_t*>(job.packed);
+#pragma GCC unroll 16
+      for (int64_t pg = 0; pg < kPairsPerGroup; ++pg) {
+        const int64_t p = g * kPairsPerGroup + pg;
+        __m256i xv[MR];
+        for (int i = 0; i < MR; ++i) xv[i] = broadcast_pair(job.xq + (m0 + i) * job.k + 2 * p);
+        for (int b = 0; b < NB; ++b) {
+          const int8_t* src = codes + ((nb0 + b) * (job.k / 2) + p) * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(src + kGemvPrefetchBytes), _MM_HINT_T0);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * h)));
+            for (int i = 0; i < MR; ++i) a[i][2 * b + h] = dot256(a[i][2 * b + h], xv[i], w);
+          }
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const int64_t ahead = ((nb0 + b) * job.g + g + kGemvPrefetchGroups) * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(job.scales + ahead), _MM_HINT_T0);
+      if (job.zeros) _mm_prefetch(reinterpret_cast<const char*>(job.zeros + ahead), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = ((nb0 + b) * job.g + g) * kLanes + 8 * h;
+        const __m256 d = load_half8(job.scales + at);
+        __m256 z;
+        if (job.zeros) z = load_half8(job.zeros + at);
+        for (int i = 0; i < MR; ++i) {
+          const int64_t xg = (m0 + i) * job.g + g;
+          f[i][2 * b + h] = scale_group(f[i][2 * b + h], a[i][2 * b + h], d, job.xs[xg], job.zeros ? &z : nullptr,
+                                        job.zeros ? job.xsum[xg] : 0.f);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NH; ++j) _mm256_storeu_ps(job.out + (m0 + i) * n + nb0 * kLanes + 8 * j, f[i][j]);
+}
+
+// Output-row blocks [b0, b1) for x rows [m0, m0 + MR): tiles of 2 blocks for one row, else 1.
+template <int MR>
+void gemv_rows_avx2(const Job& job, int64_t m0, int64_t b0, int64_t b1) {
+  if constexpr (MR == 1) {
+    for (; b0 + 2 <= b1; b0 += 2) gemv_tile_avx2<1, 2>(job, m0, b0);
+  }
+  for (; b0 < b1; ++b0) gemv_tile_avx2<MR, 1>(job, m0, b0);
+}
+
+void run_gemv(const Job& job) {
+  at::parallel_for(0, job.nb, kGemvGrain, [&](int64_t b0, int64_t b1) {
+    // passes of at most 3 x rows over the share: 4 = 2 + 2, 5 = 3 + 2, 6 = 3 + 3. A later pass
+    // re-reads a tile's codes from cache, block by block (a block of 16 rows x K is <= 12 KB at
+    // K = 1,536 and 4 bits), so the weights still stream from memory once per call.
+    for (int64_t blk = b0; blk < b1; blk += kGemvGrain) {
+      const int64_t blk1 = std::min(b1, blk + kGemvGrain);
+      for (int64_t m0 = 0; m0 < job.m;) {
+        const int64_t left = job.m - m0, mr = left == 4 ? 2 : std::min<int64_t>(3, left);
+        switch (mr) {
+          case 1: gemv_rows_avx2<1>(job, m0, blk, blk1); break;
+          case 2: gemv_rows_avx2<2>(job, m0, blk, blk1); break;
+          default: gemv_rows_avx2<3>(job, m0, blk, blk1); break;
+        }
+        m0 += mr;
+      }
+    }
+  });
+}
+#endif
+
 // The same arithmetic in plain C++ (any CPU; also the reference the vector path is tested against).
 void tile_generic(const Job& job, int64_t m0, int mr, int64_t nb0, int nr, int64_t k0, int64_t kb, const int16_t* buf,
                   bool first) {
@@ -344,7 +564,7 @@ void tile_generic(const Job& job, int64_t m0, int mr, int64_t nb0, int nr, int64
 template <int NR>
 void rows_of_tile(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf,
                   bool first) {
-#if defined(__AVX512VNNI__)
+#if defined(LOCKGATE_IG_512)
   if (!job.generic) {
     for (; m0 + kTileM <= m1; m0 += kTileM) tile_vnni<kTileM, NR>(job, m0, nb0, k0, kb, buf, first);
     switch (m1 - m0) {
@@ -355,13 +575,28 @@ void rows_of_tile(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k
     }
     return;
   }
+#elif defined(LOCKGATE_IG_256)
+  if (!job.generic) {
+    // the tile's 2 NR halves in pairs, x rows 4 at a time
+    for (int h0 = 0; h0 < 2 * NR; h0 += 2) {
+      int64_t r = m0;
+      for (; r + kTileM <= m1; r += kTileM) tile_avx2<kTileM, 2>(job, r, nb0, h0, k0, kb, buf, first);
+      switch (m1 - r) {
+        case 3: tile_avx2<3, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
+        case 2: tile_avx2<2, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
+        case 1: tile_avx2<1, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
+        default: break;
+      }
+    }
+    return;
+  }
 #endif
   for (; m0 < m1; m0 += kTileM)
     tile_generic(job, m0, static_cast<int>(std::min<int64_t>(kTileM, m1 - m0)), nb0, NR, k0, kb, buf, first);
 }
 
 void run(const Job& job) {
-#if defined(__AVX512VNNI__)
+#if defined(LOCKGATE_IG_VECTOR)
   if (!job.generic && job.m <= kGemvMaxRows) return run_gemv(job);
 #endif
   const int64_t tiles = (job.nb + kTileN - 1) / kTileN;
@@ -440,10 +675,25 @@ at::Tensor int_linear_reference(const at::Tensor& x, const at::Tensor& packed, c
 }
 
 bool int_linear_vectorized() {
-#if defined(__AVX512VNNI__)
+#if defined(LOCKGATE_IG_VECTOR)
   return true;
 #else
   return false;
+#endif
+}
+
+// The vector path this build runs (see the top of this file).
+std::string int_linear_isa() {
+#if defined(LOCKGATE_IG_512) && defined(__AVX512VNNI__)
+  return "avx512-vnni";
+#elif defined(LOCKGATE_IG_512)
+  return "avx512bw";
+#elif defined(LOCKGATE_IG_256) && defined(__AVXVNNI__)
+  return "avx2-vnni";
+#elif defined(LOCKGATE_IG_256)
+  return "avx2";
+#else
+  return "generic";
 #endif
 }
 
@@ -453,6 +703,7 @@ TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor");
   m.def("int_linear_reference(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor");
   m.def("int_linear_vectorized() -> bool", &lockgate::int_linear_vectorized);
+  m.def("int_linear_isa() -> str", &lockgate::int_linear_isa);
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) {

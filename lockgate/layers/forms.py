@@ -1,0 +1,415 @@
+"""The forms a projection's weight can be multiplied in, one class each, and which ones a weight gets.
+
+Owns the weight layouts of every matmul kernel lockgate has and the rule that decides which of
+them a projection may use (``make_forms``); ``lockgate.layers.linear`` picks among a projection's
+forms per call, by a measured table (``lockgate.runner.tuning``). Every form is a callable
+``form(x [M, K], bias [N] | None) -> [M, N]`` in x's dtype with a ``name``; the quantized ones also
+give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and ``dequantize``.
+
+* ``dense`` (``DenseWeight``): the run-dtype weight. bf16 on a CPU whose oneDNN has bf16 kernels
+  is reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, what
+  inductor uses for frozen CPU graphs) and run by ``mkldnn._linear_pointwise`` (``F.linear``
+  re-packs the weight on every call; the packed form measured 1.6-2x faster at 1 row, equal from
+  256 rows); everything else runs ``F.linear`` (MKL's sgemm for float32).
+* ``fp32`` (``Fp32Weight``, 16-bit runs only): a float32 copy made from the checkpoint's
+  unrounded values, for CPUs whose bf16 matmul is slower than sgemm (AVX512-BF16 without AMX,
+  measured 1.15-1.5x at 64-1,024 rows); activations cast up and the result back. +4 bytes per
+  parameter, so only while the copies fit ``FP32_AUTO_MEMORY_SHARE`` of memory (``make_forms``).
+* ``torch-int4`` (``Int4Weight``): 4-bit codes in groups of 32 with a scale and an offset, on
+  torch's ``_weight_int4pack_mm_for_cpu`` with 16-bit activations (a float32 run rounds x to bf16
+  for the call: the kernel's float32 path is 25-30x slower).
+* ``group-quant`` (``GroupQuantWeight``): GGUF's Q4_1 / Q8_0 blocks as they are, on
+  ``lockgate::quant_linear`` (float32 math, exact products); the only 8-bit form besides
+  ``int-gemm`` (torch has int8 only per output row).
+* ``int-gemm`` (``IntGemmWeight``): the same grid packed for int16 dot products
+  (``lockgate::int_linear``: AVX512-VNNI, AVX512BW or AVX2), x rounded to int16 per 32 columns
+  (2^8 times finer than bf16), float16 scales (exact for GGUF blocks).
+
+What a weight gets (``make_forms``): ``quantization`` none gives no quantized form; auto gives
+them only on the smallest grid (4, then 8 bits) the checkpoint's values already lie on, so
+nothing is lost (a Q4_1 GGUF's projections, a Q8_0 head); int4 forces 4 bits. The three
+quantized forms of one weight are made from the same codes; torch's int4 form rounds its scales
+and offsets to bf16, the integer GEMM's float16 scales are exact for GGUF grids (else it is not
+made). ``want`` restricts what is made to the forms a measured table will call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lockgate.kernel_choice import QUANTIZED_FORMS
+
+INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
+INT4_MODES = ("auto", "none", "int4")
+LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
+FP32_AUTO_MEMORY_SHARE = 0.25  # the float32 copies may take at most this share of physical memory
+_NONE = torch.empty(0)  # "no tensor" in lockgate::decode_layers_'s flat list
+
+
+
+def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether dense projections of ``dtype`` on ``device`` run on oneDNN-packed weights."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fp32_copies_fit(nbytes: int) -> bool:
+    """Whether float32 copies of ``nbytes`` fit FP32_AUTO_MEMORY_SHARE of physical memory."""
+    memory = physical_memory_bytes()
+    return memory is None or nbytes <= FP32_AUTO_MEMORY_SHARE * memory
+
+
+class DenseWeight:
+    """The run-dtype weight, oneDNN-packed where that is faster (bf16 with oneDNN bf16 kernels)."""
+
+    name: typing.ClassVar[str] = "dense"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.packed: torch.Tensor | None = None  # oneDNN blocked copy of weight, or None
+        if onednn_packs(weight.dtype, weight.device):
+            with torch.no_grad():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        return None
+
+
+class Fp32Weight:
+    """A float32 copy of a 16-bit run's weight (made from the checkpoint's unrounded values) and
+    of its bias; x is cast up for sgemm and the result back to x's dtype."""
+
+    name: typing.ClassVar[str] = "fp32"
+
+    def __init__(self, source: torch.Tensor, source_bias: torch.Tensor | None) -> None:
+        self.weight = source.detach().float().contiguous()
+        self.bias = None if source_bias is None else source_bias.detach().float()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``bias`` is not used: the form keeps the unrounded float32 bias of its own."""
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        return None
+
+
+def int4_unfit_reason(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why torch's int4 CPU kernel cannot run a [N, K] weight for ``dtype`` activations, or None."""
+    if device.type != "cpu":
+        return f"the int4 kernel is CPU-only (device {device})"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations of dtype {dtype}"
+    n, k = shape
+    if n % 16 or k % INT4_GROUP:
+        return f"shape [{n}, {k}] (needs rows % 16 == 0 and columns % {INT4_GROUP} == 0)"
+    return None
+
+
+def int4_activation_dtype(run_dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype int4 calls run in: 16-bit stays, float32 goes through bf16."""
+    return torch.bfloat16 if run_dtype == torch.float32 else run_dtype
+
+
+def grid_error(back: torch.Tensor, source: torch.Tensor, step: torch.Tensor, group: int = INT4_GROUP) -> float:
+    """The largest |back - source| over a weight [N, K], in units of its group's quantization step
+    ``step`` [N, K/group] (absolute where the step is 0): 0 for a weight already on the grid."""
+    n, k = source.shape
+    err = (back.float() - source.float()).abs().view(n, k // group, group).amax(-1)  # [N, K/g]
+    return float(torch.where(step > 0, err / torch.where(step > 0, step, 1), err).max())
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groupwise asymmetric min/max 4-bit quantization of weight [N, K] (computed in float32).
+
+    Returns codes [N, K] int32 in 0..15, step [N, K/group] and low [N, K/group] float32 with
+    ``weight ~= codes * step + low``. A weight that already lies on such a grid (a Q4_1 block:
+    its smallest value has code 0 and its largest code 15) comes back exactly.
+    """
+    n, k = weight.shape
+    w = weight.float().view(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)  # [N, K/g]
+    step = (high - low) / 15
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = ((w - low[..., None]) * inv[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
+    return codes, step, low
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A weight's int4 form for ``_weight_int4pack_mm_for_cpu``; ``error`` is the largest
+    |weight - dequantized| over the tensor, in quantization steps (0 for a weight already on the grid)."""
+
+    name: typing.ClassVar[str] = "torch-int4"
+    packed: torch.Tensor  # uint8 [N, K/2], the kernel's layout
+    scales_zeros: torch.Tensor  # [K/group, N, 2] activation dtype: w = (code - 8) * scale + zero
+    group: int
+    error: float
+
+    @staticmethod
+    def from_weight(source: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> Int4Weight:
+        """Quantize ``source`` [N, K] (full precision, not yet rounded to the run dtype) for
+        activations of ``dtype``; raises ValueError when the kernel cannot take it."""
+        reason = int4_unfit_reason(tuple(source.shape), dtype, source.device)
+        if reason:
+            raise ValueError(f"int4 weights not possible: {reason}")
+        codes, step, low = quantize_int4(source, group)
+        n, k = source.shape
+        back = (codes.view(n, k // group, group).float() * step[..., None] + low[..., None]).view(n, k)
+        error = grid_error(back, source, step, group)
+        zero = low + 8 * step  # the kernel subtracts 8 from each code
+        scales_zeros = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/g, N, 2]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        return Int4Weight(packed, scales_zeros, group, error)
+
+    @property
+    def bits(self) -> int:
+        return 4
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype, through the kernel's 16-bit activations."""
+        act = self.scales_zeros.dtype  # 16-bit: the kernel's fast path
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(act), self.packed, self.group, self.scales_zeros).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """This form's kind and tensors (a, b, c) for ``lockgate::decode_layers_`` (contract in
+        decode_layers.cpp), or None when that operator cannot run it."""
+        return (0, [self.packed, self.scales_zeros, _NONE]) if self.group == INT4_GROUP else None
+
+    def dequantize(self, n: int, k: int) -> torch.Tensor:
+        """The weight [N, K] float32 the kernel multiplies by (for tests and error reports)."""
+        eye = torch.eye(k, dtype=self.scales_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales_zeros).float().t()[:n]
+
+def quantize_int8(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groupwise symmetric absmax 8-bit quantization of weight [N, K] (float32): codes [N, K] int8
+    in -127..127 and step [N, K/group] with ``weight ~= codes * step``. A GGUF Q8_0 block (its
+    largest magnitude has code +-127) comes back exactly."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group, group)
+    step = w.abs().amax(-1) / 127  # [N, K/g]
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = (w * inv[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(n, k)
+    return codes, step
+
+@dataclass(frozen=True)
+class GroupQuantWeight:
+    """A weight as GGUF-style blocks of 32 columns for ``lockgate::quant_linear``; ``error`` is the
+    largest |weight - dequantized| in quantization steps (0 for a weight already on the grid)."""
+
+    name: typing.ClassVar[str] = "group-quant"
+    bits: int  # 4 (Q4_1: q * scale + zero, q in 0..15) or 8 (Q8_0: q * scale, q in -127..127)
+    qweight: torch.Tensor  # bits 4: uint8 [N, K/2], byte j of a group = column j | column j + 16 << 4; 8: int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K/32]
+    zeros: torch.Tensor | None  # float32 [N, K/32] (bits 4) or None
+    error: float
+
+    @staticmethod
+    def from_weight(source: torch.Tensor, bits: int) -> GroupQuantWeight:
+        """Quantize ``source`` [N, K] (full precision); raises ValueError for K % 32 != 0."""
+        n, k = source.shape
+        if k % INT4_GROUP or bits not in (4, 8):
+            raise ValueError(f"{bits}-bit groups of {INT4_GROUP} do not fit a [{n}, {k}] weight")
+        zeros: torch.Tensor | None
+        if bits == 4:
+            codes, step, low = quantize_int4(source)
+            back = codes.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None] + low[..., None]
+            g = codes.view(n, k // INT4_GROUP, INT4_GROUP).to(torch.uint8)
+            qweight = (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            zeros = low.contiguous()
+        else:
+            codes8, step = quantize_int8(source)
+            back = codes8.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None]
+            qweight, zeros = codes8, None
+        return GroupQuantWeight(bits, qweight, step.contiguous(), zeros, grid_error(back.view(n, k), source, step))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 or bf16 -> [M, N] in x's dtype."""
+        return torch.ops.lockgate.quant_linear(x.contiguous(), self.qweight, self.scales, self.zeros, bias, self.bits)
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``)."""
+        return self.bits, [self.qweight, self.scales, _NONE if self.zeros is None else self.zeros]
+
+    def dequantize(self, n: int, k: int) -> torch.Tensor:
+        """The weight [N, K] float32 the kernel multiplies by (for tests and error reports)."""
+        if self.bits == 8:
+            w = self.qweight.float().view(n, k // INT4_GROUP, INT4_GROUP) * self.scales[..., None]
+        else:
+            b = self.qweight.view(n, k // INT4_GROUP, 16)
+            codes = torch.cat([b & 0xF, b >> 4], dim=-1).float()
+            assert self.zeros is not None
+            w = codes * self.scales[..., None] + self.zeros[..., None]
+        return w.reshape(n, k)
+
+def int_gemm_available() -> bool:
+    """Whether ``lockgate::int_linear`` is loaded and vectorized (AVX512-VNNI, AVX512BW or AVX2:
+    ``int_gemm_isa``); call after ``lockgate.kernels.load``. Without a vector path its plain C++
+    loops are correct but far slower than sgemm, so the form is not made."""
+    try:
+        return bool(torch.ops.lockgate.int_linear_vectorized())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def int_gemm_isa() -> str | None:
+    """The vector path ``lockgate::int_linear`` was built with (avx512-vnni, avx512bw, avx2-vnni,
+    avx2, generic), or None when the kernels are not loaded."""
+    try:
+        return str(torch.ops.lockgate.int_linear_isa())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@dataclass(frozen=True)
+class IntGemmWeight:
+    """A 4-bit (Q4_1) or 8-bit (Q8_0) grid weight in ``lockgate::int_linear``'s layout: codes
+    packed for AVX512-VNNI's int16 dot products, scales/zeros per 16 output rows and 32 columns
+    (the layout is documented in ``kernels/csrc/int_gemm.cpp``). Multiplies float32 x of any row
+    count; x is rounded to int16 per row and 32 columns (relative error <= 2^-16 of the block's
+    largest magnitude), the weight's codes are exact."""
+
+    name: typing.ClassVar[str] = "int-gemm"
+    bits: int
+    packed: torch.Tensor  # bits 4: uint8 [N/16, K/4, 32]; bits 8: int8 [N/16, K/2, 32]
+    scales: torch.Tensor  # float16 [N/16, K/32, 16]
+    zeros: torch.Tensor | None  # float16 [N/16, K/32, 16] (bits 4) or None
+    error: float  # largest |weight - dequantized| in quantization steps, float16 scales included
+
+    @staticmethod
+    def fits(shape: tuple[int, ...]) -> bool:
+        n, k = shape
+        return n % 16 == 0 and k % INT4_GROUP == 0
+
+    @staticmethod
+    def from_weight(source: torch.Tensor, bits: int) -> IntGemmWeight:
+        """``source`` [N, K] (full precision) on the grid ``quantize_int4`` / ``quantize_int8``
+        make of it (the same codes the small-step forms use)."""
+        n, k = source.shape
+        if not IntGemmWeight.fits((n, k)) or bits not in (4, 8):
+            raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
+                             f"got [{n}, {k}] at {bits} bits")
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16] float16
+            return t.view(n // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
+
+        zeros: torch.Tensor | None = None
+        if bits == 4:
+            codes, step, low = quantize_int4(source)
+            # (nb, lane, chunk c, pair-in-chunk, column-in-pair) -> (nb, c, lane, column-in-pair, pair-in-chunk)
+            c = codes.view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3).to(torch.uint8)
+            packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, k // 4, 32).contiguous()
+            zeros = per_block(low)
+        else:
+            codes8, step = quantize_int8(source)
+            packed = codes8.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
+        made = IntGemmWeight(bits, packed, per_block(step), zeros, 0.0)
+        return dataclasses.replace(made, error=grid_error(made.dequantize(n, k), source, step))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype (the kernel takes and gives float32: a 16-bit x is
+        widened, exactly, and the result rounded once)."""
+        y = torch.ops.lockgate.int_linear(x.float().contiguous(), self.packed, self.scales, self.zeros, self.bits)
+        if bias is not None:
+            y = y + bias
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``);
+        float32 runs only (the operator passes x to ``int_linear`` as it is)."""
+        return 100 + self.bits, [self.packed, self.scales, _NONE if self.zeros is None else self.zeros]
+
+    def dequantize(self, n: int, k: int) -> torch.Tensor:
+        """The weight [N, K] float32 the kernel multiplies by (for tests)."""
+        if self.bits == 4:
+            b = self.packed.view(n // 16, k // 4, 16, 2)
+            lo, hi = (b & 0xF), (b >> 4)  # [nb, c, lane, column-in-pair]
+            codes = torch.stack([lo, hi], dim=-2).permute(0, 2, 1, 3, 4).reshape(n, k).float()
+        else:
+            codes = self.packed.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).float()
+        scales = self.scales.permute(0, 2, 1).reshape(n, k // INT4_GROUP).float()
+        w = codes.view(n, k // INT4_GROUP, INT4_GROUP) * scales[..., None]
+        if self.zeros is not None:
+            w = w + self.zeros.permute(0, 2, 1).reshape(n, k // INT4_GROUP).float()[..., None]
+        return w.reshape(n, k)
+
+
+Form = DenseWeight | Fp32Weight | Int4Weight | GroupQuantWeight | IntGemmWeight
+
+
+def grid_bits(source: torch.Tensor, mode: str, kernels: bool) -> tuple[int, float] | None:
+    """The grid a weight's quantized forms use for ``--quantization`` ``mode``, and what it loses
+    (largest error in quantization steps): none -> None; int4 -> 4 bits; auto -> 4 bits when
+    ``source`` already lies on a 4-bit grid of 32 columns, else 8 on an 8-bit one (lockgate's
+    kernels only: torch has no such form), else None."""
+    if mode not in INT4_MODES:
+        raise ValueError(f"quantization mode {mode!r} is not one of {INT4_MODES}")
+    if mode == "none" or source.shape[1] % INT4_GROUP:
+        return None
+    n, k = source.shape
+    codes, step, low = quantize_int4(source)
+    back = (codes.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None] + low[..., None]).view(n, k)
+    error4 = grid_error(back, source, step)
+    if mode == "int4" or error4 <= LOSSLESS_TOLERANCE:
+        return 4, error4
+    if not kernels:
+        return None
+    codes8, step8 = quantize_int8(source)
+    back8 = (codes8.view(n, k // INT4_GROUP, INT4_GROUP).float() * step8[..., None]).view(n, k)
+    error8 = grid_error(back8, source, step8)
+    return (8, error8) if error8 <= LOSSLESS_TOLERANCE else None
+
+
+def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kernels: bool, *,
+               fp32: bool = False, source_bias: torch.Tensor | None = None,
+               want: Collection[str] | None = None) -> dict[str, Form]:
+    """A projection's forms besides ``dense`` for a run in ``dtype``: ``source`` [N, K] is the
+    weight at full precision (before rounding to ``dtype``). ``fp32``: make the float32 copy
+    (16-bit runs; the caller checked memory). ``kernels``: lockgate's kernels are loaded
+    (group-quant; int-gemm where ``int_linear`` is vectorized). ``want``: make only these (None:
+    every form the weight can have)."""
+
+    def wanted(name: str) -> bool:
+        return want is None or name in want
+
+    forms: dict[str, Form] = {}
+    if fp32 and dtype != torch.float32 and wanted("fp32"):
+        forms["fp32"] = Fp32Weight(source, source_bias)
+    if not any(wanted(q) for q in QUANTIZED_FORMS):
+        return forms
+    grid = grid_bits(source, quantization, kernels)
+    if grid is None:
+        return forms
+    bits, grid_loss = grid
+    on_cpu = source.device.type == "cpu"
+    if bits == 4 and wanted("torch-int4") and not int4_unfit_reason(tuple(source.shape), dtype, source.device):
+        forms["torch-int4"] = Int4Weight.from_weight(source, int4_activation_dtype(dtype))
+    if kernels and on_cpu and wanted("group-quant"):
+        forms["group-quant"] = GroupQuantWeight.from_weight(source, bits)
+    if kernels and on_cpu and wanted("int-gemm") and IntGemmWeight.fits(tuple(source.shape)) and int_gemm_available():
+        ig = IntGemmWeight.from_weight(source, bits)
+        # float16 scales are exact for GGUF grids. Where they would round: a lossless grid stays
+        # lossless by not having this form; a lossy one (``int4`` on a 16-bit checkpoint) may lose
+        # up to 1/16 step more (float16 scales: <= 15 * 2^-11 step; torch's bf16 ones lose 15 * 2^-8)
+        limit = LOSSLESS_TOLERANCE if grid_loss <= LOSSLESS_TOLERANCE else grid_loss + 1 / 16
+        if ig.error <= limit:
+            forms["int-gemm"] = ig
+    return forms

@@ -1,0 +1,459 @@
+"""Measured kernel choice: which matmul form serves which calls, which dtype, which decode attention.
+
+Owns timing the forms a loaded model's projections have (``lockgate.layers.forms``) at that
+model's shapes on the CPU at hand, turning the timings into one ``FormChoice`` per projection
+role (qkv, o, gate_up, down, head), choosing ``--dtype auto`` and the decode attention path the
+same way, and caching all of it on disk. Nothing here reads CPU flags to decide: flags only go
+into the cache key and the log.
+
+How a measurement runs (``measure_forms``), built to survive a noisy, shared host:
+
+* Calls of r rows for every r in ``POINTS``. For small r a pass calls every layer's projection
+  of each role in layer order, as a decode step does, so the weights stream from memory as they
+  do in a step (timing one layer again and again would find it in cache); from 24 rows on, where
+  the arithmetic dominates, a pass covers fewer layers (``_layers_for``). The LM head is timed
+  at up to ``HEAD_MAX_ROWS`` rows (it only ever sees one row per sampled sequence).
+* ``ROUNDS`` rounds; within a round every form makes one pass, and the order of the forms
+  rotates from round to round, so drifts of the host's speed hit them alike. The figure of a
+  form is the median over rounds of its mean milliseconds per call.
+* ``winner``: the fastest median, unless a form earlier in ``FORM_NAMES`` (more exact, or no
+  extra memory) is within ``MARGIN`` of it, judged on the per-round paired ratios: then that one.
+  A one-point island between two agreeing neighbours is smoothed away when the neighbours' form
+  is within twice the margin there.
+* A form (not dense) more than ``PRUNE_RATIO`` x slower than the best whose cost already grows
+  linearly with the rows (over at least a doubling) is not timed at larger row counts (it cannot
+  catch up: no form grows slower than linearly), which keeps scalar fallbacks from costing seconds.
+
+``--dtype auto`` (``choose_dtype``): one layer of the model's shapes, synthetic weights, at 64
+and 256 rows (where the arithmetic decides): bf16 when its dense form beats the best float32
+form (dense sgemm or the integer GEMM) by more than ``DTYPE_MARGIN`` at both sizes, else float32
+(the more exact). Decode attention (``choose_attention``): lockgate's kernel unless SDPA is at
+least ``ATTENTION_MARGIN`` faster, since the kernel also makes a sequence's result independent
+of its batch and enables the one-call decode step.
+
+Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``), the hash
+over ``TuningKey``: the CPU's model name and full flag list, torch's thread count and version,
+the kernels' build name (their sources' hash), ``TUNING_VERSION``, the model's shape and the
+forms each role has. One process measures at a time under an ``flock`` (replicas of one server
+start together: the second finds the first's result). A corrupt or foreign file is measured
+again. Invariant: a decision depends only on the stored figures (``decide``), so a cached file
+gives the same table it gave when it was measured.
+
+Called by ``lockgate.runner.model_runner`` (at start) and ``lockgate tune`` (``lockgate.cli``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lockgate.kernel_choice import FORM_NAMES, FormChoice
+from lockgate.layers.attention import AttentionMetadata, paged_attention
+from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, quantize_int4
+
+log = logging.getLogger("lockgate.tuning")
+
+TUNING_VERSION = 1  # bump when what is measured or how it is decided changes
+POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+HEAD_MAX_ROWS = 256
+ROUNDS = 3
+MARGIN = 0.05  # a more exact form within 5% of the fastest is kept
+PRUNE_RATIO = 2.0
+DTYPE_MARGIN = 0.10
+ATTENTION_MARGIN = 0.25
+ROLES = ("qkv", "o", "gate_up", "down", "head")
+
+
+# ---- the CPU and the key ----
+
+def cpu_description() -> dict[str, str]:
+    """The CPU's model name and its /proc/cpuinfo flags (Linux; what is known elsewhere)."""
+    name, flags = platform.processor() or platform.machine(), ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = value.strip()
+                break
+    return {"cpu": name, "flags": flags}
+
+
+def notable_flags(flags: str) -> str:
+    """The flags that tell CPU classes apart, for logs (the key keeps all of them)."""
+    keep = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
+            "amx_tile")
+    have = set(flags.split())
+    return " ".join(f for f in keep if f in have) or "none of avx2/avx512/amx"
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """Everything a measurement depends on. Two runs with equal keys may share a result."""
+
+    kind: str  # "forms" or "dtype"
+    cpu: str
+    flags: str
+    threads: int
+    torch: str
+    kernels: str  # the kernels' build name (hash of their sources, flags, compiler) or "none"
+    shape: dict[str, int]  # the model's dimensions
+    dtype: str
+    forms: dict[str, list[str]] = field(default_factory=dict)  # role -> forms it has (kind "forms")
+    version: int = TUNING_VERSION
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LOCKGATE_CACHE_DIR") or str(Path.home() / ".cache" / "lockgate")
+    return Path(root).expanduser() / "tuning"
+
+
+@contextlib.contextmanager
+def _locked(key: TuningKey) -> Iterator[Path]:
+    """The cache file of ``key``, held under an exclusive lock (the OS drops it if we die)."""
+    where = cache_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{key.kind}-{key.digest()}.json"
+    with open(path.with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield path
+
+
+def _read(path: Path, key: TuningKey) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == asdict(key) else None
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def cached(key: TuningKey, measure: Callable[[], dict[str, Any]], refresh: bool = False) -> tuple[dict[str, Any], bool]:
+    """(the stored result for ``key``, whether it came from the cache); measured (and stored) when
+    missing, unreadable or ``refresh``."""
+    with _locked(key) as path:
+        data = None if refresh else _read(path, key)
+        if data is not None:
+            data["path"] = str(path)
+            return data, True
+        t0 = time.perf_counter()
+        result = measure()
+        data = {"key": asdict(key), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "seconds": round(time.perf_counter() - t0, 2), **result}
+        try:
+            _write(path, data)
+        except OSError as e:  # a read-only cache: keep going with what was measured
+            log.warning("could not store the tuning result in %s: %s", path, e)
+        data["path"] = str(path)
+        return data, False
+
+
+# ---- deciding ----
+
+def winner(times: dict[str, list[float]], margin: float = MARGIN) -> str:
+    """The form to use given each form's per-round times (ms, rounds paired by index): the
+    fastest by median, or a form earlier in FORM_NAMES whose paired ratio (fastest / it) has a
+    median >= 1 - margin."""
+    med = {f: statistics.median(ts) for f, ts in times.items() if ts}
+    best = min(med, key=lambda f: (med[f], FORM_NAMES.index(f)))
+    for f in sorted(med, key=FORM_NAMES.index):
+        if f == best:
+            return f
+        pairs = [b / t for b, t in zip(times[best], times[f], strict=False) if t > 0]
+        if pairs and statistics.median(pairs) >= 1 - margin:
+            return f
+    return best
+
+
+def decide(samples: dict[str, dict[str, dict[str, list[float]]]], margin: float = MARGIN) -> dict[str, FormChoice]:
+    """Per role, the FormChoice the figures give: calls of r rows take the winner at the
+    smallest measured point >= r (beyond the last point, its winner). ``samples``: role -> form
+    -> point (str) -> per-round ms."""
+    out: dict[str, FormChoice] = {}
+    for role, by_form in samples.items():
+        points = sorted({int(p) for ts in by_form.values() for p in ts})
+        if not points:
+            continue
+        at = {p: {f: ts[str(p)] for f, ts in by_form.items() if ts.get(str(p))} for p in points}
+        wins = [winner(at[p], margin) for p in points]
+        for i in range(1, len(points) - 1):  # smooth a one-point island
+            before, after = wins[i - 1], wins[i + 1]
+            if before == after != wins[i] and before in at[points[i]]:
+                if winner({before: at[points[i]][before], wins[i]: at[points[i]][wins[i]]}, 2 * margin) == before:
+                    wins[i] = before
+        out[role] = FormChoice.merged(list(zip(points, wins, strict=True)))
+    return out
+
+
+# ---- measuring the forms ----
+
+def _layers_for(rows: int, n_layers: int) -> int:
+    """Layers a pass covers at ``rows`` rows: all of them while the weights' bytes decide (<= 16
+    rows: decode), fewer as the arithmetic takes over (each pass then costs about the same)."""
+    return n_layers if rows <= 16 else max(2, min(n_layers, math.ceil(n_layers * 16 / rows)))
+
+
+def _in_features(role: str, projections: dict[str, list[Any]]) -> int:
+    return int(projections[role][0].weight.shape[1])
+
+
+def measure_forms(projections: dict[str, list[Any]], dtype: torch.dtype, points: tuple[int, ...] = POINTS,
+                  rounds: int = ROUNDS) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Time every form of every role (``projections``: role -> its ``Linear`` objects, layer
+    order; the LM head under ``head``) at each row count; role -> form -> point -> per-round
+    mean ms per call. Forms pruned at some point have no figures beyond it."""
+    layer_roles = [r for r in ROLES if r != "head" and r in projections]
+    n_layers = len(projections[layer_roles[0]]) if layer_roles else 0
+    alive = {role: {f for lin in lins for f in lin.forms} for role, lins in projections.items()}
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {role: {} for role in projections}
+    previous: dict[tuple[str, str], dict[int, float]] = {}
+    g = torch.Generator().manual_seed(0)
+    for rows in points:
+        xs = {role: torch.randn(rows, _in_features(role, projections), generator=g).to(dtype) for role in projections}
+        layers = _layers_for(rows, n_layers)
+        roles_now = [r for r in projections if r != "head" or rows <= HEAD_MAX_ROWS]
+        forms_now = sorted({f for r in roles_now for f in alive[r]}, key=FORM_NAMES.index)
+        _warm(projections, roles_now, alive, xs)
+        for rnd in range(rounds):
+            for f in forms_now[rnd % len(forms_now):] + forms_now[:rnd % len(forms_now)]:
+                for role, ms in _one_pass(projections, roles_now, alive, f, xs, layers).items():
+                    samples[role].setdefault(f, {}).setdefault(str(rows), []).append(ms)
+        _prune(samples, alive, previous, rows, roles_now)
+    return samples
+
+
+def _warm(projections: dict[str, list[Any]], roles: list[str], alive: dict[str, set[str]],
+          xs: dict[str, torch.Tensor]) -> None:
+    """One untimed call of every form at this size (allocator, first-touch, lazy init)."""
+    with torch.inference_mode():
+        for role in roles:
+            lin = projections[role][0]
+            for f in alive[role]:
+                if f in lin.forms:
+                    lin.forms[f](xs[role], lin.bias)
+
+
+def _one_pass(projections: dict[str, list[Any]], roles: list[str], alive: dict[str, set[str]], form: str,
+              xs: dict[str, torch.Tensor], layers: int) -> dict[str, float]:
+    """Mean ms per call of ``form`` for each role that has it: layers in order, every role of a
+    layer in turn (as a step calls them), then the head."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    order = [(i, role) for i in range(layers) for role in roles if role != "head"]
+    if "head" in roles:
+        order.append((0, "head"))
+    clock = time.perf_counter
+    with torch.inference_mode():
+        for i, role in order:
+            if form not in alive[role]:
+                continue
+            lin = projections[role][i]
+            fn: Form | None = lin.forms.get(form)
+            if fn is None:
+                continue
+            t0 = clock()
+            fn(xs[role], lin.bias)
+            total[role] = total.get(role, 0.0) + clock() - t0
+            count[role] = count.get(role, 0) + 1
+    return {role: 1e3 * total[role] / count[role] for role in total}
+
+
+def _prune(samples: dict[str, dict[str, dict[str, list[float]]]], alive: dict[str, set[str]],
+           previous: dict[tuple[str, str], dict[int, float]], rows: int, roles: list[str]) -> None:
+    """Stop timing a form (never dense: it is every projection's fallback) that is more than
+    PRUNE_RATIO x slower than the best at ``rows`` and whose cost already grew linearly since a
+    point at most half as large (a shorter step is too noisy to tell)."""
+    for role in roles:
+        med = {f: statistics.median(samples[role][f][str(rows)]) for f in alive[role]
+               if str(rows) in samples[role].get(f, {})}
+        if not med:
+            continue
+        best = min(med.values())
+        for f, m in med.items():
+            seen = previous.setdefault((role, f), {})
+            half = [r for r in seen if r <= rows / 2]
+            linear = bool(half) and m / seen[max(half)] >= 0.8 * rows / max(half)
+            if f != "dense" and m > PRUNE_RATIO * best and linear:
+                alive[role].discard(f)
+            seen[rows] = m
+
+
+# ---- dtype and attention ----
+
+def _synthetic_grid(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """A [N, K] float32 weight on a 4-bit grid of 32 columns (what a Q4 checkpoint holds)."""
+    w = torch.randn(n, k, generator=g) * 0.02
+    codes, step, low = quantize_int4(w)
+    return (codes.view(n, k // 32, 32).float() * step[..., None] + low[..., None]).view(n, k)
+
+
+def measure_dtypes(shapes: list[tuple[int, int]], int_gemm: bool, rounds: int = ROUNDS,
+                   points: tuple[int, ...] = (64, 256)) -> dict[str, dict[str, list[float]]]:
+    """Per point, per candidate ("bfloat16/dense", "float32/dense", "float32/int-gemm"), the
+    per-round ms of one pass over one layer's projections (``shapes``: [N, K] each) with
+    synthetic weights. Stops early when bf16 is more than 3x the float32 dense time at the
+    first point (an emulated bf16 matmul: no need to wait on it twice)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [_synthetic_grid(n, k, g) for n, k in shapes]
+    cands: dict[str, list[Form]] = {
+        "float32/dense": [DenseWeight(w) for w in weights],
+        "bfloat16/dense": [DenseWeight(w.bfloat16()) for w in weights],
+    }
+    if int_gemm and all(IntGemmWeight.fits((n, k)) for n, k in shapes):
+        cands["float32/int-gemm"] = [IntGemmWeight.from_weight(w, 4) for w in weights]
+    out: dict[str, dict[str, list[float]]] = {}
+    with torch.inference_mode():
+        for rows in points:
+            xs = [torch.randn(rows, k, generator=g) for _, k in shapes]
+            at: dict[str, list[float]] = {c: [] for c in cands}
+            names = list(cands)
+            for c in names:  # warm-up
+                for form, x in zip(cands[c], xs, strict=True):
+                    form(x.to(torch.bfloat16) if c.startswith("bfloat16") else x, None)
+            for rnd in range(rounds):
+                for c in names[rnd % len(names):] + names[:rnd % len(names)]:
+                    ins = [x.to(torch.bfloat16) if c.startswith("bfloat16") else x for x in xs]
+                    t0 = time.perf_counter()
+                    for form, x in zip(cands[c], ins, strict=True):
+                        form(x, None)
+                    at[c].append(1e3 * (time.perf_counter() - t0))
+            out[str(rows)] = at
+            if statistics.median(at["bfloat16/dense"]) > 3 * statistics.median(at["float32/dense"]):
+                break
+    return out
+
+
+def decide_dtype(figures: dict[str, dict[str, list[float]]], margin: float = DTYPE_MARGIN) -> str:
+    """bfloat16 when its dense form beats every float32 candidate by more than ``margin`` at
+    every measured point (paired per round), else float32."""
+    if not figures:
+        return "float32"
+    for at in figures.values():
+        bf16 = at["bfloat16/dense"]
+        for c, ts in at.items():
+            if c.startswith("float32"):
+                ratios = [b / t for b, t in zip(bf16, ts, strict=False) if t > 0]
+                if not ratios or statistics.median(ratios) > 1 - margin:
+                    return "float32"
+    return "bfloat16"
+
+
+def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
+                      batch: int = 16, context: int = 256, rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Per-round ms of a decode step's attention over ``layers`` layers (batch sequences of
+    ``context`` keys, each one contiguous run of a synthetic pool), on lockgate's kernel and
+    on gathers + SDPA."""
+    g = torch.Generator().manual_seed(0)
+    cap = batch * context
+    k_cache = torch.randn(layers, cap, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(layers, cap, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
+    ones = np.ones(batch, np.int64)
+    seq = np.full(batch, context, np.int64)
+    slots = np.arange(cap, dtype=np.int64)
+    offsets = np.arange(0, cap + 1, context, dtype=np.int64)
+    out_slots = offsets[1:] - 1
+    metas = {name: AttentionMetadata.build(ones, seq, slots, offsets, out_slots, num_heads // num_kv_heads,
+                                           decode_kernel=name == "kernel") for name in ("kernel", "sdpa")}
+    scale = 1.0 / math.sqrt(head_dim)
+    times: dict[str, list[float]] = {n: [] for n in metas}
+    with torch.inference_mode():
+        for meta in metas.values():
+            paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
+        for rnd in range(rounds):
+            names = list(metas)[rnd % 2:] + list(metas)[:rnd % 2]
+            for name in names:
+                t0 = time.perf_counter()
+                for i in range(layers):
+                    paged_attention(q, None, None, k_cache[i], v_cache[i], metas[name], scale)
+                times[name].append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def decide_attention(times: dict[str, list[float]], margin: float = ATTENTION_MARGIN) -> str:
+    """"kernel" unless SDPA's paired ratio to it has a median <= 1 - margin."""
+    if "kernel" not in times or not times["kernel"]:
+        return "sdpa"
+    ratios = [s / k for s, k in zip(times.get("sdpa", []), times["kernel"], strict=False) if k > 0]
+    return "sdpa" if ratios and statistics.median(ratios) <= 1 - margin else "kernel"
+
+
+# ---- reports ----
+
+def medians(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    return {role: {f: {p: round(statistics.median(ts), 4) for p, ts in by_p.items()} for f, by_p in by_f.items()}
+            for role, by_f in samples.items()}
+
+
+def describe(choices: dict[str, FormChoice]) -> list[str]:
+    return [f"  {role:<8} {choices[role].describe()}" for role in ROLES if role in choices]
+
+
+def figures_table(samples: dict[str, dict[str, dict[str, list[float]]]], choices: dict[str, FormChoice]) -> str:
+    """Median ms per call, per role and row count, every form measured; * marks the chosen one."""
+    lines = []
+    for role in ROLES:
+        if role not in samples:
+            continue
+        by_form = samples[role]
+        forms = sorted(by_form, key=FORM_NAMES.index)
+        points = sorted({int(p) for ts in by_form.values() for p in ts})
+        lines.append(f"{role} (ms per call)")
+        lines.append("  rows  " + "".join(f"{f:>13}" for f in forms))
+        for p in points:
+            chosen = choices[role].pick(p) if role in choices else None
+            cells = []
+            for f in forms:
+                ts = by_form[f].get(str(p))
+                cell = "-" if not ts else f"{statistics.median(ts):.3f}{'*' if f == chosen else ' '}"
+                cells.append(f"{cell:>13}")
+            lines.append(f"  {p:>4}  " + "".join(cells))
+    return "\n".join(lines)
+
+
+def report(tuned: dict[str, Any], dtype_info: dict[str, Any], dtype: str) -> str:
+    """What ``lockgate tune`` prints: the machine, how the dtype was chosen, the table per role,
+    the decode attention path, and every figure measured."""
+    cpu = cpu_description()
+    lines = [f"CPU: {cpu['cpu']} ({notable_flags(cpu['flags'])}), {torch.get_num_threads()} threads, "
+             f"torch {torch.__version__}, int_linear path {tuned.get('int_gemm_isa') or 'not built'}",
+             f"dtype: {dtype} ({dtype_info.get('how', '')})"]
+    for rows, at in dtype_info.get("ms_per_layer_pass", {}).items():
+        lines.append(f"  one layer's projections at {rows} rows: "
+                     + ", ".join(f"{c} {ms:.2f} ms" for c, ms in at.items()))
+    lines.append(f"matmul forms ({tuned.get('source', '')}):")
+    lines += [f"  {role:<8} {FormChoice.parse(text).describe()}" for role, text in tuned.get("choices", {}).items()]
+    att = tuned.get("attention_ms") or {}
+    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in att.items() if ts)
+    lines.append(f"decode attention: {'lockgate kernel' if tuned.get('decode_attention') == 'kernel' else 'gathers + SDPA'}"
+                 + (f" (a decode step's layers at batch 16 x 256 keys: {figures})" if figures else ""))
+    samples = tuned.get("samples") or {}
+    if samples:
+        choices = {role: FormChoice.parse(text) for role, text in tuned.get("choices", {}).items()}
+        lines += ["", "median ms per call (* = chosen; - = not measured: pruned, or beyond the head's rows):",
+                  figures_table(samples, choices)]
+    return "\n".join(lines)
