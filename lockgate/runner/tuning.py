@@ -201,9 +201,10 @@ def decide(samples: dict[str, dict[str, dict[str, list[float]]]], margin: float 
         at = {p: {f: ts[str(p)] for f, ts in by_form.items() if ts.get(str(p))} for p in points}
         wins = [winner(at[p], margin) for p in points]
         for i in range(1, len(points) - 1):  # smooth a one-point island
-            before, after = wins[i - 1], wins[i + 1]
-            if before == after != wins[i] and before in at[points[i]]:
-                if winner({before: at[points[i]][before], wins[i]: at[points[i]][wins[i]]}, 2 * margin) == before:
+            before, after, here = wins[i - 1], wins[i + 1], at[points[i]]
+            if before == after != wins[i] and before in here:
+                ratios = [t / n for t, n in zip(here[wins[i]], here[before], strict=False) if n > 0]
+                if ratios and statistics.median(ratios) >= 1 - 2 * margin:  # the neighbours' form is close
                     wins[i] = before
         out[role] = FormChoice.merged(list(zip(points, wins, strict=True)))
     return out

@@ -199,9 +199,14 @@ void attend_rows_avx2(const float* qf, const TKV* kc, const TKV* vc, const int64
   constexpr int kHeld = NV < 8 ? NV : 8;  // key vectors held at a time
   for (int64_t j = 0; j < n; ++j) {
     const TKV* kr = kc + (sl[j] * hkv + kv) * d;
-    if (j + kPrefetch256 < n) {
-      const char* ahead = reinterpret_cast<const char*>(kc + (sl[j + kPrefetch256] * hkv + kv) * d);
-      for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(TKV)); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    if (j + kPrefetch256 < n) {  // this key's row ahead, and its value row for the second pass
+      const int64_t row = (sl[j + kPrefetch256] * hkv + kv) * d;
+      const char* ka = reinterpret_cast<const char*>(kc + row);
+      const char* va = reinterpret_cast<const char*>(vc + row);
+      for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(TKV)); o += 64) {
+        _mm_prefetch(ka + o, _MM_HINT_T0);
+        _mm_prefetch(va + o, _MM_HINT_T1);
+      }
     }
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -218,9 +223,7 @@ void attend_rows_avx2(const float* qf, const TKV* kc, const TKV* vc, const int64
   for (int v0 = 0; v0 < NV; v0 += 2) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      if (j + kPrefetch256 < n)
-        _mm_prefetch(reinterpret_cast<const char*>(vc + (sl[j + kPrefetch256] * hkv + kv) * d + 8 * v0), _MM_HINT_T0);
+    for (int64_t j = 0; j < n; ++j) {  // (the scores pass prefetched every value row)
       const TKV* vr = vc + (sl[j] * hkv + kv) * d + 8 * v0;
       const __m256 v_lo = load8(vr), v_hi = load8(vr + 8);
       for (int r = 0; r < R; ++r) {

@@ -86,6 +86,7 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = 16;             // output rows per zmm
 constexpr int kTileN = 3;                  // zmm of output rows per tile (48 rows)
 constexpr int kTileM = 4;                  // x rows per register block
+constexpr int kTileM256 = 4;               // the same on the 256-bit paths (6 x 2 int32 sums in 16 ymm)
 constexpr int64_t kBlockK = 256;           // columns widened at a time (48 rows * 256 * 2 B = 24 KB)
 constexpr int64_t kPairsPerGroup = kGroup / 2;
 constexpr int64_t kChunkM = 128;           // x rows per pass over a thread's tiles
@@ -580,8 +581,10 @@ void rows_of_tile(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k
     // the tile's 2 NR halves in pairs, x rows 4 at a time
     for (int h0 = 0; h0 < 2 * NR; h0 += 2) {
       int64_t r = m0;
-      for (; r + kTileM <= m1; r += kTileM) tile_avx2<kTileM, 2>(job, r, nb0, h0, k0, kb, buf, first);
+      for (; r + kTileM256 <= m1; r += kTileM256) tile_avx2<kTileM256, 2>(job, r, nb0, h0, k0, kb, buf, first);
       switch (m1 - r) {
+        case 5: tile_avx2<5, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
+        case 4: tile_avx2<4, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
         case 3: tile_avx2<3, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
         case 2: tile_avx2<2, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
         case 1: tile_avx2<1, 2>(job, r, nb0, h0, k0, kb, buf, first); break;

@@ -1,0 +1,208 @@
+"""The measured kernel choice (lockgate.runner.tuning): how figures become a table, how the
+cache is keyed and shared, and the real measurement on the default model through
+``lockgate tune``.
+
+The decision tests feed synthetic per-round figures to the pure functions (``winner``,
+``decide``, ``decide_dtype``, ``decide_attention``): what a noisy host could produce, with a
+known right answer. The measurement itself is real (real model, real kernels, this CPU); its
+outcome depends on the CPU, so those tests check properties every outcome must have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from lockgate.kernel_choice import FormChoice
+from lockgate.layers.linear import Linear
+from lockgate.runner import tuning
+
+
+def test_winner_takes_the_fastest_unless_a_more_exact_form_is_within_noise() -> None:
+    # int-gemm is 30% faster in every round: it wins over dense
+    assert tuning.winner({"dense": [1.0, 1.1, 0.9], "int-gemm": [0.7, 0.77, 0.63]}) == "int-gemm"
+    # 3% faster (paired): within the 5% margin, the more exact (earlier in FORM_NAMES) form stays
+    assert tuning.winner({"dense": [1.0, 1.2, 0.8], "int-gemm": [0.97, 1.164, 0.776]}) == "dense"
+    # a host that slowed down in round 2 for everyone: pairing by round keeps the verdict
+    assert tuning.winner({"dense": [1.0, 3.0, 1.0], "int-gemm": [0.5, 1.5, 0.5]}) == "int-gemm"
+    # one lucky round does not make a winner: the median paired ratio decides
+    assert tuning.winner({"dense": [1.0, 1.0, 1.0], "torch-int4": [0.5, 1.02, 1.01]}) == "dense"
+    # among quantized forms, group-quant (exact float32 math) is preferred over torch-int4 (bf16 x)
+    assert tuning.winner({"group-quant": [1.0, 1.0, 1.0], "torch-int4": [0.98, 0.99, 0.97]}) == "group-quant"
+
+
+def test_decide_builds_row_ranges_and_smooths_one_point_islands() -> None:
+    def figures(ms: dict[str, list[float]]) -> dict[str, dict[str, list[float]]]:
+        points = [1, 2, 4, 8, 16, 32, 64]
+        return {f: {str(p): [v] * 3 for p, v in zip(points, vals, strict=True)} for f, vals in ms.items()}
+
+    samples = {"qkv": figures({"dense": [10, 10, 10, 10, 10, 12, 14],
+                               "int-gemm": [2, 3, 4, 6, 9, 13, 20]}),
+               # o: int-gemm wins 1-8, loses by 8% at 16 (an island between two int-gemm points: within
+               # 2x the margin, smoothed), then loses for good
+               "o": figures({"dense": [10, 10, 10, 10, 10, 10, 10],
+                             "int-gemm": [2, 3, 4, 6, 10.8, 9, 30]})}
+    got = tuning.decide(samples)
+    assert str(got["qkv"]) == "int-gemm:16,dense"
+    assert got["qkv"].pick(17) == "dense" and got["qkv"].pick(10**5) == "dense" and got["qkv"].pick(9) == "int-gemm"
+    assert str(got["o"]) == "int-gemm:32,dense"
+
+
+def test_decide_keeps_a_real_island() -> None:
+    points = [1, 2, 4]
+    samples = {"down": {"dense": {str(p): [v] * 3 for p, v in zip(points, [10, 10, 10], strict=True)},
+                        "int-gemm": {str(p): [v] * 3 for p, v in zip(points, [5, 20, 5], strict=True)}}}
+    assert str(tuning.decide(samples)["down"]) == "int-gemm:1,dense:2,int-gemm"
+
+
+def test_dtype_decision_needs_bf16_faster_everywhere() -> None:
+    fast = {"64": {"bfloat16/dense": [1.0, 1.1, 1.0], "float32/dense": [3.0, 3.3, 3.0], "float32/int-gemm": [2.0] * 3},
+            "256": {"bfloat16/dense": [4.0] * 3, "float32/dense": [12.0] * 3, "float32/int-gemm": [9.0] * 3}}
+    assert tuning.decide_dtype(fast) == "bfloat16"
+    close = {**fast, "256": {"bfloat16/dense": [4.0] * 3, "float32/dense": [12.0] * 3, "float32/int-gemm": [4.2] * 3}}
+    assert tuning.decide_dtype(close) == "float32"  # 5% faster than the integer GEMM: not worth bf16's rounding
+    emulated = {"64": {"bfloat16/dense": [25.0] * 3, "float32/dense": [5.0] * 3}}  # stopped after one point
+    assert tuning.decide_dtype(emulated) == "float32"
+    assert tuning.decide_dtype({}) == "float32"
+
+
+def test_attention_decision_prefers_the_kernel() -> None:
+    assert tuning.decide_attention({"kernel": [10.0] * 3, "sdpa": [8.5] * 3}) == "kernel"  # 15% is not enough
+    assert tuning.decide_attention({"kernel": [10.0] * 3, "sdpa": [7.0] * 3}) == "sdpa"
+    assert tuning.decide_attention({}) == "sdpa"  # no kernel built
+
+
+def _grid(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    step = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    return (codes * step - 7.5 * step).view(n, k)
+
+
+class _Spin:
+    """A stand-in form that takes a known time (busy-waiting: no sleep granularity): ``fixed`` ms
+    plus ``per_row`` ms per row of x. The timing loop cannot tell it from a kernel."""
+
+    def __init__(self, name: str, fixed: float, per_row: float) -> None:
+        self.name, self.fixed, self.per_row = name, fixed, per_row
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self.calls += 1
+        end = time.perf_counter() + 1e-3 * (self.fixed + self.per_row * x.shape[0])
+        while time.perf_counter() < end:
+            pass
+        return x.new_zeros(x.shape[0], 64)
+
+
+def test_measure_forms_times_every_form_and_prunes_hopeless_ones() -> None:
+    # Forms with known costs (a busy host cannot blur them: they burn the time themselves):
+    # "int-gemm" wins up to 4 rows, "dense" beyond; "group-quant" is hopeless, grows linearly and
+    # must stop being timed once that is clear, and never come back.
+    forms = {"dense": _Spin("dense", 0.1, 0.0), "int-gemm": _Spin("int-gemm", 0.0, 0.02),
+             "group-quant": _Spin("group-quant", 0.0, 0.5)}
+    lins = []
+    for i in range(3):
+        lin = Linear(_grid(64, 96, seed=i))
+        lin.forms = dict(forms)  # type: ignore[arg-type]
+        lins.append(lin)
+    points = (1, 2, 4, 8, 16, 32)
+    samples = tuning.measure_forms({"qkv": lins}, torch.float32, points=points, rounds=3)
+    got = samples["qkv"]
+    assert set(got) == {"dense", "int-gemm", "group-quant"}
+    assert all(len(got["dense"][str(p)]) == 3 for p in points)  # dense is never pruned
+    slow = sorted(int(p) for p in got["group-quant"])
+    assert slow == [1, 2]  # 5x the best at 1 row; at 2 rows twice that: linear, pruned
+    # at 16 rows 3.2x dense and doubled since 8: not timed at 32
+    assert sorted(int(p) for p in got["int-gemm"]) == [1, 2, 4, 8, 16]
+    for p in points:  # every figure is what the form costs, up to timer noise
+        assert min(got["dense"][str(p)]) == pytest.approx(0.1, rel=0.5)
+    assert str(tuning.decide(samples)["qkv"]) == "int-gemm:4,dense"
+
+
+def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path))
+    key = tuning.TuningKey(kind="forms", cpu="cpu", flags="avx2", threads=2, torch="t", kernels="k",
+                           shape={"hidden": 8}, dtype="float32", forms={"qkv": ["dense", "int-gemm"]})
+    calls = []
+
+    def measure() -> dict:
+        calls.append(1)
+        time.sleep(0.2)  # long enough for the other thread to queue on the lock
+        return {"choices": {"qkv": "int-gemm:8,dense"}}
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(tuning.cached(key, measure))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1  # the second waited for the first and read its result
+    assert sorted(hit for _, hit in results) == [False, True]
+    assert all(data["choices"] == {"qkv": "int-gemm:8,dense"} for data, _ in results)
+    # another thread count is another key; a corrupt file is measured again; refresh measures again
+    other = tuning.TuningKey(**{**key.__dict__, "threads": 1})
+    assert other.digest() != key.digest()
+    path = tmp_path / "tuning" / f"forms-{key.digest()}.json"
+    path.write_text("{not json")
+    assert tuning.cached(key, measure)[1] is False and len(calls) == 2
+    assert tuning.cached(key, measure)[1] is True
+    assert tuning.cached(key, measure, refresh=True)[1] is False and len(calls) == 3
+    stored = json.loads(path.read_text())
+    assert stored["key"]["flags"] == "avx2" and stored["key"]["version"] == tuning.TUNING_VERSION
+
+
+def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it() -> None:
+    """``lockgate tune --tuning refresh`` on the real model (real kernels, this CPU): a table
+    for every role whose every span names a form the projections have, every figure positive,
+    and the cache then holds what an engine on the same settings uses."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", "--model", "default", "--tuning", "refresh",
+                        "--json", "--log-level", "WARNING"], capture_output=True, text=True, env=env, timeout=900)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(r.stdout)
+    assert data["dtype"] in ("float32", "bfloat16")
+    assert set(data["choices"]) == {"qkv", "o", "gate_up", "down", "head"}
+    assert data["cached"] is False and 0 < data["seconds"] < took
+    samples = data["samples"]
+    for role, text in data["choices"].items():
+        choice = FormChoice.parse(text)
+        assert choice.names() <= set(samples[role])  # only forms that were measured
+        assert all(t > 0 for by_p in samples[role].values() for ts in by_p.values() for t in ts)
+        assert "1" in samples[role]["dense"]
+    assert data["decode_attention"] in ("kernel", "sdpa")
+    # the human-readable form names the CPU and every role, from the cache this time
+    r2 = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", "--model", "default", "--log-level", "WARNING"],
+                        capture_output=True, text=True, env=env, timeout=600)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "cached" in r2.stdout and "threads" in r2.stdout
+    for role in ("qkv", "o", "gate_up", "down", "head"):
+        assert f"  {role} " in r2.stdout
+    # an engine with the same settings reads that table
+    from lockgate.config import CacheConfig, ModelConfig
+    from lockgate.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelConfig(model="default"), CacheConfig(max_total_tokens=64))
+    assert runner.tuned["cached"] is True and runner.tuned["choices"] == data["choices"]
+    for role, lins in runner.model.projections().items():
+        assert all(str(lin.choice) == data["choices"][role] for lin in lins)
+        assert all(set(lin.forms) <= lin.choice.names() | {"dense"} for lin in lins)  # the rest was freed
+
+
+def test_tune_rejects_bad_input() -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for args, msg in ((["--model", "sim"], "no kernels to tune"), (["--model", "/nope"], "not 'default'"),
+                      (["--matmul-forms", "int9"], "unknown matmul form")):
+        r = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", *args], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
