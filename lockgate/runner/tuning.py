@@ -31,7 +31,8 @@ form (dense sgemm or the integer GEMM) by more than ``DTYPE_MARGIN`` at both siz
 least ``ATTENTION_MARGIN`` faster, since the kernel also makes a sequence's result independent
 of its batch and enables the one-call decode step.
 
-Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``), the hash
+Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``;
+``$LOCKGATE_TUNING_DIR`` moves the tuning files alone), the hash
 over ``TuningKey``: the CPU's model name and full flag list, torch's thread count and version,
 the kernels' build name (their sources' hash), ``TUNING_VERSION``, the model's shape and the
 forms each role has. One process measures at a time under an ``flock`` (replicas of one server
@@ -123,6 +124,9 @@ class TuningKey:
 
 
 def cache_dir() -> Path:
+    """``$LOCKGATE_TUNING_DIR``, else ``$LOCKGATE_CACHE_DIR/tuning`` (default ``~/.cache/lockgate/tuning``)."""
+    if os.environ.get("LOCKGATE_TUNING_DIR"):
+        return Path(os.environ["LOCKGATE_TUNING_DIR"]).expanduser()
     root = os.environ.get("LOCKGATE_CACHE_DIR") or str(Path.home() / ".cache" / "lockgate")
     return Path(root).expanduser() / "tuning"
 
