@@ -147,6 +147,7 @@ def test_replica_killed_under_load_fails_only_streams_it_had_started() -> None:
         victim = reps[0]
         results: list[tuple[str, str | None, str]] = []  # (kind, replica, outcome)
         lock = threading.Lock()
+        started_on: list[str | None] = []  # replicas of streams whose headers (and so a token) have arrived
 
         def streamed(i: int) -> None:
             replica, text = None, ""
@@ -155,6 +156,8 @@ def test_replica_killed_under_load_fails_only_streams_it_had_started() -> None:
                         "model": "sim", "prompt": f"stream {i}", "max_tokens": 1500, "ignore_eos": True,
                         "stream": True}) as resp:
                     replica = resp.headers.get("x-lockgate-replica")
+                    with lock:
+                        started_on.append(replica)
                     text = "".join(resp.iter_text())
                 outcome = "ok" if text.rstrip().endswith("data: [DONE]") else (
                     "error-event" if '"error"' in text else "truncated")
@@ -172,8 +175,9 @@ def test_replica_killed_under_load_fails_only_streams_it_had_started() -> None:
         with ThreadPoolExecutor(24) as pool:
             futures = [pool.submit(streamed if i % 2 else whole, i) for i in range(16)]
             deadline = time.monotonic() + 30
-            while gateway_in_flight(gw).get(victim.url, 0) < 6:  # both kinds are running on the victim
-                assert time.monotonic() < deadline, gateway_in_flight(gw)
+            # both kinds are running on the victim, and at least one stream there has begun answering
+            while gateway_in_flight(gw).get(victim.url, 0) < 6 or victim.url not in started_on:
+                assert time.monotonic() < deadline, (gateway_in_flight(gw), started_on)
                 time.sleep(0.05)
             os.killpg(victim.proc.pid, signal.SIGKILL)  # the whole replica: API, scheduler, detokenizer
             futures += [pool.submit(streamed if i % 2 else whole, i) for i in range(16, 32)]
