@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+HEARTBEAT_SECONDS = 1.0  # how often the scheduler and the detokenizer tell the API process they are alive
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:
@@ -222,7 +225,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
         for f in dataclasses.fields(part_cls):
             flag = "--" + f.name.replace("_", "-")
             tp = _base_type(hints[f.name])
-            kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
+            kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "").replace("%", "%%")}  # argparse %-formats help
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             if tp is bool:
@@ -277,6 +280,11 @@ class ServerConfig:
     watchdog_timeout: float = option(300.0, "seconds a single engine step may take before the scheduler "
                                    "logs its batch and exits (the server then exits)")
     decode_log_interval: int = option(40, "log a decode summary every N decode steps")
+    max_request_bytes: str | None = option(None, "largest request body accepted (413 beyond it), e.g. 8MiB "
+                                           "(default: 4 MiB or 128 bytes per context token, the larger)")
+    heartbeat_timeout: float = option(30.0, "seconds without a heartbeat from the scheduler or detokenizer "
+                                      "(frozen, stopped) after which /health answers 503, in-flight requests "
+                                      "fail and the server exits for its supervisor to restart it")
     shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
     dp: int = option(1, "data parallel: N engine replicas on the N ports after --port, behind a gateway on "
                      "--port (routing flags below)")
@@ -296,6 +304,22 @@ class ServerConfig:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if not (math.isfinite(self.heartbeat_timeout) and self.heartbeat_timeout >= 2 * HEARTBEAT_SECONDS):
+            raise ValueError(f"--heartbeat-timeout must be >= {2 * HEARTBEAT_SECONDS:g} seconds (two heartbeats), "
+                             f"got {self.heartbeat_timeout}")
+        if self.max_request_bytes is not None:
+            try:
+                size = parse_size(self.max_request_bytes)
+            except ValueError as e:
+                raise ValueError(f"--max-request-bytes: {e}") from None
+            if size < 1024:
+                raise ValueError(f"--max-request-bytes must be at least 1KiB, got {self.max_request_bytes}")
+
+    def request_bytes_limit(self, max_model_len: int | None) -> int:
+        """The body limit in bytes: the flag's, else 4 MiB or 128 bytes per context token, the larger."""
+        if self.max_request_bytes is not None:
+            return parse_size(self.max_request_bytes)
+        return max(4 * 1024**2, 128 * (max_model_len or 0))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,16 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_TOKEN_ID = 2**31  # no vocabulary is larger; ids travel as int32/int64 tensors
+
+
+def is_text(s: str) -> bool:
+    """True if ``s`` is valid Unicode text (encodable as UTF-8: no lone surrogates)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,11 @@ class SamplingParams:
         need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
              "stop must be a tuple of non-empty strings")
         need(len(self.stop) <= 16, f"at most 16 stop strings are allowed, got {len(self.stop)}")
-        need(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative integers")
+        need(all(is_text(s) for s in self.stop),
+             "stop strings must be valid Unicode text (no lone surrogates)")
+        need(isinstance(self.stop_token_ids, tuple)
+             and all(is_int(t) and 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids),
+             f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}), got {list(self.stop_token_ids)!r:.80}")
         need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -74,7 +74,8 @@ class ServerProc:
         found: dict[str, int] = {}
         started = [*re.findall(r"started (\w+) process, pid (\d+)", log),
                    *((f"replica{i}", pid) for i, pid in re.findall(r"started replica (\d+)/\d+ on port \d+ \(pid (\d+)",
-                                                                log))]
+                                                                log)),
+                   *((f"replica{i}", pid) for i, pid in re.findall(r"replica (\d+) restarted \(pid (\d+)", log))]
         for name, pid in started:
             key, k = name, 1
             while key in found:

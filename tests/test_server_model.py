@@ -9,6 +9,8 @@ emitted; seeded sampling is reproducible through HTTP.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import openai
@@ -136,3 +138,43 @@ def test_speculation_streams_accepted_guesses_and_counts_them(server, client) ->
     assert max(len(c.logprobs.tokens) for c in chunks if c.logprobs) > 1  # one step gave several tokens
     drafted, accepted = spec_counts()
     assert drafted > drafted0 and accepted > accepted0 and accepted - accepted0 <= drafted - drafted0
+
+
+@pytest.mark.parametrize(("path", "raw", "needle"), [
+    ("/v1/completions", '{"prompt": [1180591620717411303424], "max_tokens": 2}', "prompt[0]"),
+    ("/v1/completions", '{"prompt": [49152], "max_tokens": 2}', "out of range"),  # the vocabulary's size
+    ("/v1/completions", '{"prompt": "a \\ud800 b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udbff"}]}', "messages[0].content"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_input_the_tokenizer_cannot_take_is_a_400(server, path, raw, needle) -> None:
+    r = httpx.post(server.url + path, content=raw.encode(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and needle in r.text, r.text
+    assert httpx.get(server.url + "/v1/loads").json()["queued_in_api"] == 0
+
+
+def test_a_large_text_is_tokenized_off_the_event_loop(server) -> None:
+    """A 2 MB prompt takes the real tokenizer seconds; /health must keep answering meanwhile."""
+    text = "The quick brown fox jumps over the lazy dog. " * 45_000
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            latencies.append(time.perf_counter() - t)
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    t0 = time.perf_counter()
+    try:
+        r = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
+    finally:
+        busy = time.perf_counter() - t0
+        done.set()
+        poller.join()
+    assert r.status_code == 200 and r.json()["count"] > 400_000
+    # Inline, a /health sent during the work would wait for all of it; in a thread it waits for a GIL slice.
+    assert len(latencies) >= 3 and max(latencies) < busy / 3, (max(latencies), busy)

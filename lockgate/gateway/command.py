@@ -5,8 +5,9 @@
 ``lockgate serve`` replicas on the loopback ports after ``--port`` (each scheduler with cores/N torch
 threads unless ``--num-threads`` is given) and the gateway on ``--port``; a signal stops the
 gateway, then the replicas (SIGTERM, so they finish in-flight work within their
-``--shutdown-timeout``), then kills what is left. A replica that dies on its own is logged and
-taken out of routing by the health checks; the others keep serving.
+``--shutdown-timeout``), then kills what is left. A replica that dies on its own (a crash, or its
+server exiting because its engine stopped answering) is logged, taken out of routing by the health
+checks, and restarted with backoff (``ReplicaProcess``); the others keep serving meanwhile.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
 
-from lockgate.config import EngineConfig, ServerConfig, config_to_args, option
+from lockgate.config import EngineConfig, ServerConfig, config_to_args, option, parse_size
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import POLICIES, Router
 from lockgate.gateway.proxy import Gateway, create_gateway_app
@@ -89,6 +91,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--model", default="default", help="model whose tokenizer --prefix-tokenizer model uses")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, "
+                   "and send it to the replicas (default: $LOCKGATE_API_KEY, if set)")
+    g.add_argument("--max-request-bytes", default="16MiB", help="largest request body accepted (413 beyond it)")
     add_config_args(p, RoutingFlags)
 
 
@@ -103,8 +108,16 @@ def _load_tokenizer(model: str):  # type: ignore[no-untyped-def]
     return load_tokenizer(model, None if model == "sim" else prepare_model_dir(model))
 
 
-def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingConfig, model: str) -> Gateway:
+def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingConfig, model: str,
+                  api_key: str | None = None, max_request_bytes: str = "16MiB") -> Gateway:
     """Validate everything and build the gateway (raises ValueError naming the bad flag)."""
+    try:
+        body_limit = parse_size(max_request_bytes)
+    except ValueError as e:
+        raise ValueError(f"--max-request-bytes: {e}") from None
+    if body_limit < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1KiB, got {max_request_bytes}")
+    api_key = api_key or os.environ.get("LOCKGATE_API_KEY") or None
     metrics = GatewayMetrics()
     router = Router(routing.policy, block_number=routing.prefix_block_number,
                     imbalance_abs_count=routing.imbalance_abs_count, std_dev_factor=routing.std_dev_factor,
@@ -119,13 +132,14 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
         metrics.forget(url)
 
     fleet = Fleet(urls, file_path(replicas_file), health_interval=routing.health_interval, on_health=on_health,
-                  on_removed=on_removed, api_key=os.environ.get("LOCKGATE_API_KEY") or None)
+                  on_removed=on_removed, api_key=api_key)
     tokenizer = None
     if routing.policy == "prefix-cache" and routing.prefix_tokenizer == "model":
         t0 = time.perf_counter()
         tokenizer = _load_tokenizer(model)
         log.info("prefix keys: %s tokenizer loaded in %.1fs", model, time.perf_counter() - t0)
-    return Gateway(fleet=fleet, router=router, metrics=metrics, block_size=routing.block_size, tokenizer=tokenizer)
+    return Gateway(fleet=fleet, router=router, metrics=metrics, block_size=routing.block_size, tokenizer=tokenizer,
+                   api_key=api_key, max_request_bytes=body_limit)
 
 
 def run_gateway(gw: Gateway, host: str, port: int, log_level: str) -> int:
@@ -148,7 +162,7 @@ def gateway_main(ns: argparse.Namespace) -> int:
         routing = routing_from_args(ns)
         if not 0 <= ns.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-        gw = build_gateway(ns.replica, ns.replicas_file, routing, ns.model)
+        gw = build_gateway(ns.replica, ns.replicas_file, routing, ns.model, ns.api_key, ns.max_request_bytes)
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
@@ -171,42 +185,86 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
         return 2
     threads = replica_threads(engine, dp)
     replica_engine = dataclasses.replace(engine, model=dataclasses.replace(engine.model, num_threads=threads))
-    urls, procs = [], []
     stopping = threading.Event()
-    if server.api_key:
-        os.environ["LOCKGATE_API_KEY"] = server.api_key  # the gateway's own health/load polls send it
+    urls = [f"http://127.0.0.1:{server.port + i}" for i in range(1, dp + 1)]
     try:
-        for i in range(1, dp + 1):
-            port = server.port + i
+        gw = build_gateway(urls, None, routing, engine.model.model, server.api_key,
+                           server.max_request_bytes or "16MiB")
+    except ValueError as e:
+        print(f"lockgate: error: {e}", file=sys.stderr)
+        return 2
+    replicas: list[ReplicaProcess] = []
+    try:
+        for i, url in enumerate(urls, 1):
             # replicas listen on loopback only (clients go through the gateway); the key goes by env, not argv
-            rserver = dataclasses.replace(server, host="127.0.0.1", port=port, dp=1, api_key=None)
+            rserver = dataclasses.replace(server, host="127.0.0.1", port=server.port + i, dp=1, api_key=None)
             cmd = [sys.executable, "-m", "lockgate.cli", "serve", "--log-level", log_level,
                    *config_to_args(replica_engine), *config_to_args(rserver, ServerConfig)]
             env = {**os.environ, **({"LOCKGATE_API_KEY": server.api_key} if server.api_key else {})}
-            procs.append(subprocess.Popen(cmd, env=env))
-            _watch_replica(procs[-1], i, stopping)
-            urls.append(f"http://127.0.0.1:{port}")
-            log.info("started replica %d/%d on port %d (pid %d, %d torch threads)", i, dp, port, procs[-1].pid,
-                     threads)
-        gw = build_gateway(urls, None, routing, engine.model.model)
+            rep = ReplicaProcess(i, url, cmd, env, stopping, on_restart=gw.metrics.restarts.labels(url).inc)
+            replicas.append(rep)
+            rep.start()
+            log.info("started replica %d/%d on port %d (pid %d, %d torch threads)", i, dp, server.port + i,
+                     rep.proc.pid, threads)
         code = run_gateway(gw, server.host, server.port, log_level)
     finally:
         stopping.set()
-        _stop_replicas(procs, server.shutdown_timeout + 10.0)
+        _stop_replicas(replicas, server.shutdown_timeout + 10.0)
     return code
 
 
-def _watch_replica(proc: subprocess.Popen[bytes], i: int, stopping: threading.Event) -> None:
-    def wait() -> None:
-        code = proc.wait()
-        if not stopping.is_set():
-            log.error("replica %d (pid %d) exited unexpectedly with code %d; the gateway routes around it",
-                      i, proc.pid, code)
+class ReplicaProcess:
+    """One ``lockgate serve`` replica of ``serve --dp``, restarted whenever it exits on its own.
 
-    threading.Thread(target=wait, name=f"watch-replica-{i}", daemon=True).start()
+    Restarts back off exponentially (``RESTART_BACKOFF`` seconds, doubling to ``RESTART_BACKOFF_MAX``),
+    and the backoff resets once a replica has run ``RESTART_RESET_AFTER`` seconds. Each restart is
+    logged and counted (``lockgate:gateway_replica_restarts``); the gateway's health checks take the
+    replica out of routing while it is down and back in once it answers (``/health`` says
+    ``degraded`` meanwhile)."""
+
+    RESTART_BACKOFF = 1.0
+    RESTART_BACKOFF_MAX = 30.0
+    RESTART_RESET_AFTER = 60.0
+
+    def __init__(self, index: int, url: str, cmd: list[str], env: dict[str, str], stopping: threading.Event,
+                 on_restart: Callable[[], None]) -> None:
+        self.index, self.url, self.cmd, self.env = index, url, cmd, env
+        self.stopping = stopping
+        self.on_restart = on_restart
+        self.proc: subprocess.Popen[bytes] = None  # type: ignore[assignment]  # set by start()
+        self.lock = threading.Lock()  # start vs stop: a replica is never started after stop began
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        threading.Thread(target=self._supervise, name=f"replica-{self.index}", daemon=True).start()
+
+    def _supervise(self) -> None:
+        backoff = self.RESTART_BACKOFF
+        while True:
+            began = time.monotonic()
+            code = self.proc.wait()
+            if self.stopping.is_set():
+                return
+            if time.monotonic() - began >= self.RESTART_RESET_AFTER:
+                backoff = self.RESTART_BACKOFF
+            log.error("replica %d (%s, pid %d) exited unexpectedly with code %d; restarting it in %.0fs "
+                      "(the gateway routes around it meanwhile)", self.index, self.url, self.proc.pid, code, backoff)
+            if self.stopping.wait(backoff):
+                return
+            with self.lock:
+                if self.stopping.is_set():
+                    return
+                self.proc = subprocess.Popen(self.cmd, env=self.env)
+            self.on_restart()
+            log.info("replica %d restarted (pid %d)", self.index, self.proc.pid)
+            backoff = min(backoff * 2, self.RESTART_BACKOFF_MAX)
 
 
-def _stop_replicas(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def _stop_replicas(replicas: list[ReplicaProcess], timeout: float) -> None:
+    procs = []
+    for r in replicas:
+        with r.lock:  # no restart can slip in after this
+            procs.append(r.proc)
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

@@ -3,7 +3,7 @@
 One private registry per gateway. Counters: requests by replica, policy and route reason; prefix
 blocks looked up and matched (their ratio is the gateway's expected hit rate; the replicas' own
 ``lockgate:prefix_cache_*`` counters say what really hit); retries by cause; replica health
-changes; proxy errors by kind. Gauges: each replica's health and load.
+changes; replica restarts (``serve --dp``); proxy errors by kind. Gauges: each replica's health and load.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class GatewayMetrics:
                                ["replica", "cause"], registry=r)
         self.health_changes = Counter("lockgate:gateway_replica_health_changes",
                                       "Replica health transitions", ["replica", "to"], registry=r)
+        self.restarts = Counter("lockgate:gateway_replica_restarts", "Replicas restarted by serve --dp after "
+                                "exiting on their own", ["replica"], registry=r)
         self.errors = Counter("lockgate:gateway_errors", "Requests the gateway could not complete, by kind",
                               ["kind"], registry=r)
         self.healthy = Gauge("lockgate:gateway_replica_healthy", "1 if the replica takes traffic", ["replica"],

@@ -24,9 +24,12 @@ Failure rules:
 Invariant: ``Replica.in_flight`` is incremented exactly once per forwarded attempt and
 decremented exactly once when that attempt's response ends, however it ends.
 
-The gateway's own routes: ``/health`` (200 while any replica is healthy), ``/v1/models`` (the
-union of the healthy replicas' models), ``/metrics`` (the gateway's counters), ``/v1/loads``
-(every replica's state and last reported load). Everything else is proxied.
+The gateway's own routes: ``/health`` (200 while any replica is healthy, status ``degraded``
+while some are not), ``/v1/models`` (the union of the healthy replicas' models), ``/metrics``
+(the gateway's counters), ``/v1/loads`` (every replica's state and last reported load).
+Everything else is proxied. With an API key, every route but ``/health`` needs it, checked
+before the body is read (so an unauthenticated prompt is never routed or recorded); bodies
+over ``max_request_bytes`` get 413 before they are read.
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ import msgspec
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import Scope
 
 from lockgate.gateway.keys import request_key
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import Route, Router
 from lockgate.gateway.prefix_index import block_hashes
 from lockgate.gateway.replicas import Fleet, Replica
+from lockgate.httpguard import BearerAuth, BodyLimit
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("lockgate.gateway")
@@ -68,6 +73,8 @@ class Gateway:
     block_size: int
     tokenizer: Tokenizer | None = None
     http: httpx.AsyncClient | None = None
+    api_key: str | None = None  # required on every route but /health when set
+    max_request_bytes: int = 16 * 1024**2
 
     def hashes(self, path: str, body: bytes) -> list[bytes]:
         if self.router.policy != "prefix-cache":
@@ -104,11 +111,20 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
 
     app = FastAPI(title="lockgate gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
+    def refuse(scope: Scope, status: int, message: str) -> Response:
+        return _error(status, message, scope["path"])
+
+    # Outermost first: the key is checked before anything is read, routed or recorded.
+    app.add_middleware(BodyLimit, limit=lambda: gw.max_request_bytes, flag="--max-request-bytes", render=refuse)
+    if gw.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=gw.api_key, render=refuse)
+
     @app.get("/health")
     async def health() -> Response:
         replicas = [r.view() for r in gw.fleet.replicas.values()]
         healthy = sum(r["healthy"] for r in replicas)
-        body = {"status": "ok" if healthy else "no healthy replica", "healthy": healthy, "replicas": replicas}
+        status = "ok" if healthy == len(replicas) else "degraded" if healthy else "no healthy replica"
+        body = {"status": status, "healthy": healthy, "replicas": replicas}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")

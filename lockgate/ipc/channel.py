@@ -36,6 +36,14 @@ class Sender:
     def send(self, msg: Any) -> None:
         self.sock.send(_ENCODER.encode(msg), copy=False)
 
+    def try_send(self, msg: Any) -> bool:
+        """Send unless the peer's queue is full (it is not reading); False then, nothing sent."""
+        try:
+            self.sock.send(_ENCODER.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
     def close(self) -> None:
         self.sock.close(0)
 

@@ -7,6 +7,10 @@ Three processes (DESIGN.md §2), three one-way PUSH -> PULL channels:
     scheduler ----- ToDetokenizer --------> detokenizer
     detokenizer --- ToApi ----------------> API
 
+Liveness: once ready, the scheduler and the detokenizer each send a ``Heartbeat`` every second
+toward the API (the scheduler's travel through the detokenizer), so the API process can tell a
+frozen or stopped child from an idle one.
+
 Messages are batched: one ``StepBatch`` per engine step carries every request's new tokens
 plus the engine's load figures, so per-token traffic is one message per step, not per
 request. Each union is tagged (``type`` field) so a receiver decodes exactly one of the
@@ -109,7 +113,15 @@ class Fatal(_Msg):
     message: str
 
 
-ToDetokenizer = Register | StepBatch | Ready | Fatal | Shutdown
+class Heartbeat(_Msg):
+    """Sent every ``HEARTBEAT_SECONDS`` by the scheduler (from a side thread, so a long step does not
+    silence it) and the detokenizer once ready; the detokenizer forwards the scheduler's to the API."""
+
+    process: str  # "scheduler" or "detokenizer"
+    pid: int
+
+
+ToDetokenizer = Register | StepBatch | Ready | Fatal | Shutdown | Heartbeat
 
 
 # ---- detokenizer -> API ------------------------------------------------------------------
@@ -140,4 +152,4 @@ class DetokenizerReady(_Msg):
     detokenizer_pid: int
 
 
-ToApi = TextBatch | DetokenizerReady | Fatal
+ToApi = TextBatch | DetokenizerReady | Fatal | Heartbeat

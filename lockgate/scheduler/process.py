@@ -36,7 +36,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from lockgate.config import EngineConfig
+from lockgate.config import HEARTBEAT_SECONDS, EngineConfig
 from lockgate.ipc.channel import Receiver, Sender
 from lockgate.ipc.child import child_startup
 from lockgate.ipc.messages import (
@@ -44,6 +44,7 @@ from lockgate.ipc.messages import (
     AddRequest,
     EngineStats,
     Fatal,
+    Heartbeat,
     Ready,
     Register,
     Shutdown,
@@ -129,10 +130,25 @@ class SchedulerProcess:
         self.decode_tokens = 0
         self.decode_t0 = time.monotonic()
         r = self.engine.runner
+        self._heartbeats()
         self.out.send(Ready(model=args.model_name, model_dir=str(getattr(r, "model_dir", "") or "") or None,
                             max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,
                             eos_token_ids=list(r.eos_token_ids), dtype=str(getattr(r, "dtype", "sim")),
                             scheduler_pid=os.getpid()))
+
+    def _heartbeats(self) -> None:
+        """A side thread with its own socket tells the detokenizer (and so the API) every second that
+        this process runs. It needs the GIL only briefly, which torch releases inside every op, so a
+        long step does not silence it; a stopped or hung process does."""
+        beat = Sender(self.ctx, self.args.detok_endpoint)
+        msg = Heartbeat("scheduler", os.getpid())
+
+        def run() -> None:
+            while True:
+                beat.try_send(msg)  # a detokenizer that stopped reading is the API's to notice
+                time.sleep(HEARTBEAT_SECONDS)
+
+        threading.Thread(target=run, name="heartbeat", daemon=True).start()
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:

@@ -12,24 +12,36 @@ Invariant: no route answers 500 for bad input. Every outside input is parsed by
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Scope
 
 from lockgate.config import ServerConfig
+from lockgate.httpguard import BearerAuth, BodyLimit
 from lockgate.ipc.messages import Shutdown
 from lockgate.server import openai_api, tgi_api
 from lockgate.server.context import APIError, ClientGone, ServerContext, parse_body
 from lockgate.server.frontend import EngineClient
 from lockgate.server.metrics import CONTENT_TYPE, Metrics
-from lockgate.server.protocol import DetokenizeRequest, TokenizeRequest, error_message, openai_error
+from lockgate.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TGIGenerateRequest,
+    TokenizeRequest,
+    error_message,
+    openai_error,
+)
 
 log = logging.getLogger("lockgate.api")
 
@@ -54,8 +66,19 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
     app.include_router(tgi_api.router)
     app.include_router(_misc)
 
+    def refuse(scope: Scope, status: int, message: str) -> Response:
+        return _render(Request(scope), APIError(status, message))
+
+    def body_limit() -> int:
+        info = client.info
+        return cfg.request_bytes_limit(info.max_model_len if info is not None else None)
+
+    # Outermost first: the key is checked before a body is read; the body limit before a route runs.
+    app.add_middleware(BodyLimit, limit=body_limit, flag="--max-request-bytes", render=refuse)
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key, render=refuse)
+
+    app.openapi = lambda: _openapi(app, api_key is not None)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
@@ -77,24 +100,49 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
     return app
 
 
-class BearerAuth:
-    """The bearer-token check, as a plain ASGI middleware: every route but /health needs
-    ``Authorization: Bearer <key>``. (Starlette's ``@app.middleware("http")`` wraps every
-    response body, streamed ones chunk by chunk, in its own task and memory stream: measured with
-    py-spy at concurrency 1, a fifth of the API process's time, on every server, key or not.)"""
+# ---- the OpenAPI document --------------------------------------------------------------------
+# Routes read their bodies themselves (parse_body: our error messages, our limits), so FastAPI
+# cannot see the schemas; they are declared here, with the error responses every route can give.
+_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+    "/generate": TGIGenerateRequest, "/generate_stream": TGIGenerateRequest, "/": TGIGenerateRequest,
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+}
+_ERRORS = {
+    "400": "invalid request: the message names the field and the limit it broke",
+    "404": "the model named is not the one served",
+    "413": "the body is larger than --max-request-bytes",
+    "429": "more requests are waiting than --max-queued-requests; retry after Retry-After seconds",
+    "500": "the engine failed while running the request",
+    "503": "the model is loading, the engine has failed, or the server is shutting down",
+}
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-                await _render(Request(scope), error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def _openapi(app: FastAPI, keyed: bool) -> dict[str, Any]:
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    models = list(dict.fromkeys(_BODIES.values()))
+    refs, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    components.update(defs.get("$defs", {}))
+    components["Error"] = {"type": "object", "properties": {"error": {}}, "required": ["error"]}
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            responses = op.setdefault("responses", {})
+            if path in _BODIES and method == "post":
+                schema = refs[(_BODIES[path], "validation")]
+                op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+                codes = [*_ERRORS, "422"] if path in tgi_api.TGI_PATHS else list(_ERRORS)
+                responses.update({c: {"description": _ERRORS.get(c, "invalid request (TGI's code)"), **error}
+                                  for c in codes})
+            elif path != "/health":
+                responses["503"] = {"description": _ERRORS["503"], **error}
+            if keyed and path != "/health":
+                responses["401"] = {"description": "missing or wrong API key", **error}
+    app.openapi_schema = doc
+    return doc
 
 
 def _render(request: Request, exc: APIError) -> Response:
@@ -148,14 +196,12 @@ async def tokenize(request: Request) -> Response:
     ctx = _ctx(request)
     body = await parse_body(request, TokenizeRequest)
     ctx.check_model(body.model)
-    tok = ctx.tokenizer
     conv = body.conversation()
     if conv is not None:
-        text = tok.apply_chat_template(conv, add_generation_prompt=body.add_generation_prompt)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = await ctx.chat_ids(conv, body.add_generation_prompt)
     else:
         assert body.prompt is not None
-        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await ctx.encode(body.prompt, body.add_special_tokens)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.info.max_model_len})
 
 

@@ -13,17 +13,18 @@ one HTTP request are aborted together if the client goes away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from lockgate.config import ServerConfig
 from lockgate.ipc.messages import Ready, TextOut
-from lockgate.sampling import SamplingParams
+from lockgate.sampling import SamplingParams, is_text
 from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream
 from lockgate.server.metrics import Metrics
 from lockgate.server.protocol import error_message
@@ -40,18 +41,61 @@ class APIError(Exception):
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body validated as ``model``; APIError 400 saying what is wrong otherwise."""
-    raw = await request.body()
+    """The JSON body validated as ``model``; APIError 400 saying what is wrong otherwise.
+
+    Before the schema sees it, the body must be a JSON object nested at most ``MAX_JSON_DEPTH``
+    deep whose strings are valid Unicode (JSON's ``\\ud800`` escapes can spell a lone surrogate,
+    which no tokenizer, stop matcher or serializer accepts) and whose integers fit in 64 bits."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientGone from None
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    problem = json_problem(data)
+    if problem is not None:
+        path, what = problem
+        raise APIError(400, f"{path}: {what}" if path else what, param=path.split(".")[0].split("[")[0] or None)
     try:
         return model.model_validate(data)
     except (ValidationError, ValueError) as e:
         raise APIError(400, error_message(e)) from None
+
+
+MAX_JSON_DEPTH = 64
+INLINE_TEXT_CHARS = 8192  # longer texts are tokenized in a worker thread (about 10 ms of work and up)
+_INT_RANGE = (-(2**63), 2**64)  # signed and unsigned 64-bit: seeds are u64, everything else is smaller
+
+
+def json_problem(data: object) -> tuple[str, str] | None:
+    """The first thing in decoded JSON no route can use, as (path, what is wrong), or None.
+
+    Iterative (no recursion), so any depth json.loads produced is walked safely."""
+    stack: list[tuple[object, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                return path, f"nested too deeply: at most {MAX_JSON_DEPTH} levels of objects and arrays"
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    if not is_text(k):
+                        return path, f"the key {k!r:.40} is not valid Unicode (a lone surrogate escape)"
+                    stack.append((v, f"{path}.{k}" if path else k, depth + 1))
+            else:
+                stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            if not is_text(value):
+                return path, "text is not valid Unicode: it contains a lone surrogate escape (\\ud800-\\udfff)"
+        elif type(value) is int and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
+            return path, f"the integer {value} is out of range: integers must fit in 64 bits"
+    return None
 
 
 class ClientGone(Exception):
@@ -83,6 +127,33 @@ class ServerContext:
         assert self.client.tokenizer is not None
         return self.client.tokenizer
 
+    # ---- text -> ids, off the event loop when large ----------------------------------------
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a long text is tokenized in a worker thread so that /health and
+        every other request keep being answered meanwhile (a 2 MB text takes seconds)."""
+        tok = self.tokenizer
+        if len(text) <= INLINE_TEXT_CHARS:
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+
+    async def chat_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """The chat template applied to ``conversation``, then tokenized (in a thread when large).
+        A template that fails on these messages is a 400 naming ``messages``."""
+        tok = self.tokenizer
+
+        def run() -> list[int]:
+            try:
+                text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            except Exception as e:  # a template that fails on these messages (jinja raise_exception, ...)
+                raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+            return tok.encode(text, add_special_tokens=False)
+
+        if sum(len(m["content"]) for m in conversation) <= INLINE_TEXT_CHARS:
+            return run()
+        return await asyncio.to_thread(run)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.client.model_spec):
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -112,6 +183,10 @@ class ServerContext:
         return max_tokens
 
     def check_queue(self, n_new: int) -> None:
+        limit = self.cfg.max_queued_requests
+        if n_new > limit:
+            raise APIError(400, f"this request needs {n_new} engine requests (prompts x n), more than can ever be "
+                           f"queued at once: --max-queued-requests {limit}; split it", param="n")
         queued = self.client.num_queued
         if queued + n_new > self.cfg.max_queued_requests:
             raise APIError(429, f"too many requests waiting: {queued} are queued and the limit is "
@@ -129,6 +204,9 @@ class ServerContext:
         except EngineUnavailable as e:
             self.abort(streams)
             raise APIError(503, str(e)) from None
+        except BaseException:
+            self.abort(streams)  # the ones already sent; the failing one was never registered
+            raise
         return streams
 
     def abort(self, streams: list[RequestStream]) -> None:
@@ -151,6 +229,8 @@ class ServerContext:
             gone.cancel()
         if work not in done:
             work.cancel()
+            with contextlib.suppress(BaseException):
+                await work  # retrieve the cancellation, or asyncio logs "exception was never retrieved"
             self.abort(streams)
             raise ClientGone
         return list(work.result())

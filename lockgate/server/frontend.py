@@ -22,12 +22,13 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
+from lockgate.config import HEARTBEAT_SECONDS
 from lockgate.ipc.channel import AsyncReceiver, AsyncSender
 from lockgate.ipc.messages import (
     AbortRequest,
@@ -35,6 +36,7 @@ from lockgate.ipc.messages import (
     DetokenizerReady,
     EngineStats,
     Fatal,
+    Heartbeat,
     Ready,
     TextBatch,
     TextOut,
@@ -45,6 +47,18 @@ from lockgate.server.metrics import Metrics
 from lockgate.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("lockgate.api")
+
+
+def process_state(pid: int | None) -> str:
+    """", stopped" / ", zombie" ... as Linux reports the process, or "" if it cannot be read."""
+    names = {"T": "stopped", "t": "stopped by a tracer", "Z": "zombie", "D": "in uninterruptible sleep",
+             "R": "running", "S": "sleeping"}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return f", {names.get(state, 'state ' + state)}"
 
 
 class EngineUnavailable(RuntimeError):
@@ -72,7 +86,8 @@ class RequestStream:
 
 class EngineClient:
     def __init__(self, model: str, model_spec: str, scheduler_endpoint: str, api_endpoint: str,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, heartbeat_timeout: float = 30.0,
+                 on_unresponsive: Callable[[str, str], None] | None = None) -> None:
         self.model = model  # the name clients use
         self.model_spec = model_spec  # the --model value; "sim" selects the byte tokenizer
         self.ctx = zmq.asyncio.Context()
@@ -89,14 +104,20 @@ class EngineClient:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}-{int(time.time()):x}"
         self._task: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_unresponsive = on_unresponsive  # (process, message): the server's way out (launch.serve)
+        self.last_heard: dict[str, float] = {}  # process -> monotonic time of its last sign of life
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._receive(), name="engine-receiver")
+        self._monitor = asyncio.create_task(self._watch_heartbeats(), name="heartbeat-monitor")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._monitor):
+            if task is not None:
+                task.cancel()
         self.to_scheduler.close()
         self.inbox.close()
         self.ctx.term()
@@ -107,6 +128,16 @@ class EngineClient:
         self.ready.clear()
         for rid in list(self.streams):
             self._deliver(TextOut(rid=rid, text="", ids=[], finish_reason="error", error=message))
+
+    def cut_all(self, message: str) -> int:
+        """End every unfinished request now with finish reason ``abort`` and ``message`` as its error
+        (streams get a last event saying so), and tell the scheduler to free them. Returns how many."""
+        live = [rid for rid, st in self.streams.items() if not st.finished]
+        for rid in live:
+            self._deliver(TextOut(rid=rid, text="", ids=[], finish_reason="abort", error=message))
+            if self.failed is None:
+                self.to_scheduler.send_nowait(AbortRequest(rid))
+        return len(live)
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -122,7 +153,11 @@ class EngineClient:
             raise EngineUnavailable(self.failed or "the model is still loading")
         stream = RequestStream(rid, len(prompt_ids))
         self.streams[rid] = stream
-        self.to_scheduler.send_nowait(AddRequest(rid, list(prompt_ids), params, time.time()))
+        try:
+            self.to_scheduler.send_nowait(AddRequest(rid, list(prompt_ids), params, time.time()))
+        except BaseException:
+            del self.streams[rid]  # never sent: it holds no queue place and no engine state
+            raise
         return stream
 
     def abort(self, rid: str) -> None:
@@ -135,9 +170,41 @@ class EngineClient:
         self.metrics.requests.labels(self.model, "abort").inc()
 
     # ---- receiving -----------------------------------------------------------------------
+    async def _watch_heartbeats(self) -> None:
+        """Once ready, fail the engine if the scheduler or the detokenizer falls silent for longer than
+        ``heartbeat_timeout`` (stopped, hung, or its process frozen): every in-flight request gets an
+        error, /health answers 503 naming the process, and ``on_unresponsive`` stops the server."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            now = time.monotonic()
+            if now - before > 2 * HEARTBEAT_SECONDS:
+                continue  # this loop itself was held up: let the receiver read what queued meanwhile
+            if self.failed is not None or not self.ready.is_set():
+                continue
+            # The detokenizer carries the scheduler's beats: if it is silent, it is the one to name.
+            for process in ("detokenizer", "scheduler"):
+                silent = now - self.last_heard.get(process, now)
+                if silent > self.heartbeat_timeout:
+                    pid = self.child_pids.get(process)
+                    message = (f"the {process} process (pid {pid}{process_state(pid)}) has not answered for "
+                               f"{silent:.0f}s (--heartbeat-timeout {self.heartbeat_timeout:g}); the server is "
+                               "shutting down for its supervisor to restart it")
+                    log.error("%s", message)
+                    self.fail(message)
+                    if self.on_unresponsive is not None:
+                        self.on_unresponsive(process, message)
+                    break
+
     async def _receive(self) -> None:
         while True:
             msg = await self.inbox.recv()
+            if isinstance(msg, Heartbeat):
+                self.last_heard[msg.process] = time.monotonic()
+                if msg.process == "scheduler":
+                    self.last_heard["detokenizer"] = self.last_heard["scheduler"]  # it forwarded the beat
+                continue
+            self.last_heard["scheduler"] = self.last_heard["detokenizer"] = time.monotonic()
             if isinstance(msg, TextBatch):
                 self.stats = msg.stats
                 self.metrics.update_stats(msg.stats)
@@ -154,6 +221,7 @@ class EngineClient:
         self.child_pids = {"scheduler": info.scheduler_pid, "detokenizer": msg.detokenizer_pid}
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir)
         self.info = info
+        self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}
         self.ready.set()
         log.info("ready: model %s (%s), context %d tokens, KV capacity %d tokens", info.model, info.dtype,
                  info.max_model_len, info.capacity)

@@ -10,13 +10,19 @@ Lifecycle:
   and the detokenizer has loaded the tokenizer (a ``Ready`` message travels
   scheduler -> detokenizer -> API), then 200.
 * SIGINT / SIGTERM: uvicorn stops accepting connections and gives in-flight requests up to
-  ``--shutdown-timeout`` seconds; the rest are aborted; then the children are told to shut
+  ``--shutdown-timeout`` seconds; the rest end with finish reason ``abort`` and an error (a
+  stream's last event says the server is shutting down; a whole response is a 503) and are
+  aborted in the engine; then the children are told to shut
   down, waited for, and killed if they do not exit within a few seconds. Exit code 0. The
   children ignore SIGINT and SIGTERM, so a signal sent to the whole process group (Ctrl-C,
   ``kill -- -PGID``) stops the server the same way.
 * A child that dies on its own (crash, kill, watchdog): a supervisor thread logs which one,
   its exit code and what that means, fails every in-flight request with an error, stops the
-  server and kills the other child. Exit code 1. Children also exit by themselves when this
+  server and kills the other child. Exit code 1.
+* A child that stops answering without dying (SIGSTOP, a hang outside an engine step): once
+  ready, each child sends a heartbeat every second; after ``--heartbeat-timeout`` seconds of
+  silence the API process does the same as for a death, naming the silent process and its
+  state (``/health`` answers 503 meanwhile). Exit code 1. Children also exit by themselves when this
   process disappears (they watch their parent pid), so no orphans remain.
 """
 
@@ -35,6 +41,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import uvicorn
@@ -42,6 +49,9 @@ import uvicorn
 from lockgate.config import EngineConfig, ServerConfig
 from lockgate.scheduler.process import WATCHDOG_EXIT_CODE, SchedulerProcArgs
 from lockgate.tokenizer.process import DetokProcArgs
+
+if TYPE_CHECKING:
+    from lockgate.server.frontend import EngineClient
 
 log = logging.getLogger("lockgate.server")
 
@@ -150,6 +160,11 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             if c.proc.poll() is None:
                 c.proc.kill()
 
+    def on_unresponsive(child: str, message: str) -> None:
+        if sup.died is None:
+            sup.died = message  # the watcher threads then stay quiet about the kill below
+            on_death(child, message)
+
     client: EngineClient | None = None
     try:
         sup.start("scheduler", "lockgate.scheduler.process", SchedulerProcArgs(
@@ -165,17 +180,22 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
         async def main() -> None:
             nonlocal client, uv_server
             loop_ref["loop"] = asyncio.get_running_loop()
-            client = EngineClient(name, engine.model.model, ep.scheduler, ep.api, metrics)
+            client = EngineClient(name, engine.model.model, ep.scheduler, ep.api, metrics,
+                                  heartbeat_timeout=server.heartbeat_timeout, on_unresponsive=on_unresponsive)
             app = create_app(client, server, api_key, metrics)
             config = uvicorn.Config(app, host=server.host, port=server.port, log_level=log_level.lower(),
                                     access_log=False, timeout_graceful_shutdown=math.ceil(server.shutdown_timeout),
                                     lifespan="on")
             uv_server = uvicorn.Server(config)
+            cutter = asyncio.create_task(cut_at_grace_end(uv_server, client, server.shutdown_timeout))
             sup.watch(on_death)
             if sup.died is not None:  # died before we were watching
                 client.fail(sup.died)
                 return
-            await uv_server.serve()
+            try:
+                await uv_server.serve()
+            finally:
+                cutter.cancel()
 
         # Our own no-op handlers: uvicorn re-raises a captured signal after its graceful
         # shutdown; landing here lets us stop the children and exit 0 instead of dying.
@@ -191,6 +211,20 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
         exit_code = 1
     log.info("server stopped (exit code %d)", exit_code)
     return exit_code
+
+
+GRACE_MARGIN_SECONDS = 0.5  # before uvicorn cancels what is left, so the last events still get written
+
+
+async def cut_at_grace_end(uv: uvicorn.Server, client: EngineClient, grace: float) -> None:
+    """Once a shutdown begins, wait out the grace (less a margin), then end what is still running
+    with finish reason ``abort`` and an error event, instead of letting uvicorn drop the connections."""
+    while not uv.should_exit:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(max(0.0, grace - GRACE_MARGIN_SECONDS))
+    n = client.cut_all(f"the server is shutting down: the request did not finish within --shutdown-timeout {grace:g}s")
+    if n:
+        log.warning("shutdown grace over: ended %d unfinished requests with an error", n)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

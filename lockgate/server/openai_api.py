@@ -88,16 +88,20 @@ def usage(prompt_lens: list[int], outs_by_choice: list[list[TextOut]], cached: l
 
 
 def finished_ok(results: list[list[TextOut]]) -> list[list[TextOut]]:
-    """The collected outputs of every choice; an engine error becomes a 500."""
+    """The collected outputs of every choice; an engine error becomes a 500, a request cut by the
+    server (shutdown, an unresponsive engine) a 503."""
     for outs in results:
+        if outs and outs[-1].error is not None:
+            raise APIError(503 if outs[-1].finish_reason == "abort" else 500, outs[-1].error)
         if outs and outs[-1].finish_reason == "error":
-            raise APIError(500, outs[-1].error or "internal error")
+            raise APIError(500, "internal error")
     return results
 
 
 def error_event(o: TextOut) -> str:
-    """The SSE event that ends a stream whose request failed in the engine."""
-    return sse({"error": {"message": o.error or "internal error", "type": "server_error", "code": 500}})
+    """The SSE event that ends a stream whose request failed in the engine or was cut by the server."""
+    code = 503 if o.finish_reason == "abort" else 500
+    return sse({"error": {"message": o.error or "internal error", "type": "server_error", "code": code}})
 
 
 def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list[str],
@@ -117,6 +121,8 @@ def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list
                 ev = error_event(o) if o.finish_reason == "error" else render(i, o)
                 if ev is not None:
                     yield ev
+                if o.error is not None and o.finish_reason != "error":  # cut: its finish reason, then why
+                    yield error_event(o)
             last = closing(by_choice)
             if last is not None:
                 yield last
@@ -138,13 +144,13 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
     prompts = body.prompts()
-    texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
-    ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    ids = [await ctx.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     jobs: list[tuple[list[int], SamplingParams]] = []
-    for p_ids in ids:
+    for p_ids in ids:  # every prompt checked (ids against the vocabulary too) before any is decoded or sent
         max_tokens = ctx.check_prompt(p_ids, body.max_tokens if body.max_tokens is not None else 16)
         params = body.sampling_params(max_tokens)
         jobs += [(p_ids, sp) for sp in per_choice_params(params, body.n)]
+    texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if body.echo else []
     streams = ctx.submit("cmpl", jobs)
     rid, created, n = streams[0].rid, int(time.time()), body.n
     prompt_lens = [len(p) for p in ids]
@@ -197,13 +203,7 @@ async def chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     tok = ctx.tokenizer
-    try:
-        text = tok.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    except Exception as e:  # a template that fails on these messages (jinja raise_exception, ...)
-        raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = await ctx.chat_ids(body.conversation(), body.add_generation_prompt)
     max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
     params = body.sampling_params(max_tokens)
     streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])

@@ -66,7 +66,7 @@ def _stop_list(v: Any) -> list[str]:
     raise ValueError(f"stop must be a string or a list of strings, got {v!r:.60}")
 
 
-StopList = Annotated[list[str], PlainValidator(_stop_list)]  # a string is accepted as [string]
+StopList = Annotated[list[str], PlainValidator(_stop_list, json_schema_input_type=str | list[str])]  # a string is accepted as [string]
 
 
 class StreamOptions(_Model):
@@ -131,7 +131,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Int | None = None
 
-    @field_validator("prompt", mode="plain")
+    @field_validator("prompt", mode="plain", json_schema_input_type=str | list[int] | list[str] | list[list[int]])
     @classmethod
     def _check_prompt(cls, v: Any) -> str | list[int] | list[str] | list[list[int]]:
         def ids(x: Any) -> bool:
@@ -183,7 +183,7 @@ class ChatMessage(_Model):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    @field_validator("content", mode="plain")
+    @field_validator("content", mode="plain", json_schema_input_type=str | list[ContentPart] | None)
     @classmethod
     def _check_content(cls, v: Any) -> str | list[ContentPart] | None:
         if v is None or isinstance(v, str):

@@ -48,7 +48,7 @@ def _tokens(ctx: ServerContext, o: TextOut) -> list[dict[str, Any]]:
 async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, Any]:
     ctx: ServerContext = request.app.state.ctx
     body = await parse_body(request, TGIGenerateRequest)
-    ids = ctx.tokenizer.encode(body.inputs)
+    ids = await ctx.encode(body.inputs)
     ctx.check_prompt(ids, body.parameters.max_new_tokens)
     try:
         params = body.sampling_params()
@@ -66,8 +66,8 @@ async def generate(request: Request) -> Response:
 async def _whole(request: Request, ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Response:
     outs = (await ctx.collect(request, streams))[0]
     last = outs[-1]
-    if last.finish_reason == "error":
-        raise APIError(500, last.error or "internal error")
+    if last.finish_reason == "error" or last.error is not None:
+        raise APIError(503 if last.finish_reason == "abort" else 500, last.error or "internal error")
     text = "".join(o.text for o in outs)
     if body.parameters.return_full_text:
         text = body.inputs + text
@@ -97,7 +97,7 @@ def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Respo
         text, n = [], 0
         try:
             async for _, o in ctx.merge(streams):
-                if o.finish_reason == "error":
+                if o.finish_reason == "error" or o.error is not None:
                     yield f"data:{json.dumps({'error': o.error or 'internal error', 'error_type': 'generation'})}\n\n"
                     return
                 text.append(o.text)

@@ -22,16 +22,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import msgspec
 import zmq
 
+from lockgate.config import HEARTBEAT_SECONDS
 from lockgate.ipc.channel import Receiver, Sender
 from lockgate.ipc.child import child_startup
 from lockgate.ipc.messages import (
     AbortRequest,
     DetokenizerReady,
     Fatal,
+    Heartbeat,
     Ready,
     Register,
     Shutdown,
@@ -67,11 +70,15 @@ class DetokenizerProcess:
         self.live: dict[str, IncrementalDetokenizer] = {}
 
     def run(self) -> None:
+        beat, last_beat = Heartbeat("detokenizer", os.getpid()), 0.0
         while True:
-            msg = self.inbox.recv(timeout_ms=1000)
+            msg = self.inbox.recv(timeout_ms=int(HEARTBEAT_SECONDS * 1000))
             if os.getppid() != self.args.parent_pid:
                 log.error("parent process %d is gone; exiting", self.args.parent_pid)
                 return
+            if self.tokenizer is not None and time.monotonic() - last_beat >= HEARTBEAT_SECONDS:
+                self.api.send(beat)
+                last_beat = time.monotonic()
             if msg is None:
                 continue
             for m in [msg, *self.inbox.drain()]:
@@ -82,7 +89,7 @@ class DetokenizerProcess:
                     self.live[m.rid] = IncrementalDetokenizer(self.tokenizer, tuple(m.stop), m.skip_special_tokens)
                 elif isinstance(m, Ready):
                     self.ready(m)
-                elif isinstance(m, Fatal):
+                elif isinstance(m, Fatal | Heartbeat):
                     self.api.send(m)
                 elif isinstance(m, Shutdown):
                     return
