@@ -125,6 +125,19 @@ def test_client_leaving_a_whole_response_logs_no_traceback(server) -> None:
     assert "never retrieved" not in log and "Traceback" not in log, log[-3000:]
 
 
+def test_a_body_cut_short_by_the_client_is_dropped_quietly(server) -> None:
+    import socket
+
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 5000\r\n\r\n{\"prompt\": \"cut")
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+    assert_nothing_held(server.url)
+    assert "ClientDisconnect" not in server.log() and "Traceback" not in server.log(), server.log()[-3000:]
+
+
 def test_openapi_documents_bodies_and_errors(server) -> None:
     doc = httpx.get(server.url + "/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"):
