@@ -15,14 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 from lockgate.config import EngineConfig
+from lockgate.engine.core import EngineCore
 from lockgate.sampling import SamplingParams
-from lockgate.scheduler.loop import EngineCore
 from lockgate.scheduler.request import FinishReason, Request
-from lockgate.tokenizer.detokenizer import IncrementalDetokenizer
+from lockgate.tokenizer.output import Delta, OutputProcessor
 from lockgate.tokenizer.tokenizer import Message, Tokenizer, load_tokenizer
 
 log = logging.getLogger("lockgate.offline")
@@ -107,7 +106,7 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         for i, (p_ids, p) in enumerate(zip(ids, params, strict=True)):
             try:
-                self.engine.scheduler.validate(np.asarray(p_ids, dtype=np.int64), p.max_tokens)
+                self.engine.validate(p_ids, p.max_tokens)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         live: dict[str, _Pending] = {}
@@ -116,21 +115,20 @@ class LLM:
             req = self.engine.add_request(p_ids, p)
             order.append(req.rid)
             live[req.rid] = _Pending(RequestOutput(req.rid, text, list(p_ids)), p, req,
-                                     IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens))
+                                     OutputProcessor(self.tokenizer, p.stop, p.skip_special_tokens))
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", unit="req") if use_tqdm else None
         while self.engine.has_work:
             for ev in self.engine.step():
                 pend = live[ev.rid]
-                pend.add(ev.new_token_ids, ev.new_logprobs, ev.new_top)
+                d = pend.proc.process(ev.new_token_ids, ev.new_logprobs, ev.new_top,
+                                      ev.finish_reason.value if ev.finish_reason is not None else None)
+                pend.add(d)
                 pend.out.num_cached_tokens = ev.cached_tokens
-                reason = ev.finish_reason
-                if pend.detok.stopped:  # a stop string ended it (before any length limit in the same step)
-                    if reason is None:
-                        self.engine.abort(ev.rid)
-                    reason = FinishReason.STOP
-                if reason is not None:
-                    done[ev.rid] = pend.finish(reason)
+                if d.abort_engine:
+                    self.engine.abort(ev.rid)
+                if d.finish_reason is not None:
+                    done[ev.rid] = pend.finish(FinishReason(d.finish_reason))
                     del live[ev.rid]
                     if bar is not None:
                         bar.update(1)
@@ -144,21 +142,19 @@ class _Pending:
     out: RequestOutput
     params: SamplingParams
     req: Request
-    detok: IncrementalDetokenizer
+    proc: OutputProcessor
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
 
-    def add(self, ids: list[int], lps: list[float], top: list[list[tuple[int, float]]]) -> None:
-        text, used = self.detok.push_until_stop(ids)  # tokens after a stop string are left out
-        self.token_ids += ids[:used]
-        self.logprobs += lps[:used]
-        self.top += top[:used]
-        self.pieces.append(text)
+    def add(self, d: Delta) -> None:
+        self.token_ids += d.ids  # tokens after a stop string are already left out
+        self.logprobs += d.logprobs or []
+        self.top += d.top or []
+        self.pieces.append(d.text)
 
     def finish(self, reason: FinishReason) -> RequestOutput:
-        self.pieces.append(self.detok.flush())
         r, m = self.req, self.out.metrics
         m.e2e = time.monotonic() - r.arrival_time
         if r.first_token_time is not None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockgate.kvcache import OutOfSlots, SlotAllocator
-from lockgate.scheduler.admission import PeakAdmission, peak_usage
+from lockgate.scheduler.admission import peak_usage
 
 
 def brute_peak(resident: list[int], left: list[int]) -> int:
@@ -53,8 +53,6 @@ def test_peak_degenerate_cases() -> None:
     assert peak_usage(np.array([3, 4]), np.array([0, 0])) == 7  # only the current usage
     assert peak_usage(np.array([0]), np.array([5])) == 5
     assert peak_usage(np.array([10, 1]), np.array([0, 2])) == 11  # t=0 dominates the finisher
-    assert PeakAdmission(10).headroom(empty, empty) == 10
-    assert PeakAdmission(10).headroom(np.array([4]), np.array([8])) == -2
 
 
 def test_input_validation() -> None:
@@ -62,33 +60,27 @@ def test_input_validation() -> None:
         peak_usage(np.array([1, 2]), np.array([1]))
     with pytest.raises(ValueError):
         peak_usage(np.array([-1]), np.array([1]))
-    with pytest.raises(ValueError):
-        PeakAdmission(-1)
 
 
-@given(rows, st.integers(0, 60), st.integers(0, 60), st.integers(0, 800))
-def test_fits_agrees_with_peak(batch: list[tuple[int, int]], cr: int, cl: int, capacity: int) -> None:
+def admit_prefix(capacity: int, res: np.ndarray, lft: np.ndarray, c_res: np.ndarray, c_lft: np.ndarray) -> int:
+    """How many candidates fit one after another (the scheduler's rule: stop at the first misfit)."""
+    for k, (r, left) in enumerate(zip(c_res.tolist(), c_lft.tolist(), strict=True)):
+        res, lft = np.append(res, r), np.append(lft, left)
+        if peak_usage(res, lft) > capacity:
+            return k
+    return len(c_res)
+
+
+@given(rows, rows)
+def test_peak_never_decreases_when_requests_join(batch: list[tuple[int, int]], more: list[tuple[int, int]]) -> None:
+    """Why stopping at the first candidate that does not fit loses nothing behind it in order."""
     res, lft = split(batch)
-    adm = PeakAdmission(capacity)
-    expect = peak_usage(np.append(res, cr), np.append(lft, cl)) <= capacity
-    assert adm.fits(res, lft, cr, cl) == expect
-    assert adm.headroom(res, lft) == capacity - brute_peak(res.tolist(), lft.tolist())
-
-
-@given(rows, rows, st.integers(0, 1500))
-def test_admit_many_agrees_with_fits_one_by_one(
-    batch: list[tuple[int, int]], cands: list[tuple[int, int]], capacity: int
-) -> None:
-    res, lft = split(batch)
-    c_res, c_lft = split(cands)
-    adm = PeakAdmission(capacity)
-    expect = 0
-    for r, lft_c in cands:
-        if not adm.fits(res, lft, r, lft_c):
-            break
-        res, lft = np.append(res, r), np.append(lft, lft_c)
-        expect += 1
-    assert adm.admit_many(*split(batch), c_res, c_lft) == expect
+    before = peak_usage(res, lft)
+    for r, left in more:
+        res, lft = np.append(res, r), np.append(lft, left)
+        after = peak_usage(res, lft)
+        assert after >= before
+        before = after
 
 
 # ---------------------------------------------------------------------------------------
@@ -109,14 +101,12 @@ Admit = Callable[[list[SimRequest], list[SimRequest], SlotAllocator], int]
 
 
 def peak_admit(capacity: int) -> Admit:
-    adm = PeakAdmission(capacity)
-
     def admit(running: list[SimRequest], waiting: list[SimRequest], _: SlotAllocator) -> int:
         res = np.array([r.prompt + r.generated for r in running], dtype=np.int64)
         lft = np.array([r.max_tokens - r.generated for r in running], dtype=np.int64)
         c_res = np.array([r.prompt for r in waiting], dtype=np.int64)
         c_lft = np.array([r.max_tokens for r in waiting], dtype=np.int64)
-        return adm.admit_many(res, lft, c_res, c_lft)
+        return admit_prefix(capacity, res, lft, c_res, c_lft)
 
     return admit
 

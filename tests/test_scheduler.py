@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockgate.config import EngineConfig
+from lockgate.engine.core import EngineCore
 from lockgate.plan import ForwardPlan, ForwardResult
 from lockgate.runner.sim_runner import SIM_EOS, SimRunner
 from lockgate.sampling import SamplingParams
-from lockgate.scheduler.loop import EngineCore
 from lockgate.scheduler.scheduler import RequestRejected
 
 

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from test_scheduler import run_all
 
 from lockgate.config import EngineConfig
+from lockgate.engine.core import EngineCore
 from lockgate.plan import ForwardPlan, ForwardResult
 from lockgate.runner.sim_runner import SimRunner
 from lockgate.sampling import SamplingParams
-from lockgate.scheduler.loop import EngineCore
 from lockgate.scheduler.speculate import NgramIndex
 
 # ---- the proposer ------------------------------------------------------------------------

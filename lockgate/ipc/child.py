@@ -1,9 +1,16 @@
-"""Start-up shared by the server's child processes (scheduler, detokenizer).
+"""The server's child processes as the API process sees them: how to start them, with what, and
+what their exit codes mean; and the start-up every child does first.
 
-Owns the three things every child does first: decode its JSON argument into its typed args
-struct, configure logging with the process name in each line, and ignore SIGINT/SIGTERM.
-Ctrl-C or a TERM sent to the whole process group reaches the children too; the API process
-coordinates shutdown (a Shutdown message, then SIGKILL), so children must not die on their own.
+Owns the contract between ``server.launch`` (the parent) and the two children, so the parent
+never imports a child's module (and with it the engine or the tokenizer stack):
+
+* ``SCHEDULER_MODULE`` / ``DETOKENIZER_MODULE``: run as ``python -m MODULE ARGS_JSON``;
+* ``SchedulerProcArgs`` / ``DetokProcArgs``: the typed JSON argument of each;
+* ``WATCHDOG_EXIT_CODE``: the scheduler's exit code when its watchdog fired;
+* ``child_startup``: decode the argument, configure logging with the process name in each line,
+  and ignore SIGINT/SIGTERM. Ctrl-C or a TERM sent to the whole process group reaches the
+  children too; the API process coordinates shutdown (a Shutdown message, then SIGKILL), so
+  children must not die on their own.
 """
 
 from __future__ import annotations
@@ -15,7 +22,33 @@ from typing import TypeVar
 
 import msgspec
 
+from lockgate.config import EngineConfig
+
 A = TypeVar("A")
+
+SCHEDULER_MODULE = "lockgate.engine.process"
+DETOKENIZER_MODULE = "lockgate.tokenizer.process"
+WATCHDOG_EXIT_CODE = 70
+
+
+class SchedulerProcArgs(msgspec.Struct, frozen=True):
+    engine: EngineConfig
+    model_name: str
+    in_endpoint: str  # PULL, bound here
+    detok_endpoint: str  # PUSH to the detokenizer
+    watchdog_timeout: float
+    decode_log_interval: int
+    parent_pid: int
+    log_level: str = "INFO"
+
+
+class DetokProcArgs(msgspec.Struct, frozen=True):
+    model: str  # the --model spec ("sim" selects the byte tokenizer)
+    in_endpoint: str  # PULL, bound here
+    api_endpoint: str  # PUSH to the API
+    scheduler_endpoint: str  # PUSH to the scheduler (aborts on stop strings)
+    parent_pid: int
+    log_level: str = "INFO"
 
 
 def child_startup(argv: list[str] | None, args_type: type[A], name: str) -> A:

@@ -125,21 +125,12 @@ ToDetokenizer = Register | StepBatch | Ready | Fatal | Shutdown | Heartbeat
 
 
 # ---- detokenizer -> API ------------------------------------------------------------------
-class TextOut(_Msg):
-    """A ``TokenOut`` plus its text delta (stop strings already cut, never emitted)."""
+class TextOut(TokenOut):
+    """A ``TokenOut`` plus its text delta (stop strings already cut, never emitted): every field of
+    the scheduler's output travels on unchanged except what the stop-string cut shortened."""
 
-    rid: str
-    text: str
-    ids: list[int]
-    logprobs: list[float] | None = None
-    top: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
+    text: str = ""
     stop_matched: str | None = None  # the stop string (or None) when finish_reason is "stop"
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    cached_tokens: int = 0
-    queue_seconds: float | None = None
-    error: str | None = None
 
 
 class TextBatch(_Msg):

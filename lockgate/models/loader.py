@@ -19,7 +19,10 @@ converter version. It is built in a temporary sibling and renamed into place, so
 never leaves a half-written cache: if the directory exists, it is complete.
 
 Called by ``lockgate.runner.model_runner`` and by the tokenizer side (which needs the same
-directory for tokenizer.json / chat template).
+directory for tokenizer.json / chat template), the gateway, the bench and the CLI.
+
+Torch-free (numpy, gguf, safetensors.numpy, transformers' tokenizer only), so the processes that
+only need a tokenizer never load torch; ``tests/test_layers.py`` checks it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lockgate.models.rope_scaling import llama3_inv_freq
 
 log = logging.getLogger("lockgate.models")
 
@@ -148,8 +153,7 @@ def _fix_modes(d: Path) -> None:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     """Write config.json, model.safetensors, tokenizer files into ``out_dir``; return a summary."""
     import gguf
-    import torch
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     reader = gguf.GGUFReader(str(gguf_path))
     meta = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
@@ -161,7 +165,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     config = gguf_config(meta, arch, tensors, gguf_path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, np.ndarray] = {}
     qtypes: dict[str, int] = {}
     for name, t in tensors.items():
         if name == "rope_freqs.weight":
@@ -173,10 +177,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
             w = unpermute_rope_rows(w, heads if ".attn_q." in name else kv_heads)
         if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the mmap
             w = np.array(w, order="C")
-        state[hf_name] = torch.from_numpy(w)
+        state[hf_name] = w
         qtypes[t.tensor_type.name] = qtypes.get(t.tensor_type.name, 0) + 1
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    n_params = sum(v.numel() for v in state.values())
+    n_params = sum(v.size for v in state.values())
     del state
 
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -279,16 +283,14 @@ def _llama3_rope_from_freqs(t: Any, theta: float, head_dim: int, src: Path) -> d
     reproduce the stored factors exactly; anything else is refused rather than guessed.
     """
     import gguf
-    import torch
 
-    from lockgate.layers.rope import llama3_inv_freq
-
-    factors = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float32))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factors = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float32)
+    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)))
+    inv_freq = inv_freq.astype(np.float32)
     factor = float(factors.max())
     for low, high, orig in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 2048)):
         want = inv_freq / llama3_inv_freq(inv_freq, factor, low, high, float(orig))
-        if want.shape == factors.shape and torch.allclose(want, factors, rtol=1e-4, atol=1e-6):
+        if want.shape == factors.shape and np.allclose(want, factors, rtol=1e-4, atol=1e-6):
             return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                     "original_max_position_embeddings": orig}
     raise ValueError(f"{src}: rope_freqs.weight does not match Llama 3 rope scaling with known parameters")

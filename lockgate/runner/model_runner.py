@@ -15,7 +15,7 @@ Invariants:
 * ``execute`` computes logits only for ``plan.sample_rows`` (the last token of each sampled
   sequence) and skips the LM head entirely when no row samples.
 
-Called by the scheduler process loop (``lockgate.scheduler.loop``) and the offline ``LLM``
+Called by the scheduler process loop (``lockgate.engine.core``) and the offline ``LLM``
 through ``lockgate.runner.make_runner``.
 """
 

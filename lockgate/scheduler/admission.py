@@ -60,13 +60,12 @@ which no order of progress can exceed; outside that condition requests advance i
 the estimate holds as above.
 
 Adding a request adds a non-negative term to ``usage(t)`` at every ``t``, so the peak
-never decreases when requests join. Hence the candidates that fit "one after another"
-form a prefix of the queue, and ``admit_many`` finds its length by binary search.
+never decreases when requests join: the candidates that fit "one after another" form a
+prefix of the queue, and the scheduler stops at the first one that does not fit.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
@@ -95,59 +94,6 @@ def peak_usage(resident: np.ndarray, left: np.ndarray) -> int:
     cum_res = np.cumsum(res[order])
     alive = np.arange(1, res.size + 1, dtype=I64)
     return int((cum_res + alive * lft_sorted).max())
-
-
-class PeakAdmission:
-    """Decides whether candidates fit next to the running batch.
-
-    ``capacity`` is the number of KV slots the batch may use at its peak (a plain
-    attribute, so the scheduler may lower it for slots held elsewhere).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        capacity = operator.index(capacity)
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        self.capacity: int = capacity
-
-    def headroom(self, resident: np.ndarray, left: np.ndarray) -> int:
-        """``capacity - peak_usage``; negative if the batch is already over budget."""
-        return self.capacity - peak_usage(resident, left)
-
-    def fits(self, resident: np.ndarray, left: np.ndarray, cand_resident: int, cand_left: int) -> bool:
-        """True if the batch plus this one candidate peaks at ``<= capacity``."""
-        res, lft = _as_rows(resident, left)
-        res = np.append(res, I64(operator.index(cand_resident)))
-        lft = np.append(lft, I64(operator.index(cand_left)))
-        return peak_usage(res, lft) <= self.capacity
-
-    def admit_many(self, resident: np.ndarray, left: np.ndarray,
-                   cand_resident: np.ndarray, cand_left: np.ndarray) -> int:
-        """How many candidates, taken in the given order, fit one after another.
-
-        Equivalent to calling ``fits`` for each candidate and adding it to the batch until
-        the first one that does not fit. The peak is monotone in the set of requests, so
-        the answer is the longest fitting prefix: binary search, O(log k * m log m) with
-        ``m = n + k``.
-        """
-        res, lft = _as_rows(resident, left)
-        c_res, c_lft = _as_rows(cand_resident, cand_left)
-        all_res = np.concatenate([res, c_res])
-        all_lft = np.concatenate([lft, c_lft])
-        n = res.size
-
-        def ok(m: int) -> bool:
-            return peak_usage(all_res[:n + m], all_lft[:n + m]) <= self.capacity
-
-        # Largest m in [0, k] with m == 0 or ok(m); ok is monotone (true, then false).
-        lo, hi = 0, c_res.size
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
 
 # ---------------------------------------------------------------------------------------

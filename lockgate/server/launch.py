@@ -47,8 +47,13 @@ import msgspec
 import uvicorn
 
 from lockgate.config import EngineConfig, ServerConfig
-from lockgate.scheduler.process import WATCHDOG_EXIT_CODE, SchedulerProcArgs
-from lockgate.tokenizer.process import DetokProcArgs
+from lockgate.ipc.child import (
+    DETOKENIZER_MODULE,
+    SCHEDULER_MODULE,
+    WATCHDOG_EXIT_CODE,
+    DetokProcArgs,
+    SchedulerProcArgs,
+)
 
 if TYPE_CHECKING:
     from lockgate.server.frontend import EngineClient
@@ -167,11 +172,11 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
 
     client: EngineClient | None = None
     try:
-        sup.start("scheduler", "lockgate.scheduler.process", SchedulerProcArgs(
+        sup.start("scheduler", SCHEDULER_MODULE, SchedulerProcArgs(
             engine=engine, model_name=name, in_endpoint=ep.scheduler, detok_endpoint=ep.detokenizer,
             watchdog_timeout=server.watchdog_timeout, decode_log_interval=server.decode_log_interval,
             parent_pid=os.getpid(), log_level=log_level))
-        sup.start("detokenizer", "lockgate.tokenizer.process", DetokProcArgs(
+        sup.start("detokenizer", DETOKENIZER_MODULE, DetokProcArgs(
             model=engine.model.model, in_endpoint=ep.detokenizer, api_endpoint=ep.api,
             scheduler_endpoint=ep.scheduler, parent_pid=os.getpid(), log_level=log_level))
 

@@ -1,6 +1,6 @@
 """The detokenizer process: token ids -> text deltas, off the scheduler's critical path.
 
-Owns one ``IncrementalDetokenizer`` per live request. Loop: receive from the scheduler
+Owns one ``OutputProcessor`` per live request (the same output path the offline ``LLM`` uses). Loop: receive from the scheduler
 (``Register`` before a request's first tokens, one ``StepBatch`` per step, ``Ready``), turn
 every ``TokenOut`` into a ``TextOut`` and send one ``TextBatch`` per step to the API.
 
@@ -29,7 +29,7 @@ import zmq
 
 from lockgate.config import HEARTBEAT_SECONDS
 from lockgate.ipc.channel import Receiver, Sender
-from lockgate.ipc.child import child_startup
+from lockgate.ipc.child import DetokProcArgs, child_startup
 from lockgate.ipc.messages import (
     AbortRequest,
     DetokenizerReady,
@@ -44,19 +44,10 @@ from lockgate.ipc.messages import (
     ToDetokenizer,
     TokenOut,
 )
-from lockgate.tokenizer.detokenizer import IncrementalDetokenizer
+from lockgate.tokenizer.output import OutputProcessor
 from lockgate.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("lockgate.detokenizer")
-
-
-class DetokProcArgs(msgspec.Struct, frozen=True):
-    model: str  # the --model spec ("sim" selects the byte tokenizer)
-    in_endpoint: str  # PULL, bound here
-    api_endpoint: str  # PUSH to the API
-    scheduler_endpoint: str  # PUSH to the scheduler (aborts on stop strings)
-    parent_pid: int
-    log_level: str = "INFO"
 
 
 class DetokenizerProcess:
@@ -67,7 +58,7 @@ class DetokenizerProcess:
         self.api = Sender(self.ctx, args.api_endpoint)
         self.scheduler = Sender(self.ctx, args.scheduler_endpoint)
         self.tokenizer: Tokenizer | None = None
-        self.live: dict[str, IncrementalDetokenizer] = {}
+        self.live: dict[str, OutputProcessor] = {}
 
     def run(self) -> None:
         beat, last_beat = Heartbeat("detokenizer", os.getpid()), 0.0
@@ -86,7 +77,7 @@ class DetokenizerProcess:
                     self.api.send(TextBatch([t for o in m.outs if (t := self.convert(o)) is not None], m.stats))
                 elif isinstance(m, Register):
                     assert self.tokenizer is not None
-                    self.live[m.rid] = IncrementalDetokenizer(self.tokenizer, tuple(m.stop), m.skip_special_tokens)
+                    self.live[m.rid] = OutputProcessor(self.tokenizer, tuple(m.stop), m.skip_special_tokens)
                 elif isinstance(m, Ready):
                     self.ready(m)
                 elif isinstance(m, Fatal | Heartbeat):
@@ -104,27 +95,18 @@ class DetokenizerProcess:
         self.api.send(DetokenizerReady(m, os.getpid()))
 
     def convert(self, o: TokenOut) -> TextOut | None:
-        detok = self.live.get(o.rid)
-        if detok is None:
+        out = self.live.get(o.rid)
+        if out is None:
             return None  # finished here already (stop string); the scheduler's echo is dropped
-        text, used = detok.push_until_stop(o.ids) if o.ids else ("", 0)
-        if used < len(o.ids):  # tokens after a stop string, from one step's accepted guesses
-            o.num_output_tokens -= len(o.ids) - used
-            o.ids = o.ids[:used]
-            o.logprobs = o.logprobs[:used] if o.logprobs is not None else None
-            o.top = o.top[:used] if o.top is not None else None
-        reason, matched = o.finish_reason, None
-        if detok.stopped:
-            if reason is None:
-                self.scheduler.send(AbortRequest(o.rid, "stop string"))
-            reason, matched = "stop", detok.stop_reason
-        if reason is not None:
-            text += detok.flush()
+        d = out.process(o.ids, o.logprobs, o.top, o.finish_reason)
+        if d.abort_engine:
+            self.scheduler.send(AbortRequest(o.rid, "stop string"))
+        if d.finish_reason is not None:
             del self.live[o.rid]
-        return TextOut(rid=o.rid, text=text, ids=o.ids, logprobs=o.logprobs, top=o.top, finish_reason=reason,
-                       stop_matched=matched, num_prompt_tokens=o.num_prompt_tokens,
-                       num_output_tokens=o.num_output_tokens, cached_tokens=o.cached_tokens,
-                       queue_seconds=o.queue_seconds, error=o.error)
+        fields = msgspec.structs.asdict(o)
+        fields.update(ids=d.ids, logprobs=d.logprobs, top=d.top, finish_reason=d.finish_reason,
+                      num_output_tokens=o.num_output_tokens - (len(o.ids) - len(d.ids)))
+        return TextOut(text=d.text, stop_matched=d.stop_matched, **fields)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ Invariants:
   running batch and exit the process with ``WATCHDOG_EXIT_CODE``; the API process sees the
   death and shuts the server down.
 
-Started by ``lockgate.server.launch`` as ``python -m lockgate.scheduler.process ARGS_JSON``.
+Started by ``lockgate.server.launch`` as ``python -m lockgate.engine.process ARGS_JSON``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import threading
 import time
 from collections.abc import Callable
 
-import msgspec
 import zmq
 
-from lockgate.config import HEARTBEAT_SECONDS, EngineConfig
+from lockgate.config import HEARTBEAT_SECONDS
+from lockgate.engine.core import EngineCore
 from lockgate.ipc.channel import Receiver, Sender
-from lockgate.ipc.child import child_startup
+from lockgate.ipc.child import WATCHDOG_EXIT_CODE, SchedulerProcArgs, child_startup
 from lockgate.ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -52,25 +52,12 @@ from lockgate.ipc.messages import (
     TokenOut,
     ToScheduler,
 )
-from lockgate.scheduler.loop import EngineCore
 from lockgate.scheduler.request import FinishReason, Request
 from lockgate.scheduler.scheduler import RequestRejected, StepOutput
 
 log = logging.getLogger("lockgate.scheduler")
 
-WATCHDOG_EXIT_CODE = 70
 PARENT_CHECK_MS = 1000
-
-
-class SchedulerProcArgs(msgspec.Struct, frozen=True):
-    engine: EngineConfig
-    model_name: str
-    in_endpoint: str  # PULL, bound here
-    detok_endpoint: str  # PUSH to the detokenizer
-    watchdog_timeout: float
-    decode_log_interval: int
-    parent_pid: int
-    log_level: str = "INFO"
 
 
 class Watchdog:
@@ -185,7 +172,7 @@ class SchedulerProcess:
                     self.pending.append(self._token_out(m.rid, None, FinishReason.ABORT))
             else:
                 log.info("shutdown requested; aborting %d running and %d waiting requests",
-                         len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+                         len(self.engine.running), self.engine.num_waiting)
                 return False
         return True
 
@@ -213,7 +200,7 @@ class SchedulerProcess:
         self.send(events)
 
     def send(self, events: list[StepOutput]) -> None:
-        st = self.engine.scheduler.stats()
+        st = self.engine.stats()
         stats = EngineStats(running=st.running, waiting=st.waiting, slots_used=st.slots_used,
                             slots_free=st.slots_free, slots_evictable=st.slots_evictable, capacity=st.capacity,
                             headroom=st.headroom, num_steps=self.engine.num_steps,
@@ -242,18 +229,16 @@ class SchedulerProcess:
         return out
 
     def _fail_running(self, e: Exception) -> None:
-        sched = self.engine.scheduler
-        victims = [r.rid for r in sched.running]
+        victims = self.engine.fail_running()
         log.exception("engine step failed; failing the %d requests of the running batch", len(victims))
         for rid in victims:
-            sched.abort(rid)
             out = self._token_out(rid, None, None)
             out.finish_reason, out.error = "error", f"internal error in the engine step: {type(e).__name__}: {e}"
             self.pending.append(out)
 
     def _describe_batch(self) -> str:
         rows = [f"{r.rid}(prompt={r.num_prompt}, computed={r.num_computed}, out={r.num_output})"
-                for r in self.engine.scheduler.running]
+                for r in self.engine.running]
         return f"{len(rows)} running: " + ", ".join(rows[:64]) + (" ..." if len(rows) > 64 else "")
 
     def _log_step(self, st: EngineStats) -> None:
@@ -271,9 +256,7 @@ class SchedulerProcess:
             if self.decode_steps % self.args.decode_log_interval == 0:
                 now = time.monotonic()
                 tput = self.decode_tokens / max(now - self.decode_t0, 1e-9)
-                sched = self.engine.scheduler
-                spec = (f", accepted guesses: {sched.num_accepted_tokens}/{sched.num_draft_tokens}"
-                        if sched.num_draft_tokens else "")
+                spec = (f", accepted guesses: {st.accepted_tokens}/{st.draft_tokens}" if st.draft_tokens else "")
                 log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
                          "gen throughput (token/s): %.2f, #queue-req: %d%s", st.running, st.slots_used, usage, tput,
                          st.waiting, spec)

@@ -1,7 +1,8 @@
 """EngineCore: the one place where the scheduler meets a runner.
 
 Owns one scheduler and one runner and turns them into a step function:
-schedule -> execute -> update. The offline ``LLM`` drives it in-process; the server's
+schedule -> execute -> update. Callers (the scheduler process, the offline ``LLM``) use only
+this object's methods, never the scheduler behind it. The offline ``LLM`` drives it in-process; the server's
 scheduler process drives the very same object from its event loop (DESIGN.md habit 12).
 
 Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
@@ -20,7 +21,7 @@ from lockgate.config import EngineConfig
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
 from lockgate.scheduler.request import Request
-from lockgate.scheduler.scheduler import Scheduler, StepOutput
+from lockgate.scheduler.scheduler import Scheduler, SchedulerStats, StepOutput
 
 log = logging.getLogger("lockgate.engine")
 
@@ -58,12 +59,36 @@ class EngineCore:
         self.scheduler.submit(req)
         return req
 
+    def validate(self, prompt_ids: list[int] | np.ndarray, max_tokens: int) -> None:
+        """Raise ``RequestRejected`` (a ValueError) if a request of this shape can never run here."""
+        self.scheduler.validate(np.asarray(prompt_ids, dtype=np.int64), max_tokens)
+
     def abort(self, rid: str) -> Request | None:
         return self.scheduler.abort(rid)
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def stats(self) -> SchedulerStats:
+        """Load figures: running / waiting counts, slots, admission headroom, speculation counters."""
+        return self.scheduler.stats()
+
+    @property
+    def running(self) -> list[Request]:
+        """The running batch (read-only use: describing it, failing it)."""
+        return list(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def fail_running(self) -> list[str]:
+        """Abort every running request (their slots return to the pool); their ids."""
+        victims = [r.rid for r in self.scheduler.running]
+        for rid in victims:
+            self.scheduler.abort(rid)
+        return victims
 
     def step(self) -> list[StepOutput]:
         """Run one step; returns the per-request events it produced."""
