@@ -47,7 +47,8 @@ from lockgate.layers.attention import AttentionMetadata, paged_attention
 from lockgate.layers.forms import INT4_GROUP, INT4_MODES, LOSSLESS_TOLERANCE, make_forms
 from lockgate.layers.linear import Linear
 from lockgate.layers.norm import rms_norm
-from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, rope_type_of
+from lockgate.layers.ops import KernelOps, LayerOps, TorchOps
+from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 
 log = logging.getLogger("lockgate.models")
 
@@ -246,11 +247,12 @@ class LlamaModel(nn.Module):
         self.head = Linear(self.lm_head, None, head_forms)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
-        # Run the layers on lockgate's fused CPU ops (``lockgate.kernels`` is loaded).
+        # The layers' ops backend: lockgate's fused CPU ops when ``lockgate.kernels`` is loaded.
         self.fused_ops = cpu_kernels
+        self.ops: LayerOps = KernelOps() if cpu_kernels else TorchOps()
         # The one-call decode path's weights per step size (rows), made on first use from the
         # forms each projection's choice picks for that many rows; () when some form cannot go
-        # through decode_layers_ (then such steps run ``_layers_fused``).
+        # through decode_layers_ (then such steps run ``_layers``).
         self._decode_packs: dict[int, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
 
     def projections(self) -> dict[str, list[Linear]]:
@@ -294,11 +296,8 @@ class LlamaModel(nn.Module):
         """
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
-        if self.fused_ops:
-            decoded = self._layers_decode(x, cos, sin, meta, k_cache, v_cache)
-            x = decoded if decoded is not None else self._layers_fused(x, cos, sin, meta, k_cache, v_cache)
-        else:
-            x = self._layers(x, cos, sin, meta, k_cache, v_cache)
+        decoded = self._layers_decode(x, cos, sin, meta, k_cache, v_cache) if self.fused_ops else None
+        x = decoded if decoded is not None else self._layers(x, cos, sin, meta, k_cache, v_cache)
         if logits_rows is None:
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, self.args.rms_norm_eps)  # [S, hidden]
@@ -306,26 +305,27 @@ class LlamaModel(nn.Module):
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The decoder layers in torch ops: x [T, hidden] -> [T, hidden] (the residual stream)."""
-        a = self.args
+        """The decoder layers on ``self.ops`` (torch, or lockgate's fused kernels): x [T, hidden] ->
+        [T, hidden], the residual stream, updated in place. Each layer's MLP output is added at the
+        start of the next (``add_norm``), where the kernel backend fuses the add into the norm."""
+        a, ops = self.args, self.ops
         t = x.shape[0]
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added to x
         for i, layer in enumerate(typing.cast(list[DecoderLayer], self.layers)):
-            y = rms_norm(x, layer.attn_norm, a.rms_norm_eps)  # [T, hidden]
-            qkv = layer.qkv(y)  # [T, (H + 2 Hkv) D]
-            qk = apply_rope(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), cos, sin)  # [T, H + Hkv, D]: one pass
-            v = qkv[:, (h + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
-            o = paged_attention(qk[:, :h], qk[:, h:], v, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
-            x = x + layer.o(o.reshape(t, h * d))  # [T, hidden]
-            y = rms_norm(x, layer.mlp_norm, a.rms_norm_eps)
-            gate, up = layer.gate_up(y).chunk(2, dim=-1)  # [T, F] each
-            x = x + layer.down(F.silu(gate) * up)  # [T, hidden]
+            y = ops.add_norm(x, pending, layer.attn_norm, a.rms_norm_eps)  # x += pending; [T, hidden]
+            q, k, v = ops.rope_qkv(layer.qkv(y), cos, sin, h, hkv, k_cache[i], v_cache[i], meta.out_slots)
+            o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
+            y = ops.add_norm(x, layer.o(o.reshape(t, h * d)), layer.mlp_norm, a.rms_norm_eps)
+            pending = layer.down(ops.silu_mul(layer.gate_up(y)))  # [T, hidden]
+        if pending is not None:
+            x += pending
         return x
 
     def _layers_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
-        """An all-decode step in one call (``lockgate::decode_layers_``: ``_layers_fused``'s very
-        ops, without returning to Python between them), or None when the step is not one: every
+        """The kernel backend's fast path: an all-decode step in one call (``lockgate::decode_layers_``:
+        ``_layers``' very ops on ``KernelOps``, without returning to Python between them), or None when the step is not one: every
         sequence decodes on the attention kernel without a shared prefix, and the form every
         projection's choice picks for this row count is a quantized one the operator runs. The
         weights are packed on first use per row count: a projection's forms and choice must not
@@ -363,28 +363,6 @@ class LlamaModel(nn.Module):
                 kinds.append(args[0])
                 weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]
         return weights, kinds
-
-    def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The same layers on lockgate's fused CPU ops (``lockgate.kernels``): per layer two
-        add + norm calls, one rope + K/V write, one silu * up, plus the matmuls and attention.
-        Each fused op rounds where the torch ops of ``_layers`` round. x is updated in place."""
-        a = self.args
-        t = x.shape[0]
-        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        ops = torch.ops.lockgate
-        cos2, sin2 = cos.view(t, d), sin.view(t, d)
-        pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added to x
-        for i, layer in enumerate(typing.cast(list[DecoderLayer], self.layers)):
-            y = ops.add_rms_norm_(x, pending, layer.attn_norm, a.rms_norm_eps)  # x += pending; [T, hidden]
-            q = ops.rope_write_kv(layer.qkv(y), cos2, sin2, h, hkv, k_cache[i], v_cache[i],
-                                  meta.out_slots)  # [T, H, D]; the step's K/V are in the pool
-            o = paged_attention(q, None, None, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
-            y = ops.add_rms_norm_(x, layer.o(o.view(t, h * d)), layer.mlp_norm, a.rms_norm_eps)
-            pending = layer.down(ops.silu_mul(layer.gate_up(y)))  # [T, hidden]
-        if pending is not None:
-            x += pending
-        return x
 
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,

@@ -16,7 +16,7 @@
 //              (a: codes, b: scales, c: zeros), 104 / 108 = lockgate::int_linear with 4 / 8 bits
 //              (a: packed codes, b: scales, c: zeros; float32 x)
 //
-// It does exactly what lockgate.models.llama.LlamaModel._layers_fused does for such a step (the
+// It does exactly what lockgate.models.llama.LlamaModel._layers does on KernelOps for such a step (the
 // same functions, in the same order, rounding in the same places), without returning to Python
 // between the ~12 calls of each layer: at decode batch 1 those returns, not the arithmetic, were a
 // quarter of the step. The Python side only takes this path when every projection of the step runs
