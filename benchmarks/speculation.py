@@ -104,7 +104,7 @@ def main() -> None:
         sched = llm.engine.scheduler
         made = a.num_requests * (a.output_len - 1)  # decode steps' tokens (the first came with the prefill)
         engine[f"k{k}"] = {"same_tokens_as_first": outs[k] == ref, "steps": steps[k],
-                           "guesses": sched.num_draft_tokens, "accepted": sched.num_accepted_tokens,
+                           "guesses": sched.speculator.num_draft_tokens, "accepted": sched.speculator.num_accepted_tokens,
                            "tokens_per_step": round(made / max(steps[k], 1), 2),
                            "ms_per_token": round(decode_s[k] / made * 1e3, 2)}
     print(json.dumps({"benchmark": "speculation", "command": command(), "machine": machine(),

@@ -4,7 +4,7 @@
 component receives only its part. Values are validated when the tree is built (a bad flag
 fails at start with the flag's name and the limit). Facts learned at run time (the KV
 capacity a memory budget buys, the model's context length) are return values of the
-components that learn them, never edits of this tree (DESIGN.md habit 1).
+components that learn them, never edits of this tree (docs/design.md, habit 1).
 
 ``add_config_args`` turns the dataclass fields into ``--kebab-case`` argparse flags, using
 each field's ``metadata["help"]``; ``config_from_args`` builds the tree back.

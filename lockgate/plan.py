@@ -1,7 +1,7 @@
 """The scheduler -> runner contract: ``ForwardPlan`` in, ``ForwardResult`` out.
 
 Owns only data: ints and numpy arrays, no torch and no request objects, so the scheduler
-(numpy) and the runner (torch) meet here and nowhere else (DESIGN.md habit 2).
+(numpy) and the runner (torch) meet here and nowhere else (docs/design.md, habit 2).
 
 A step runs ``B`` sequences. Sequence ``b`` brings ``query_lens[b]`` new tokens (a whole
 prompt, a later chunk of a long prompt, or one decode token) whose KV is written to

@@ -141,7 +141,7 @@ def test_speculation_gives_bitwise_the_same_greedy_tokens_and_logprobs() -> None
         llm = LLM("default", dtype="float32", quantization="int4", max_total_tokens=2048, speculative_tokens=k,
                   check_invariants=True, matmul_forms="int-gemm" if int_gemm_available() else "group-quant")
         outs = [llm.generate(p, sp)[0].outputs[0] for p in prompts]  # one at a time: room for guesses
-        runs[k] = (outs, llm.engine.num_steps, llm.engine.scheduler.num_accepted_tokens)
+        runs[k] = (outs, llm.engine.num_steps, llm.engine.scheduler.speculator.num_accepted_tokens)
         # A stop string inside a step's accepted run: the tokens after it are left out, as
         # they would never have been generated one token per step.
         # (The greedy answer to the first prompt repeats "print(fibonacci(10))  # Output: ..." lines.)

@@ -54,7 +54,7 @@ def test_accounting_and_outputs_hold_across_modes(seed, capacity, budget, admiss
         want = run_all(ref)[r.rid]
         assert outs[rid] == want
     s = eng.scheduler
-    assert s.protected == 0 and s.allocator.num_free + s.evictable == capacity
+    assert s.ledger.protected == 0 and s.ledger.allocator.num_free + s.ledger.evictable == capacity
     if admission != "ratio":
         assert s.num_retractions == 0
 
@@ -86,13 +86,13 @@ def test_eviction_reclaims_cached_slots_lru() -> None:
     new = eng.add_request(np.arange(1003, 1403), SamplingParams(max_tokens=2))
     run_all(eng)
     s = eng.scheduler
-    assert s.evictable == 802 and s.allocator.num_free == 198  # both cached, unlocked
+    assert s.ledger.evictable == 802 and s.ledger.allocator.num_free == 198  # both cached, unlocked
     big = eng.add_request(np.arange(5003, 5503), SamplingParams(max_tokens=10))  # needs the old one's slots
     run_all(eng)
     assert big.finish_reason is not None
     # the least recently used (old) prefix was evicted; the newer one is still matchable
-    assert s.tree.match_prefix(np.arange(1003, 1403)).length == 400
-    assert s.tree.match_prefix(np.arange(3, 403)).length < 400
+    assert s.ledger.tree.match_prefix(np.arange(1003, 1403)).length == 400
+    assert s.ledger.tree.match_prefix(np.arange(3, 403)).length < 400
     assert old.cached_tokens == new.cached_tokens == 0
 
 
@@ -161,11 +161,11 @@ def test_abort_with_a_step_in_flight_returns_its_slots(cache: bool) -> None:
     s.check_invariants()
     s.abort(b.rid)
     s.check_invariants()
-    assert s.allocator.num_free + s.evictable == 1000 and s.protected == 0
+    assert s.ledger.allocator.num_free + s.ledger.evictable == 1000 and s.ledger.protected == 0
     # a failed step: every request of the batch is aborted before update()
     c = eng.add_request(np.arange(700, 900), SamplingParams(max_tokens=5))
     step = s.schedule()
     assert step is not None and c.pending == 200
     s.abort(c.rid)
     s.check_invariants()
-    assert s.allocator.num_free + s.evictable == 1000
+    assert s.ledger.allocator.num_free + s.ledger.evictable == 1000

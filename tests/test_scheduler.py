@@ -84,9 +84,9 @@ def test_adversarial_mix_never_runs_out_of_slots(reqs, capacity, budget, max_run
         else:
             assert outs[rid][-1] == SIM_EOS
     sched = eng.scheduler
-    cached = sched.tree.total_size if sched.tree is not None else 0
-    assert sched.allocator.num_free + cached == capacity  # finished KV is free or in the prefix cache
-    assert sched.protected == 0  # nothing is locked once every request is gone
+    cached = sched.ledger.tree.total_size if sched.ledger.tree is not None else 0
+    assert sched.ledger.allocator.num_free + cached == capacity  # finished KV is free or in the prefix cache
+    assert sched.ledger.protected == 0  # nothing is locked once every request is gone
     # Peak admission is exact for the worst case: the pool is never over-committed, and each
     # step's running set fit by construction.
     for plan in eng.runner.plans:  # type: ignore[attr-defined]
@@ -178,7 +178,7 @@ def test_abort_returns_slots_at_once():
     eng.scheduler.check_invariants()
     eng.abort(b.rid)
     assert used() == 0 and not eng.has_work
-    assert eng.scheduler.allocator.num_free + eng.scheduler.evictable == 1000
+    assert eng.scheduler.ledger.allocator.num_free + eng.scheduler.ledger.evictable == 1000
     assert eng.abort("nope") is None
 
 

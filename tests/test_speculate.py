@@ -119,10 +119,10 @@ def test_speculation_gives_the_same_tokens_in_fewer_steps() -> None:
     (off, off_reasons, off_steps, _), (on, on_reasons, on_steps, sched) = results[0], results[2]
     assert on == off and all(len(o) == 40 for o in on)
     assert on_reasons == off_reasons == ["length"] * 3
-    assert sched.num_draft_tokens > 0 and 0 < sched.num_accepted_tokens < sched.num_draft_tokens  # twists reject some
+    assert sched.speculator.num_draft_tokens > 0 and 0 < sched.speculator.num_accepted_tokens < sched.speculator.num_draft_tokens  # twists reject some
     assert on_steps < off_steps
-    assert sched.allocator.num_free + sched.tree.total_size == sched.capacity and sched.protected == 0
-    assert sched.stats().accepted_tokens == sched.num_accepted_tokens
+    assert sched.ledger.allocator.num_free + sched.ledger.tree.total_size == sched.capacity and sched.ledger.protected == 0
+    assert sched.stats().accepted_tokens == sched.speculator.num_accepted_tokens
 
 
 def test_guess_rows_stay_within_the_row_budget() -> None:
@@ -154,7 +154,7 @@ def test_stop_token_among_accepted_guesses_ends_the_output_there() -> None:
             assert reasons[r.rid] == "stop" and out[-1] == 8
             assert 8 not in out[max(r.params.min_tokens - 1, 0):-1]  # ends at the first stop token it may stop at
             assert r.output_ids == out and len(out) >= r.params.min_tokens
-        assert eng.scheduler.allocator.num_free + eng.scheduler.tree.total_size == eng.scheduler.capacity
+        assert eng.scheduler.ledger.allocator.num_free + eng.scheduler.ledger.tree.total_size == eng.scheduler.capacity
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 17])
@@ -175,7 +175,7 @@ def test_only_greedy_requests_without_penalties_speculate() -> None:
         eng = cycle_engine()
         eng.add_request([3, 4, 5, 6, 7, 8, 9, 3, 4], params)
         drain(eng)
-        assert eng.scheduler.num_draft_tokens == 0, params
+        assert eng.scheduler.speculator.num_draft_tokens == 0, params
 
 
 def test_min_tokens_suppression_applies_to_each_guess_row() -> None:
@@ -223,7 +223,7 @@ def test_abort_between_steps_returns_guess_slots() -> None:
     drain(eng)
     sched = eng.scheduler
     assert other.num_output == 60
-    assert sched.allocator.num_free + sched.tree.total_size == sched.capacity and sched.protected == 0
+    assert sched.ledger.allocator.num_free + sched.ledger.tree.total_size == sched.capacity and sched.ledger.protected == 0
 
 
 @settings(max_examples=30, deadline=None)
@@ -252,4 +252,4 @@ def test_adversarial_mix_with_guesses_never_runs_out(reqs, capacity, budget, max
             seq.append(int(eng.runner.next_tokens(np.array([seq[-1]]), np.array([len(seq) - 1]))[0]))  # type: ignore[attr-defined]
         assert outs[rid] == seq[len(prompt):] and reasons[rid] == "length"
     sched = eng.scheduler
-    assert sched.allocator.num_free + sched.tree.total_size == capacity and sched.protected == 0
+    assert sched.ledger.allocator.num_free + sched.ledger.tree.total_size == capacity and sched.ledger.protected == 0

@@ -3,7 +3,7 @@
 Owns one scheduler and one runner and turns them into a step function:
 schedule -> execute -> update. Callers (the scheduler process, the offline ``LLM``) use only
 this object's methods, never the scheduler behind it. The offline ``LLM`` drives it in-process; the server's
-scheduler process drives the very same object from its event loop (DESIGN.md habit 12).
+scheduler process drives the very same object from its event loop (docs/design.md, habit 12).
 
 Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
 #queue-req; decode: #running-req, #token, gen throughput) are kept here.

@@ -1,4 +1,4 @@
-"""The scheduler process: receive, schedule, run, update, send (DESIGN.md habit 6).
+"""The scheduler process: receive, schedule, run, update, send (docs/design.md, habit 6).
 
 Owns one ``EngineCore`` (scheduler + runner) and the process around it: it loads the model,
 warms it up, announces ``Ready``, then loops over

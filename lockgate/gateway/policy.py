@@ -4,7 +4,7 @@ A policy sees ``loads`` (replica -> requests it is running or queueing, as the g
 only healthy candidates are passed) and, for ``prefix-cache``, the request's prefix block hashes. It
 returns a ``Route``: the replica plus why, which the proxy reports in ``x-lockgate-route``.
 
-``prefix-cache`` is the cache-aware rule (DESIGN.md §1, after AIBrix):
+``prefix-cache`` is the cache-aware rule (after AIBrix; docs/design.md, Gateway):
 
 1. if ``max(load) - min(load) > imbalance_abs_count`` the fleet is imbalanced: least-request
    (reason ``imbalance``);

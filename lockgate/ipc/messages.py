@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, as typed msgspec structs (no pickle, no dicts).
 
-Three processes (DESIGN.md §2), three one-way PUSH -> PULL channels:
+Three processes (docs/design.md, Processes), three one-way PUSH -> PULL channels:
 
     API ----------- ToScheduler ----------> scheduler
     detokenizer --- ToScheduler ----------> scheduler   (abort when a stop string matched)

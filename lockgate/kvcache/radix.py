@@ -82,6 +82,18 @@ class RadixNode:
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def size(self) -> int:
+        """Tokens (and slots) on this node's edge."""
+        return int(self.key.shape[0])
+
+    def ancestry(self) -> Iterator[RadixNode]:
+        """This node, then each ancestor up to (not including) the root: the nodes a lock on it holds."""
+        node: RadixNode | None = self
+        while node is not None and node.parent is not None:
+            yield node
+            node = node.parent
+
     def __repr__(self) -> str:
         return (f"RadixNode(id={self.id}, key={_preview(self.key)}, lock_ref={self.lock_ref}, "
                 f"last_access={self.last_access}, children={len(self.children)})")

@@ -55,7 +55,7 @@ time), so the estimate never grows as steps run and the guarantee holds.
 
 Requests that advance faster (speculation) also break lockstep: a request whose guesses are
 accepted gains several tokens in one step. The scheduler therefore only speculates while every
-running request could hold its whole ``resident + left`` at once (``Scheduler._worst_case_fits``),
+running request could hold its whole ``resident + left`` at once (``Speculator.propose``),
 which no order of progress can exceed; outside that condition requests advance in lockstep and
 the estimate holds as above.
 
@@ -66,9 +66,9 @@ prefix of the queue, and the scheduler stops at the first one that does not fit.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+
+from lockgate.kvcache.radix import RadixNode
 
 I64 = np.int64
 
@@ -202,19 +202,17 @@ class Charges:
         c.owner = dict(self.owner)
         return c
 
-    def add(self, private: int, left: int, stalled: bool, node: Any) -> None:
+    def add(self, private: int, left: int, stalled: bool, node: RadixNode | None) -> None:
         row, key = len(self.res), float("inf") if stalled else float(left)
         shared = 0
-        while node is not None and node.parent is not None:
-            cur = self.owner.get(id(node))
-            size = int(node.key.shape[0])
+        for n in node.ancestry() if node is not None else ():
+            cur = self.owner.get(id(n))
             if cur is not None:
                 if self.key[cur] >= key:
                     break
-                self.res[cur] -= size
-            self.owner[id(node)] = row
-            shared += size
-            node = node.parent
+                self.res[cur] -= n.size
+            self.owner[id(n)] = row
+            shared += n.size
         self.res.append(private + shared)
         self.left.append(left)
         self.stalled.append(stalled)

@@ -2,7 +2,7 @@
 
 Owns the per-request bookkeeping: prompt and output token ids, the KV slots the request
 holds, and how far its prompt has been computed. Phases are derived, never stored
-(DESIGN.md habit 4): a request is *prefilling* while ``num_computed < prefill_len`` (the
+(docs/design.md, habit 4): a request is *prefilling* while ``num_computed < prefill_len`` (the
 prompt; or prompt + output so far when it resumes after a retraction); after that it
 decodes, feeding back its last sampled token each step.
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 import numpy as np
 
+from lockgate.kvcache.radix import RadixNode
 from lockgate.sampling import SamplingParams
 from lockgate.scheduler.speculate import NgramIndex
 
@@ -50,7 +50,7 @@ class Request:
     # slots[:tree_len] belong to the radix tree and are locked through ``tree_node``;
     # slots[tree_len:num_computed] are the request's own.
     tree_len: int = 0
-    tree_node: Any = None
+    tree_node: RadixNode | None = None
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission (reported in usage)
     num_retractions: int = 0
     pending: int = 0  # slots[num_computed:num_computed + pending] were allocated for the step in flight

@@ -16,15 +16,32 @@ answers copy from their prompts; both make such guesses right often.
 just after its latest occurrence that has a continuation. Adding a token updates ``max_n -
 min_n + 1`` entries, so a step costs O(tokens added), never a scan of the history.
 
-Invariants: ``propose`` returns tokens that follow an earlier occurrence of the sequence's
-suffix, in order, at most ``k`` of them; the index is a pure function of the tokens added so
-far (in order). Whether a request may speculate at all, and how many guesses a step can
-afford, is the scheduler's decision (``Scheduler._drafts``); this module only guesses.
+``Speculator`` is the scheduler's one hook into speculation: ``propose`` decides which decoding
+requests may guess this step and how many guesses the step can afford, and asks each request's
+``NgramIndex``; ``accept`` records what the model agreed with and says how many of the request's
+rows to give back. The scheduler keeps the rows' slots and the per-token finish logic.
+
+When it may speculate (``propose``): a greedy request without penalties (each row's token is then
+the argmax of its own logits, whatever the rows before it), while the step's decode rows stay within
+``speculative_max_rows``, and while the pool could hold every running request at its full
+``prompt + max_tokens`` at once: a request that gains several tokens in one step breaks the
+lockstep the peak admission estimate assumes, and only that condition keeps "decode never runs out
+of KV" true (admission.py).
+
+Invariants: ``NgramIndex.propose`` returns tokens that follow an earlier occurrence of the
+sequence's suffix, in order, at most ``k`` of them; the index is a pure function of the tokens
+added so far (in order); a request never gets guesses beyond its last token (``left - 1``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from lockgate.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from lockgate.scheduler.request import Request
 
 
 class NgramIndex:
@@ -59,3 +76,50 @@ class NgramIndex:
             if start is not None:
                 return toks[start:start + k]
         return []
+
+
+class Speculator:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.num_draft_tokens = 0  # guesses fed to the model so far
+        self.num_accepted_tokens = 0  # of those, the ones it agreed with
+
+    def propose(self, decode: list[Request], running: list[Request], protected: int,
+                capacity: int) -> list[list[int]]:
+        """Guesses for each decoding request (``[]`` for most), earlier requests first.
+        ``protected``: cache slots the running requests lock (counted once)."""
+        cfg = self.cfg
+        out: list[list[int]] = [[] for _ in decode]
+        room = cfg.speculative_max_rows - len(decode)
+        if cfg.speculative_tokens == 0 or room <= 0:
+            return out
+        if protected + sum(r.resident + r.left for r in running) > capacity:  # the worst case must fit
+            return out
+        for i, r in enumerate(decode):
+            k = min(cfg.speculative_tokens, room, r.left - 1)
+            if k <= 0 or not may_speculate(r):
+                continue
+            if r.drafter is None:
+                r.drafter = NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+            if len(r.drafter) < r.num_tokens:
+                r.drafter.extend(r.token_at(len(r.drafter), r.num_tokens).tolist())
+            out[i] = r.drafter.propose(k)
+            room -= len(out[i])
+        return out
+
+    def accept(self, r: Request, guesses: list[int], num_new: int) -> int:
+        """``r`` was fed ``guesses`` and kept ``num_new`` tokens (the model's agreement with them plus
+        its own next token). Returns how many of its rows held guesses it did not take."""
+        r.num_drafted += len(guesses)
+        r.num_accepted += num_new - 1
+        self.num_draft_tokens += len(guesses)
+        self.num_accepted_tokens += num_new - 1
+        return 1 + len(guesses) - num_new
+
+
+def may_speculate(r: Request) -> bool:
+    """Greedy without penalties: each row's token is then the argmax of its own logits (stop tokens
+    suppressed while the row's output would be shorter than min_tokens, as ``build_sampling``'s
+    ``ahead`` arranges), whatever the rows before it."""
+    p = r.params
+    return p.temperature == 0.0 and not p.has_penalties
