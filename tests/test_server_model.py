@@ -178,3 +178,11 @@ def test_a_large_text_is_tokenized_off_the_event_loop(server) -> None:
     assert r.status_code == 200 and r.json()["count"] > 400_000
     # Inline, a /health sent during the work would wait for all of it; in a thread it waits for a GIL slice.
     assert len(latencies) >= 3 and max(latencies) < busy / 3, (max(latencies), busy)
+
+
+def test_only_the_scheduler_process_loads_torch(server) -> None:
+    """The API process and the detokenizer tokenize with the torch-free tokenizer (tests/test_tokenizer.py)."""
+    pids = server.child_pids()
+    assert "libtorch" not in open(f"/proc/{server.proc.pid}/maps").read()
+    assert "libtorch" not in open(f"/proc/{pids['detokenizer']}/maps").read()
+    assert "libtorch" in open(f"/proc/{pids['scheduler']}/maps").read()

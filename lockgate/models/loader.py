@@ -21,8 +21,10 @@ never leaves a half-written cache: if the directory exists, it is complete.
 Called by ``lockgate.runner.model_runner`` and by the tokenizer side (which needs the same
 directory for tokenizer.json / chat template), the gateway, the bench and the CLI.
 
-Torch-free (numpy, gguf, safetensors.numpy, transformers' tokenizer only), so the processes that
-only need a tokenizer never load torch; ``tests/test_layers.py`` checks it.
+Torch-free to import and on a cache hit (numpy, gguf, safetensors.numpy), so the processes that
+only need a tokenizer never load torch (``tests/test_layers.py`` checks the import). The one
+exception is a first conversion: transformers' GGUF tokenizer reader, which writes
+tokenizer.json, imports torch; the scheduler process, which has torch anyway, converts first.
 """
 
 from __future__ import annotations

@@ -1,14 +1,18 @@
 """Tokenizer: text <-> token ids and chat templates, without torch.
 
 Owns the ``Tokenizer`` interface every process uses: ``encode``, ``decode``,
-``apply_chat_template``, ``eos_token_ids``. ``HFTokenizer`` wraps a Hugging Face fast
-tokenizer loaded from a local model directory (the one ``prepare_model_dir`` made);
+``apply_chat_template``, ``eos_token_ids``. For a local model directory (the one
+``prepare_model_dir`` made) ``FastTokenizer`` reads ``tokenizer.json`` with the ``tokenizers``
+library and renders the chat template with transformers' Jinja renderer, so the API process,
+the detokenizer and the gateway never import torch; ``HFTokenizer`` (transformers' own, which
+imports torch) serves the directories whose config asks for more than tokenizer.json says;
 ``SimTokenizer`` is a byte-level tokenizer for the ``sim`` model (ids 3..258 are bytes,
 2 is EOS), so the sim server speaks real text.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +31,9 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
+    """A Hugging Face tokenizer through transformers (which imports torch): the fallback for model
+    directories ``FastTokenizer`` does not mirror exactly."""
+
     def __init__(self, model_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
@@ -45,8 +52,84 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         if not getattr(self.tok, "chat_template", None):
-            raise ValueError("this model has no chat template; use the completions API with a plain prompt")
+            raise ValueError(NO_TEMPLATE)
         return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+
+
+NO_TEMPLATE = "this model has no chat template; use the completions API with a plain prompt"
+# tokenizer_config.json keys that make transformers change what tokenizer.json alone would do
+_NOT_MIRRORED = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow", "do_lower_case")
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class FastTokenizer:
+    """``tokenizer.json`` through the ``tokenizers`` library and the chat template through
+    transformers' own Jinja renderer, without importing torch: the same ids, text and prompts as
+    transformers' fast tokenizer for the directories ``load_fast`` accepts (tests/test_tokenizer.py
+    compares them)."""
+
+    def __init__(self, model_dir: Path, config: dict[str, Any], template: str | None) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.tok = RustTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.special: dict[str, str] = {}
+        for key in _SPECIAL:
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                self.special[key] = value
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
+        self.extra_special: list[str] = [str(t.get("content") if isinstance(t, dict) else t)
+                                         for t in extra] if isinstance(extra, list) else []
+        eos = self.tok.token_to_id(self.special["eos_token"]) if "eos_token" in self.special else None
+        self.eos_token_ids: tuple[int, ...] = (eos,) if eos is not None else ()
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.template = template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # encode_batch, as transformers calls it: unlike encode it releases the GIL (a 2 MB text held
+        # it 2.3 s, stalling the API's event loop; through encode_batch the loop waited 3 ms).
+        return list(self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template  # no torch on this path
+
+        if not self.template:
+            raise ValueError(NO_TEMPLATE)
+        kwargs: dict[str, Any] = dict(self.special)
+        if self.extra_special:
+            kwargs["additional_special_tokens"] = self.extra_special
+        # returns (one prompt per conversation, generation indices), whatever its annotation says
+        out: Any = render_jinja_template(conversations=[messages], chat_template=self.template,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+        return str(out[0][0])
+
+
+def load_fast(model_dir: Path) -> FastTokenizer | None:
+    """A ``FastTokenizer`` for ``model_dir``, or None when it has no tokenizer.json or its
+    tokenizer_config.json asks for something only transformers does (``_NOT_MIRRORED``, a cleanup
+    of decoded spaces, a tokenizer class other than the generic fast one)."""
+    if not (model_dir / "tokenizer.json").is_file():
+        return None
+    cfg_path = model_dir / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    if any(k in config for k in _NOT_MIRRORED) or config.get("clean_up_tokenization_spaces"):
+        return None
+    if config.get("tokenizer_class") not in (None, "PreTrainedTokenizerFast", "TokenizersBackend"):
+        return None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text()
+    elif (model_dir / "chat_template.json").is_file():
+        template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+    return FastTokenizer(model_dir, config, template if isinstance(template, str) else None)
 
 
 class SimTokenizer:
@@ -77,7 +160,10 @@ class SimTokenizer:
 
 
 def load_tokenizer(model: str, model_dir: str | Path | None) -> Tokenizer:
+    """The byte tokenizer for ``sim``; else the torch-free ``FastTokenizer`` where it mirrors
+    transformers exactly, or transformers' own (``HFTokenizer``)."""
     if model == "sim":
         return SimTokenizer()
     assert model_dir is not None
-    return HFTokenizer(model_dir)
+    fast = load_fast(Path(model_dir))
+    return fast if fast is not None else HFTokenizer(model_dir)
