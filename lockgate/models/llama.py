@@ -39,16 +39,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from lockgate.kernel_choice import FormChoice
 from lockgate.layers.attention import AttentionMetadata, paged_attention
-from lockgate.layers.forms import INT4_GROUP, INT4_MODES, LOSSLESS_TOLERANCE, make_forms
+from lockgate.layers.forms import INT4_MODES, make_forms
 from lockgate.layers.linear import Linear
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.ops import KernelOps, LayerOps, TorchOps
 from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
+from lockgate.models.weights import CheckpointReader, log_quantization
 
 log = logging.getLogger("lockgate.models")
 
@@ -390,7 +390,7 @@ class LlamaModel(nn.Module):
         if not cfg_path.is_file():
             raise ValueError(f"{model_dir}: no config.json")
         args = LlamaArgs.from_config(json.loads(cfg_path.read_text()))
-        with _Weights(model_dir, dtype, torch.device(device)) as w:
+        with CheckpointReader(model_dir, dtype, torch.device(device)) as w:
             layers = []
             for i in range(args.num_layers):
                 p = f"model.layers.{i}."
@@ -425,27 +425,9 @@ class LlamaModel(nn.Module):
         del embed, lm_head  # the float32 copies (if any) live on only in the Linear forms
         _check_shapes(model)
         if quantization != "none":
-            _log_quant(model, quantization)
+            log_quantization([lin for group in model.projections().values() for lin in group], model.head,
+                             quantization)
         return model
-
-
-def _log_quant(m: LlamaModel, mode: str) -> None:
-    """One line on which projections have quantized forms, on which grid, and what that costs in
-    precision (which form serves which calls is the tuning's log line)."""
-    lins = [lin for group in m.projections().values() for lin in group]
-    quantized = [lin.quantized for lin in lins if lin.quantized]
-    if not quantized:
-        log.info("quantization=%s: no projection has a quantized form (%s)", mode,
-                 "none is already on a 4- or 8-bit grid" if mode == "auto" else "the kernel does not fit")
-        return
-    forms = [f for fs in quantized for f in fs]
-    worst = max(typing.cast(float, getattr(f, "error", 0.0)) for f in forms)
-    grids = sorted({f"{getattr(f, 'bits', 4)}-bit" for f in forms})
-    names = sorted({f.name for f in forms})
-    log.info("quantization=%s: %d of %d projections%s have quantized forms (%s grid, groups of %d: %s); "
-             "largest re-quantization error %.3g steps (%s)", mode, len(quantized), len(lins),
-             " (the LM head included)" if m.head.quantized else "", "/".join(grids), INT4_GROUP,
-             ", ".join(names), worst, "lossless" if worst <= LOSSLESS_TOLERANCE else "lossy")
 
 
 def _check_shapes(m: LlamaModel) -> None:
@@ -464,42 +446,3 @@ def _check_shapes(m: LlamaModel) -> None:
             got = tuple(getattr(layer, name).shape)
             if got != shape:
                 raise ValueError(f"layer {i} {name} has shape {got}, config.json implies {shape}")
-
-
-class _Weights:
-    """Name -> tensor access over all safetensors shards of a directory, converted on read."""
-
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{model_dir}: no *.safetensors weights")
-        self.dtype, self.device = dtype, device
-        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}
-        self._used: set[str] = set()
-
-    def __enter__(self) -> _Weights:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handles.clear()
-        self._where.clear()
-
-    def has(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor in ``dtype`` (default: the run dtype)."""
-        if name not in self._where:
-            raise ValueError(f"weights are missing tensor {name!r}")
-        self._used.add(name)
-        return self._where[name].get_tensor(name).to(device=self.device, dtype=dtype or self.dtype)
-
-    def skip(self, name: str) -> None:
-        self._used.add(name)
-
-    def cat(self, names: list[str], dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.cat([self.get(n, dtype) for n in names], dim=0)
-
-    def unused(self) -> set[str]:
-        return {k for k in self._where if k not in self._used and not k.endswith("rotary_emb.inv_freq")}
