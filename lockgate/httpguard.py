@@ -28,6 +28,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 Render = Callable[[Scope, int, str], Response]
 
 
+def has_key(authorization: str | bytes, api_key: str) -> bool:
+    """Whether an ``Authorization`` header value carries ``Bearer <api_key>`` (constant-time)."""
+    given = authorization.encode() if isinstance(authorization, str) else authorization
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+
+
 class BearerAuth:
     def __init__(self, app: ASGIApp, api_key: str, render: Render) -> None:
         self.app = app
@@ -37,7 +43,7 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not hmac.compare_digest(given, self.expected):  # has_key, without re-encoding per request
                 message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
                 await self.render(scope, 401, message)(scope, receive, send)
                 return

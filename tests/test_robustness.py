@@ -377,3 +377,70 @@ def test_every_command_prints_its_help(command) -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout
+
+
+def test_serve_dp_shutdown_gives_streams_the_replicas_grace_and_restarts_nothing() -> None:
+    """Ctrl-C to the whole group: the gateway and the replicas all get SIGINT; a stream still running
+    when the replicas' --shutdown-timeout ends gets its abort chunk and error event through the
+    gateway, and the idle replica that exits at once (code 0) is not mistaken for a crash."""
+    port = free_port_run(3)
+    s = ServerProc(*SIM, "--sim-step-ms", "50", "--dp", "2", "--shutdown-timeout", "2", "--policy", "round-robin",
+                   port=port)
+    try:
+        s.wait_ready()
+        deadline = time.monotonic() + 60
+        while httpx.get(s.url + "/health").json()["status"] != "ok":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        events: list[str] = []
+        took: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
+                    "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+                events.extend(ln for ln in r.iter_lines() if ln.startswith("data: "))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.killpg(s.proc.pid, signal.SIGINT)
+        t.join(60)
+        took.append(time.monotonic() - t0)
+        assert s.proc.wait(60) == 0
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+        assert [c["finish_reason"] for e in events[:-2] for c in json.loads(e[6:])["choices"] if c["finish_reason"]] \
+            == ["abort"]
+        assert took[0] < 9, took  # the replicas' 2 s grace, not the gateway's old fixed 10 s
+        log = s.log()
+        assert "restarting it" not in log and "restarted" not in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    finally:
+        s.stop()
+
+
+def test_gateway_drops_a_body_cut_short_quietly() -> None:
+    import socket
+
+    port = free_port_run(2)
+    s = ServerProc(*SIM, "--dp", "1", port=port)
+    try:
+        s.wait_ready()
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", s.port)) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"prompt\": \"cut")
+        time.sleep(0.5)
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+        assert "ClientDisconnect" not in s.log() and "Traceback" not in s.log(), s.log()[-3000:]
+    finally:
+        s.stop()
+
+
+def test_a_batch_that_can_never_be_queued_is_refused_before_tokenizing(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": ["p" * 2000] * 20, "max_tokens": 2})
+    assert r.status_code == 400 and "20 prompts x n=1" in r.text and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                               "n": 5, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"

@@ -3,9 +3,10 @@
 ``GatewayConfig`` holds the routing knobs (validated when built, each error naming its flag).
 ``run_gateway`` serves the gateway app on uvicorn until SIGINT/SIGTERM. ``serve_dp`` starts N
 ``lockgate serve`` replicas on the loopback ports after ``--port`` (each scheduler with cores/N torch
-threads unless ``--num-threads`` is given) and the gateway on ``--port``; a signal stops the
-gateway, then the replicas (SIGTERM, so they finish in-flight work within their
-``--shutdown-timeout``), then kills what is left. A replica that dies on its own (a crash, or its
+threads unless ``--num-threads`` is given) and the gateway on ``--port``; on a signal the gateway
+stops accepting and at once sends SIGTERM to the replicas, which finish in-flight work within their
+``--shutdown-timeout`` (what is still running then ends with their own abort + error event, relayed
+by the gateway, which waits that long plus 5 s); then what is left is killed. A replica that dies on its own (a crash, or its
 server exiting because its engine stopped answering) is logged, taken out of routing by the health
 checks, and restarted with backoff (``ReplicaProcess``); the others keep serving meanwhile.
 """
@@ -142,18 +143,36 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
                    api_key=api_key, max_request_bytes=body_limit)
 
 
-def run_gateway(gw: Gateway, host: str, port: int, log_level: str) -> int:
-    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if uvicorn could not start."""
+def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float = 10.0,
+                on_stop: Callable[[], None] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if uvicorn could not start. On the signal,
+    ``on_stop`` runs at once (``serve --dp`` stops its replicas then, so their own shutdown grace and
+    its final events reach the clients through the gateway), and open responses get ``grace``
+    seconds to end before uvicorn cancels them."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
     app = create_gateway_app(gw)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=10)
+                            lifespan="on", timeout_graceful_shutdown=math.ceil(grace))
     server = uvicorn.Server(config)
     log.info("gateway on http://%s:%d, policy %s, %d replicas", host, port, gw.router.policy,
              len(gw.fleet.replicas))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: None)  # uvicorn installs its own while serving; after it, stay alive
-    asyncio.run(server.serve())
+
+    async def main() -> None:
+        async def watch() -> None:
+            while not server.should_exit:
+                await asyncio.sleep(0.05)
+            if on_stop is not None:
+                on_stop()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
+    asyncio.run(main())
     return 0 if server.started else 1
 
 
@@ -206,7 +225,13 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
             rep.start()
             log.info("started replica %d/%d on port %d (pid %d, %d torch threads)", i, dp, server.port + i,
                      rep.proc.pid, threads)
-        code = run_gateway(gw, server.host, server.port, log_level)
+        def stop_replicas_now() -> None:  # the gateway got the signal: the replicas start their grace too
+            stopping.set()
+            _signal_replicas(replicas)
+
+        # The gateway waits for the replicas' grace (their streams end with their own final events) and a bit.
+        code = run_gateway(gw, server.host, server.port, log_level, grace=server.shutdown_timeout + 5.0,
+                           on_stop=stop_replicas_now)
     finally:
         stopping.set()
         _stop_replicas(replicas, server.shutdown_timeout + 10.0)
@@ -214,7 +239,8 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
 
 
 class ReplicaProcess:
-    """One ``lockgate serve`` replica of ``serve --dp``, restarted whenever it exits on its own.
+    """One ``lockgate serve`` replica of ``serve --dp``, restarted whenever it exits on its own with an
+    error (exit code 0 is a clean stop, e.g. a signal to the process group: not restarted).
 
     Restarts back off exponentially (``RESTART_BACKOFF`` seconds, doubling to ``RESTART_BACKOFF_MAX``),
     and the backoff resets once a replica has run ``RESTART_RESET_AFTER`` seconds. Each restart is
@@ -245,6 +271,10 @@ class ReplicaProcess:
             code = self.proc.wait()
             if self.stopping.is_set():
                 return
+            if code == 0:  # a clean stop (a signal sent to it, e.g. Ctrl-C to the process group): not a crash
+                log.info("replica %d (%s, pid %d) stopped cleanly; not restarting it", self.index, self.url,
+                         self.proc.pid)
+                return
             if time.monotonic() - began >= self.RESTART_RESET_AFTER:
                 backoff = self.RESTART_BACKOFF
             log.error("replica %d (%s, pid %d) exited unexpectedly with code %d; restarting it in %.0fs "
@@ -260,14 +290,20 @@ class ReplicaProcess:
             backoff = min(backoff * 2, self.RESTART_BACKOFF_MAX)
 
 
-def _stop_replicas(replicas: list[ReplicaProcess], timeout: float) -> None:
+def _signal_replicas(replicas: list[ReplicaProcess]) -> list[subprocess.Popen[bytes]]:
+    """SIGTERM to every live replica (each then finishes in-flight work within its grace)."""
     procs = []
     for r in replicas:
-        with r.lock:  # no restart can slip in after this
+        with r.lock:  # no restart can slip in after this (``stopping`` is set)
             procs.append(r.proc)
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+    return procs
+
+
+def _stop_replicas(replicas: list[ReplicaProcess], timeout: float) -> None:
+    procs = _signal_replicas(replicas)
     deadline = time.monotonic() + timeout
     for p in procs:
         try:

@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import msgspec
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import Scope
 
@@ -54,7 +54,7 @@ from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import Route, Router
 from lockgate.gateway.prefix_index import block_hashes
 from lockgate.gateway.replicas import Fleet, Replica
-from lockgate.httpguard import BearerAuth, BodyLimit
+from lockgate.httpguard import BearerAuth, BodyLimit, has_key
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("lockgate.gateway")
@@ -63,6 +63,7 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriz
                "transfer-encoding", "upgrade", "host", "content-length"}
 _RESPONSE_DROP = (_HOP_BY_HOP - {"content-length"}) | {"date", "server"}  # uvicorn adds its own
 _TGI_PATHS = ("/generate", "/generate_stream")
+INLINE_KEY_BYTES = 8192  # bodies larger than this get their model-token routing key in a worker thread
 
 
 @dataclass
@@ -120,11 +121,13 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         app.add_middleware(BearerAuth, api_key=gw.api_key, render=refuse)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         replicas = [r.view() for r in gw.fleet.replicas.values()]
         healthy = sum(r["healthy"] for r in replicas)
         status = "ok" if healthy == len(replicas) else "degraded" if healthy else "no healthy replica"
-        body = {"status": status, "healthy": healthy, "replicas": replicas}
+        body: dict[str, object] = {"status": status, "healthy": healthy, "replicas": len(replicas)}
+        if gw.api_key is None or has_key(request.headers.get("authorization", ""), gw.api_key):
+            body["replicas"] = replicas  # the fleet's URLs, loads and errors: only for those with the key
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
@@ -169,8 +172,14 @@ def _forward_headers(request: Request) -> list[tuple[bytes, bytes]]:
 async def _proxy(gw: Gateway, request: Request) -> Response:
     assert gw.http is not None
     path = request.url.path
-    body = await request.body()
-    hashes = gw.hashes(path, body)
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=499)  # the client left mid-body; nothing was routed
+    if gw.tokenizer is not None and len(body) > INLINE_KEY_BYTES:  # tokenizing a long prompt takes seconds
+        hashes = await asyncio.to_thread(gw.hashes, path, body)
+    else:
+        hashes = gw.hashes(path, body)
     headers = _forward_headers(request)
     target = path + (f"?{request.url.query}" if request.url.query else "")
     tried: list[str] = []

@@ -50,6 +50,12 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raw = await request.body()
     except ClientDisconnect:
         raise ClientGone from None
+    if len(raw) > INLINE_BODY_BYTES:  # decoding and validating megabytes takes a while: off the event loop
+        return await asyncio.to_thread(_decode_body, raw, model)
+    return _decode_body(raw, model)
+
+
+def _decode_body(raw: bytes, model: type[M]) -> M:
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -69,7 +75,9 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 MAX_JSON_DEPTH = 64
+INLINE_BODY_BYTES = 256 * 1024  # larger bodies are decoded and validated in a worker thread
 INLINE_TEXT_CHARS = 8192  # longer texts are tokenized in a worker thread (about 10 ms of work and up)
+INLINE_MESSAGES = 64  # so are chats with more messages (the template's loop costs even when they are empty)
 _INT_RANGE = (-(2**63), 2**64)  # signed and unsigned 64-bit: seeds are u64, everything else is smaller
 
 
@@ -131,10 +139,19 @@ class ServerContext:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a long text is tokenized in a worker thread so that /health and
         every other request keep being answered meanwhile (a 2 MB text takes seconds)."""
+        return (await self.encode_all([text], add_special_tokens))[0]
+
+    async def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text; in one worker thread when they are long together (many short
+        prompts cost as much as one long one)."""
         tok = self.tokenizer
-        if len(text) <= INLINE_TEXT_CHARS:
-            return tok.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+
+        def run() -> list[list[int]]:
+            return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+        if sum(len(t) for t in texts) <= INLINE_TEXT_CHARS:
+            return run()
+        return await asyncio.to_thread(run)
 
     async def chat_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         """The chat template applied to ``conversation``, then tokenized (in a thread when large).
@@ -150,7 +167,7 @@ class ServerContext:
                 raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
             return tok.encode(text, add_special_tokens=False)
 
-        if sum(len(m["content"]) for m in conversation) <= INLINE_TEXT_CHARS:
+        if len(conversation) <= INLINE_MESSAGES and sum(len(m["content"]) for m in conversation) <= INLINE_TEXT_CHARS:
             return run()
         return await asyncio.to_thread(run)
 
@@ -182,15 +199,22 @@ class ServerContext:
                            "or max_tokens", param="max_tokens")
         return max_tokens
 
-    def check_queue(self, n_new: int) -> None:
+    def check_batch(self, num_prompts: int, n: int) -> None:
+        """A request of ``num_prompts`` x ``n`` engine requests that can never be queued at once: 400
+        (checked before anything is tokenized)."""
         limit = self.cfg.max_queued_requests
-        if n_new > limit:
-            raise APIError(400, f"this request needs {n_new} engine requests (prompts x n), more than can ever be "
-                           f"queued at once: --max-queued-requests {limit}; split it", param="n")
+        if num_prompts * n > limit:
+            raise APIError(400, f"this request needs {num_prompts * n} engine requests ({num_prompts} prompts x n={n}), "
+                           f"more than can ever be queued at once: --max-queued-requests {limit}; split it",
+                           param="prompt" if num_prompts > 1 else "n")
+
+    def check_queue(self, n_new: int) -> None:
+        self.check_batch(n_new, 1)
+        limit = self.cfg.max_queued_requests
         queued = self.client.num_queued
-        if queued + n_new > self.cfg.max_queued_requests:
+        if queued + n_new > limit:
             raise APIError(429, f"too many requests waiting: {queued} are queued and the limit is "
-                           f"--max-queued-requests {self.cfg.max_queued_requests}; retry later",
+                           f"--max-queued-requests {limit}; retry later",
                            headers={"Retry-After": "1"})
 
     # ---- submission ----------------------------------------------------------------------

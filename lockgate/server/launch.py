@@ -22,7 +22,7 @@ Lifecycle:
 * A child that stops answering without dying (SIGSTOP, a hang outside an engine step): once
   ready, each child sends a heartbeat every second; after ``--heartbeat-timeout`` seconds of
   silence the API process does the same as for a death, naming the silent process and its
-  state (``/health`` answers 503 meanwhile). Exit code 1. Children also exit by themselves when this
+  state (``/health`` answers 503 from then until the server is gone). Exit code 1. Children also exit by themselves when this
   process disappears (they watch their parent pid), so no orphans remain.
 """
 

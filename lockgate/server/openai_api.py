@@ -144,7 +144,10 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
     prompts = body.prompts()
-    ids = [await ctx.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    ctx.check_batch(len(prompts), body.n)  # before any tokenizing
+    texts_in = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await ctx.encode_all(texts_in)) if texts_in else iter([])
+    ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
     jobs: list[tuple[list[int], SamplingParams]] = []
     for p_ids in ids:  # every prompt checked (ids against the vocabulary too) before any is decoded or sent
         max_tokens = ctx.check_prompt(p_ids, body.max_tokens if body.max_tokens is not None else 16)
@@ -203,6 +206,7 @@ async def chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     tok = ctx.tokenizer
+    ctx.check_batch(1, body.n)
     ids = await ctx.chat_ids(body.conversation(), body.add_generation_prompt)
     max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
     params = body.sampling_params(max_tokens)
