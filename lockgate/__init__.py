@@ -11,7 +11,19 @@ from lockgate.sampling import SamplingParams
 if TYPE_CHECKING:
     from lockgate.offline import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lockgate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+__version__ = _version()
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,9 @@ import argparse
 import logging
 import sys
 import time
+from typing import Any
 
+from lockgate import __version__
 from lockgate.config import add_config_args, config_from_args
 
 
@@ -36,11 +38,31 @@ def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
                           stop=tuple(ns.stop), ignore_eos=ns.ignore_eos)
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings
+                or default == []):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockgate", description="lockgate LLM engine")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"lockgate {__version__}")
+    common = _Parser(add_help=False)
+    common.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level of every process")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", parents=[common], help="complete one or more raw text prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
     chat = sub.add_parser("chat", parents=[common], help="answer a chat message with the model's chat template")

@@ -134,7 +134,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = option(256, "most requests decoding together in one batch")
+    max_running_requests: int = option(256, "most requests decoding together in one batch (vLLM's --max-num-seqs)",
+                                       aliases=("max_num_seqs",))
     max_prefill_tokens: int = option(1024, "prompt tokens prefilled per step; longer prompts are chunked")
 
     schedule_policy: str = option("fcfs", "waiting-queue order: fcfs, lpm (longest prefix match), dfs-weight "
@@ -228,11 +229,12 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
             kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "").replace("%", "%%")}  # argparse %-formats help
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
-            if tp is bool:
-                kw["action"] = argparse.BooleanOptionalAction
+            if tp is bool:  # off by default: a plain switch; on by default: --no-... turns it off
+                kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
             else:
                 kw["type"] = tp
-            group.add_argument(flag, dest=f.name, **kw)
+            aliases = ["--" + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
+            group.add_argument(flag, *aliases, dest=f.name, **kw)
 
 
 def config_to_args(cfg: Any, cls: type | None = None) -> list[str]:

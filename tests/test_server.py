@@ -326,3 +326,43 @@ def test_group_sigterm_stops_everything_cleanly() -> None:
         assert "exited unexpectedly" not in s.log()
     finally:
         s.stop()
+
+
+# ---- drop-in details (issue 23): TGI's root route and /info, OpenAI-format 404s, flags -------------
+def test_tgi_root_route_answers_a_list_and_info_describes_the_server(server) -> None:
+    r = httpx.post(server.url + "/", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}}, timeout=30)
+    assert r.status_code == 200
+    body = r.json()
+    assert isinstance(body, list) and len(body) == 1 and isinstance(body[0]["generated_text"], str)
+    with httpx.stream("POST", server.url + "/", json={"inputs": "Hello", "stream": True,
+                                                      "parameters": {"max_new_tokens": 2}}, timeout=30) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        events = [ln for ln in s.iter_lines() if ln.startswith("data:")]
+    assert json.loads(events[-1][5:])["details"]["generated_tokens"] == 2
+    info = httpx.get(server.url + "/info").json()
+    assert info["model_id"] == "sim" and info["max_total_tokens"] == 512 and info["max_input_tokens"] == 511
+    assert info["version"] and info["model_dtype"]
+
+
+def test_unknown_routes_and_methods_get_openai_errors(server) -> None:
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "not_found_error" and "/v1/embeddings" in err["message"]
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "GET" in r.json()["error"]["message"]
+
+
+def test_cli_version_defaults_in_help_and_vllm_flag_names() -> None:
+    import subprocess
+    import sys
+
+    from lockgate.cli import build_parser
+
+    out = subprocess.run([sys.executable, "-m", "lockgate.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("lockgate ")
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    assert "(default: 8000)" in text and "--max-num-seqs" in text
+    assert "--no-disable-prefix-cache" not in text and "--disable-prefix-cache" in text
+    ns = build_parser().parse_args(["serve", "--max-num-seqs", "3", "--disable-prefix-cache"])
+    assert ns.max_running_requests == 3 and ns.disable_prefix_cache is True

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Scope
@@ -83,6 +84,17 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
         return _render(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and methods in the route's error format, not FastAPI's {"detail": ...}
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path} on this server (see /openapi.json)"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return _render(request, APIError(exc.status_code, message, headers=dict(exc.headers) if exc.headers else None))
 
     @app.exception_handler(ClientGone)
     async def on_gone(request: Request, exc: ClientGone) -> Response:

@@ -87,9 +87,30 @@ async def generate_stream(request: Request) -> Response:
 
 @router.post("/")
 async def compat(request: Request) -> Response:
-    """TGI's root route: /generate or /generate_stream by the body's ``stream`` flag."""
+    """TGI's root route: /generate_stream by the body's ``stream`` flag, else /generate's answer as a
+    one-element list (what TGI answers there, and what its Python client indexes)."""
     ctx, body, streams = await _start(request)
-    return _stream(ctx, body, streams) if body.stream else await _whole(request, ctx, body, streams)
+    if body.stream:
+        return _stream(ctx, body, streams)
+    whole = await _whole(request, ctx, body, streams)
+    return Response(b"[" + bytes(whole.body) + b"]", media_type="application/json")
+
+
+@router.get("/info")
+async def info(request: Request) -> Response:
+    """TGI's ``/info``: what is served and its limits (the fields TGI's clients read)."""
+    from lockgate import __version__
+
+    ctx: ServerContext = request.app.state.ctx
+    i = ctx.info
+    limit = min(i.max_model_len, i.capacity)
+    return JSONResponse({
+        "model_id": ctx.model_name, "model_sha": None, "model_dtype": i.dtype, "model_device_type": "cpu",
+        "model_pipeline_tag": "text-generation", "max_concurrent_requests": ctx.cfg.max_queued_requests,
+        "max_best_of": 1, "max_stop_sequences": 16, "max_input_tokens": limit - 1, "max_input_length": limit - 1,
+        "max_total_tokens": limit, "validation_workers": 1, "max_client_batch_size": 1, "router": "lockgate",
+        "version": __version__, "sha": None, "docker_label": None,
+    })
 
 
 def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Response:
