@@ -7,23 +7,13 @@ importing ``lockgate`` (for example from the API process) never pulls in torch.
 from typing import TYPE_CHECKING, Any
 
 from lockgate.sampling import SamplingParams
+from lockgate.version import __version__
 
 if TYPE_CHECKING:
     from lockgate.offline import LLM
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lockgate")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-__version__ = _version()
 
 
 def __getattr__(name: str) -> Any:

@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any
 
-from lockgate import __version__
 from lockgate.config import add_config_args, config_from_args
+from lockgate.version import __version__
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lockgate"
 
 # Rank of each top-level unit of the package; a unit may import its own and lower-ranked units only.
 LAYERS: dict[str, int] = {
-    "sampling": 0, "plan": 0, "kernel_choice": 0,
+    "sampling": 0, "plan": 0, "kernel_choice": 0, "version": 0,
     "config": 1,
     "kvcache": 2, "ipc": 2, "httpguard": 2, "kernels": 2,
     "tokenizer": 3, "scheduler": 3, "layers": 3,

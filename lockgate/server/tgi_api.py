@@ -99,7 +99,7 @@ async def compat(request: Request) -> Response:
 @router.get("/info")
 async def info(request: Request) -> Response:
     """TGI's ``/info``: what is served and its limits (the fields TGI's clients read)."""
-    from lockgate import __version__
+    from lockgate.version import __version__
 
     ctx: ServerContext = request.app.state.ctx
     i = ctx.info
