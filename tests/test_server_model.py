@@ -9,6 +9,7 @@ emitted; seeded sampling is reproducible through HTTP.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -186,3 +187,25 @@ def test_only_the_scheduler_process_loads_torch(server) -> None:
     assert "libtorch" not in open(f"/proc/{server.proc.pid}/maps").read()
     assert "libtorch" not in open(f"/proc/{pids['detokenizer']}/maps").read()
     assert "libtorch" in open(f"/proc/{pids['scheduler']}/maps").read()
+
+
+def test_tgi_stream_gives_each_token_its_own_text_and_top_tokens_under_speculation(server) -> None:
+    """Several tokens can arrive in one step (accepted guesses); each TGI event must carry its own
+    token's text (what an incremental decode of the ids so far adds), not the whole step's."""
+    from lockgate.models.loader import prepare_model_dir
+    from lockgate.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("default", prepare_model_dir("default"))
+    body = {"inputs": "The quick brown fox jumps over the lazy dog. " * 4,
+            "parameters": {"max_new_tokens": 40, "top_n_tokens": 2, "details": True}}
+    with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=120) as r:
+        events = [json.loads(ln[5:]) for ln in r.iter_lines() if ln.startswith("data:")]
+    ids = [e["token"]["id"] for e in events]
+    texts = [e["token"]["text"] for e in events]
+    assert "".join(texts) == events[-1]["generated_text"] == tok.decode(ids)
+    for k in range(len(ids)):  # token k's text: what decoding ids[:k+1] adds to ids[:k] (ASCII text here)
+        assert texts[k] == tok.decode(ids[:k + 1])[len(tok.decode(ids[:k])):], (k, ids[k], texts[k])
+    assert all(len(e["top_tokens"]) == 2 and e["top_tokens"][0]["id"] == e["token"]["id"] for e in events)
+    whole = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+    assert [t["id"] for t in whole["details"]["tokens"]] == ids
+    assert len(whole["details"]["top_tokens"]) == len(ids)

@@ -131,6 +131,7 @@ class TextOut(TokenOut):
 
     text: str = ""
     stop_matched: str | None = None  # the stop string (or None) when finish_reason is "stop"
+    pieces: list[str] | None = None  # several ids in one step: each id's share of ``text``, in order
 
 
 class TextBatch(_Msg):

@@ -45,6 +45,15 @@ def _tokens(ctx: ServerContext, o: TextOut) -> list[dict[str, Any]]:
             for t, lp in zip(o.ids, lps, strict=True)]
 
 
+def _top_tokens(ctx: ServerContext, o: TextOut) -> list[list[dict[str, Any]]] | None:
+    """TGI's ``top_tokens`` (``top_n_tokens``): per generated token, its best alternatives."""
+    if not o.top:
+        return None
+    tok, eos = ctx.tokenizer, set(ctx.info.eos_token_ids)
+    return [[{"id": i, "text": tok.decode([i], skip_special_tokens=False), "logprob": lp, "special": i in eos}
+             for i, lp in alternatives] for alternatives in o.top]
+
+
 async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, Any]:
     ctx: ServerContext = request.app.state.ctx
     body = await parse_body(request, TGIGenerateRequest)
@@ -76,6 +85,8 @@ async def _whole(request: Request, ctx: ServerContext, body: TGIGenerateRequest,
         result["details"] = {"finish_reason": _reason(last), "generated_tokens": sum(len(o.ids) for o in outs),
                              "seed": body.parameters.seed, "prefill": [],
                              "tokens": [t for o in outs for t in _tokens(ctx, o)]}
+        if body.parameters.top_n_tokens:
+            result["details"]["top_tokens"] = [alts for o in outs for alts in (_top_tokens(ctx, o) or [])]
     return JSONResponse(result)
 
 
@@ -123,11 +134,15 @@ def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Respo
                     return
                 text.append(o.text)
                 toks = _tokens(ctx, o)
+                tops = _top_tokens(ctx, o)
+                # each token's own share of the text (a step with accepted guesses brings several)
+                pieces = o.pieces if o.pieces else [o.text] if toks else []
                 for j, t in enumerate(toks):
                     n += 1
                     last = o.finish_reason is not None and j == len(toks) - 1
-                    event: dict[str, Any] = {"index": n, "token": {**t, "text": o.text if j == len(toks) - 1 else ""},
-                                             "top_tokens": None, "generated_text": None, "details": None}
+                    event: dict[str, Any] = {"index": n, "token": {**t, "text": pieces[j]},
+                                             "top_tokens": tops[j] if tops else None, "generated_text": None,
+                                             "details": None}
                     if last:
                         full = "".join(text)
                         event["generated_text"] = body.inputs + full if body.parameters.return_full_text else full

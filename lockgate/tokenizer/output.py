@@ -8,7 +8,8 @@ finished it, and then the engine must be told to abort it), and release the held
 the request ends.
 
 Invariants: the text is valid UTF-8 and never contains a stop string; after a ``Delta`` with a
-finish reason, nothing more is produced for the request.
+finish reason, nothing more is produced for the request; with several ids, ``pieces`` has one
+entry per (kept) id and joins to ``text``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Delta:
     finish_reason: str | None  # the engine's, or "stop" when a stop string matched here
     stop_matched: str | None = None  # the stop string, when one ended the request
     abort_engine: bool = False  # a stop string ended a request the engine still runs: abort it there
+    pieces: list[str] | None = None  # with several ids (accepted guesses): each one's share of ``text``
 
 
 class OutputProcessor:
@@ -41,16 +43,30 @@ class OutputProcessor:
                 finish_reason: str | None) -> Delta:
         """One step's share of the request; ``finish_reason`` is the engine's (None: still running)."""
         assert not self.finished, "a finished request got more output"
-        text, used = self.detok.push_until_stop(ids) if ids else ("", 0)
+        pieces: list[str] | None = None
+        if len(ids) > 1:  # one token at a time, so each token's own text is known (TGI streams it)
+            pieces, used = [], 0
+            for t in ids:
+                piece, n = self.detok.push_until_stop([t])
+                pieces.append(piece)
+                used += n
+                if self.detok.stopped:
+                    break
+            text = "".join(pieces)
+        else:
+            text, used = self.detok.push_until_stop(ids) if ids else ("", 0)
         if used < len(ids):  # tokens after a stop string, from one step's accepted guesses
             ids = ids[:used]
             logprobs = logprobs[:used] if logprobs is not None else None
             top = top[:used] if top is not None else None
-        delta = Delta(text, ids, logprobs, top, finish_reason)
+        delta = Delta(text, ids, logprobs, top, finish_reason, pieces=pieces)
         if self.detok.stopped:
             delta.abort_engine = finish_reason is None
             delta.finish_reason, delta.stop_matched = "stop", self.detok.stop_reason
         if delta.finish_reason is not None:
-            delta.text += self.detok.flush()
+            rest = self.detok.flush()
+            delta.text += rest
+            if delta.pieces:
+                delta.pieces[-1] += rest
             self.finished = True
         return delta

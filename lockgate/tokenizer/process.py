@@ -106,7 +106,7 @@ class DetokenizerProcess:
         fields = msgspec.structs.asdict(o)
         fields.update(ids=d.ids, logprobs=d.logprobs, top=d.top, finish_reason=d.finish_reason,
                       num_output_tokens=o.num_output_tokens - (len(o.ids) - len(d.ids)))
-        return TextOut(text=d.text, stop_matched=d.stop_matched, **fields)
+        return TextOut(text=d.text, stop_matched=d.stop_matched, pieces=d.pieces, **fields)
 
 
 def main(argv: list[str] | None = None) -> int:
