@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,7 +132,8 @@ def test_measure_forms_times_every_form_and_prunes_hopeless_ones() -> None:
 def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path))
     key = tuning.TuningKey(kind="forms", cpu="cpu", flags="avx2", threads=2, torch="t", kernels="k",
-                           shape={"hidden": 8}, dtype="float32", forms={"qkv": ["dense", "int-gemm"]})
+                           shape={"hidden": 8}, dtype="float32",
+                           weights={"checkpoint": "abc", "quantization": "auto", "fp32": False})
     calls = []
 
     def measure() -> dict:
@@ -195,11 +197,46 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
     from lockgate.config import CacheConfig, ModelConfig
     from lockgate.runner.model_runner import ModelRunner
 
+    import lockgate.models.llama as llama
+
+    built: list[tuple[set[str] | None, set[str]]] = []  # (forms asked for, forms made) per projection
+    make_forms = llama.make_forms
+
+    def spy(*a, **kw):
+        forms = make_forms(*a, **kw)
+        built.append((kw.get("want"), set(forms)))
+        return forms
+
+    monkeypatch.setattr(llama, "make_forms", spy)
     runner = ModelRunner(ModelConfig(model="default"), CacheConfig(max_total_tokens=64))
     assert runner.tuned["cached"] is True and runner.tuned["choices"] == data["choices"]
+    called = set()
     for role, lins in runner.model.projections().items():
         assert all(str(lin.choice) == data["choices"][role] for lin in lins)
-        assert all(set(lin.forms) <= lin.choice.names() | {"dense"} for lin in lins)  # the rest was freed
+        assert all(set(lin.forms) <= lin.choice.names() | {"dense"} for lin in lins)
+        called |= FormChoice.parse(data["choices"][role]).names()
+    # the stored table was read before the weights: no form it never calls was even built
+    assert len(built) == 4 * runner.model.args.num_layers + 1
+    assert all(want is not None and made <= want for want, made in built)
+    assert set().union(*(made for _, made in built)) <= called
+
+
+def test_checkpoint_fingerprint_follows_content_not_place(tmp_path) -> None:
+    from lockgate.models.loader import checkpoint_fingerprint
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.standard_normal((256, 256), dtype=np.float32), "b": np.zeros(8, np.float32)}
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"model_type": "llama"}')
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+    first = checkpoint_fingerprint(tmp_path / "one")
+    assert first == checkpoint_fingerprint(tmp_path / "two")  # another place, same content
+    save_file({**tensors, "a": tensors["a"] + 1}, str(tmp_path / "two" / "model.safetensors"))
+    assert checkpoint_fingerprint(tmp_path / "two") != first  # other values, same header
+    (tmp_path / "one" / "config.json").write_text('{"model_type": "qwen2"}')
+    assert checkpoint_fingerprint(tmp_path / "one") != first
 
 
 def test_tune_rejects_bad_input() -> None:

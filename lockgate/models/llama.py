@@ -53,6 +53,7 @@ from lockgate.models.weights import CheckpointReader, log_quantization
 log = logging.getLogger("lockgate.models")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+PROJECTION_ROLES = ("qkv", "o", "gate_up", "down", "head")  # ``LlamaModel.projections``' keys
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,10 @@ Cache invariant: a converted directory lives at ``$LOCKGATE_CACHE_DIR/models/<st
 converter version. It is built in a temporary sibling and renamed into place, so a crash
 never leaves a half-written cache: if the directory exists, it is complete.
 
+``checkpoint_fingerprint(dir)``: a digest of a directory's weights by content, cheap (headers,
+sizes and sampled chunks, not every byte), independent of where the directory lives; the
+measured kernel choice is cached under it (``lockgate.runner.tuning``).
+
 Called by ``lockgate.runner.model_runner`` and by the tokenizer side (which needs the same
 directory for tokenizer.json / chat template), the gateway, the bench and the CLI.
 
@@ -85,6 +89,31 @@ def prepare_model_dir(spec: str) -> Path:
             raise ValueError(f"model directory {path} is missing {' and '.join(missing)}{hint}")
         return path
     raise ValueError(f"model {spec!r}: not one of {DEFAULT_NAMES}, an existing .gguf file or a model directory")
+
+
+FINGERPRINT_CHUNK = 1 << 16  # bytes read at each of a weights file's sampled points
+
+
+def checkpoint_fingerprint(model_dir: Path) -> str:
+    """A digest of ``model_dir``'s config.json and ``*.safetensors`` files by content: each file's
+    name, size, safetensors header (names, dtypes, shapes, offsets) and 64 KiB at five evenly
+    spaced points of its data. Two checkpoints that differ only in bytes outside those points
+    collide; what is cached under this key is re-derived from the loaded weights whenever it
+    disagrees with them (``Linear.choose``), so a collision costs speed, never correctness."""
+    h = hashlib.sha256()
+    config = model_dir / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, size)))
+            start = 8 + n
+            for i in range(5):
+                fh.seek(start + (max(size - start - FINGERPRINT_CHUNK, 0) * i) // 4)
+                h.update(fh.read(FINGERPRINT_CHUNK))
+    return h.hexdigest()[:16]
 
 
 def default_gguf_path() -> Path:

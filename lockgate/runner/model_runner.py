@@ -32,11 +32,11 @@ import torch
 
 from lockgate import kernels
 from lockgate.config import CacheConfig, ModelConfig
-from lockgate.kernel_choice import FormChoice
+from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
-from lockgate.models.llama import LlamaArgs, LlamaModel
-from lockgate.models.loader import prepare_model_dir
+from lockgate.models.llama import PROJECTION_ROLES, LlamaArgs, LlamaModel
+from lockgate.models.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import tuning
 from lockgate.runner.sampler import sample
@@ -100,8 +100,12 @@ class ModelRunner:
                      "measured fastest), or --quantization int4 with it, keeps the checkpoint's 4/8-bit forms")
         fp32 = (self.dtype != torch.float32 and model_cfg.fp32_matmul_rows != "off"
                 and (model_cfg.fp32_matmul_rows != "auto" or fp32_copies_fit(4 * args.matmul_parameters)))
+        self._forms_key = self._key("forms", args, str(self.dtype).removeprefix("torch."), {
+            "checkpoint": checkpoint_fingerprint(self.model_dir), "quantization": self.quantization, "fp32": fp32})
+        self._stored_table = tuning.peek(self._forms_key) \
+            if model_cfg.tuning == "auto" and model_cfg.matmul_forms == "auto" else None
         self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
-                                                fp32, self.cpu_kernels).eval()
+                                                fp32, self.cpu_kernels, self._wanted_forms(model_cfg)).eval()
         # decode attention on lockgate's kernel (else gathers + SDPA): measured with the forms
         self.decode_kernel: bool = self.cpu_kernels
         self.tuned = self._choose_forms(model_cfg)
@@ -130,14 +134,34 @@ class ModelRunner:
 
     # ---- measured choices (lockgate.runner.tuning) ----
 
-    def _key(self, kind: str, args: LlamaArgs, dtype: str, forms: dict[str, list[str]] | None = None) -> tuning.TuningKey:
+    def _wanted_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
+        """Per role the forms worth building (dense is always built): those a forced
+        ``--matmul-forms`` names, those a stored table calls (``peek`` before loading), the
+        quantized ones for the static rule (``--tuning off``), plus ``fp32`` under
+        ``--fp32-matmul-rows N``; None (every form a projection can have) when the table is
+        still to be measured."""
+        if cfg.matmul_forms != "auto":
+            names = FormChoice.parse(cfg.matmul_forms).names()
+            want = {role: set(names) for role in PROJECTION_ROLES}
+        elif cfg.tuning == "off":
+            want = {role: set(QUANTIZED_FORMS) for role in PROJECTION_ROLES}
+        elif self._stored_table is not None:
+            choices = self._stored_table.get("choices", {})
+            want = {role: FormChoice.parse(choices.get(role, "dense")).names() for role in PROJECTION_ROLES}
+        else:
+            return None
+        if cfg.fp32_matmul_rows not in ("auto", "off"):
+            want = {role: names | {"fp32"} for role, names in want.items()}
+        return want
+
+    def _key(self, kind: str, args: LlamaArgs, dtype: str, weights: dict[str, Any] | None = None) -> tuning.TuningKey:
         cpu = tuning.cpu_description()
         shape = {"layers": args.num_layers, "hidden": args.hidden_size, "intermediate": args.intermediate_size,
                  "heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
                  "vocab": args.vocab_size}
         built = kernels.build_name() if kernels.error() is None and kernels.load(self.cfg.cpu_kernels) else "none"
         return tuning.TuningKey(kind=kind, cpu=cpu["cpu"], flags=cpu["flags"], threads=torch.get_num_threads(),
-                                torch=torch.__version__, kernels=built, shape=shape, dtype=dtype, forms=forms or {})
+                                torch=torch.__version__, kernels=built, shape=shape, dtype=dtype, weights=weights or {})
 
     def _auto_dtype(self, args: LlamaArgs, kernels_built: bool) -> torch.dtype:
         """``--dtype auto`` on a CPU: float32 unless bf16's matmuls measure faster (``tuning``)."""
@@ -169,7 +193,6 @@ class ModelRunner:
         (cached), or ``--tuning off`` (static rule), or ``--matmul-forms`` (forced); then the
         ``--fp32-matmul-rows N`` override. Logs the table; returns what was decided."""
         roles = self.model.projections()
-        forms = {role: sorted({f for lin in lins for f in lin.forms}) for role, lins in roles.items()}
         choices: dict[str, FormChoice] = {}
         source = "static rule (--tuning off)"
         info: dict[str, Any] = {}
@@ -177,7 +200,7 @@ class ModelRunner:
             choices = {role: FormChoice.parse(cfg.matmul_forms) for role in roles}
             source = f"--matmul-forms {cfg.matmul_forms}"
         elif cfg.tuning != "off":
-            info = self._measured(forms, cfg.tuning == "refresh")
+            info = self._measured(cfg.tuning == "refresh")
             choices = {role: FormChoice.parse(text) for role, text in info["choices"].items()}
             self.decode_kernel = self.cpu_kernels and info.get("attention", "kernel") == "kernel"
             source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
@@ -198,9 +221,14 @@ class ModelRunner:
                 "decode_attention": "kernel" if self.decode_kernel else "sdpa", "source": source,
                 "int_gemm_isa": int_gemm_isa()}
 
-    def _measured(self, forms: dict[str, list[str]], refresh: bool) -> dict[str, Any]:
+    def _measured(self, refresh: bool) -> dict[str, Any]:
+        """The table for ``_forms_key``: the one ``peek`` found before loading, else the cached or
+        a new measurement of the forms the model now has (all it can have: ``_wanted_forms``)."""
+        if self._stored_table is not None and not refresh:
+            return {**self._stored_table, "cached": True}
         roles = self.model.projections()
         args = self.model.args
+        forms = {role: sorted({f for lin in lins for f in lin.forms}) for role, lins in roles.items()}
 
         def measure() -> dict[str, Any]:
             log.info("measuring the matmul forms at this model's shapes (once per CPU, threads and shape)")
@@ -209,10 +237,9 @@ class ModelRunner:
                                                  args.num_layers) if self.cpu_kernels else {}
             choices = tuning.decide(samples)
             return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
-                    "attention_ms": attention, "attention": tuning.decide_attention(attention)}
+                    "attention_ms": attention, "attention": tuning.decide_attention(attention), "forms": forms}
 
-        key = self._key("forms", args, str(self.dtype).removeprefix("torch."), forms)
-        data, hit = tuning.cached(key, measure, refresh=refresh)
+        data, hit = tuning.cached(self._forms_key, measure, refresh=refresh)
         return {**data, "cached": hit}
 
     def _context_length(self, cfg: ModelConfig) -> int:

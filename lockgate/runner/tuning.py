@@ -34,8 +34,10 @@ of its batch and enables the one-call decode step.
 Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``;
 ``$LOCKGATE_TUNING_DIR`` moves the tuning files alone), the hash
 over ``TuningKey``: the CPU's model name and full flag list, torch's thread count and version,
-the kernels' build name (their sources' hash), ``TUNING_VERSION``, the model's shape and the
-forms each role has. One process measures at a time under an ``flock`` (replicas of one server
+the kernels' build name (their sources' hash), ``TUNING_VERSION``, the model's shape and what
+decides the forms each role has (the checkpoint's content fingerprint, ``--quantization``, float32
+copies). That key is known before the weights load, so a cached table (``peek``) tells the loader
+which forms to build at all. One process measures at a time under an ``flock`` (replicas of one server
 start together: the second finds the first's result). A corrupt or foreign file is measured
 again. Invariant: a decision depends only on the stored figures (``decide``), so a cached file
 gives the same table it gave when it was measured.
@@ -69,7 +71,7 @@ from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, quantize_int
 
 log = logging.getLogger("lockgate.tuning")
 
-TUNING_VERSION = 1  # bump when what is measured or how it is decided changes
+TUNING_VERSION = 2  # bump when what is measured or how it is decided changes
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEAD_MAX_ROWS = 256
 ROUNDS = 3
@@ -116,7 +118,9 @@ class TuningKey:
     kernels: str  # the kernels' build name (hash of their sources, flags, compiler) or "none"
     shape: dict[str, int]  # the model's dimensions
     dtype: str
-    forms: dict[str, list[str]] = field(default_factory=dict)  # role -> forms it has (kind "forms")
+    # kind "forms": what decides which forms the projections have (checkpoint fingerprint,
+    # --quantization, float32 copies), known before the weights are loaded
+    weights: dict[str, Any] = field(default_factory=dict)
     version: int = TUNING_VERSION
 
     def digest(self) -> str:
@@ -154,6 +158,15 @@ def _write(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
+
+
+def peek(key: TuningKey) -> dict[str, Any] | None:
+    """The stored result for ``key``, or None (never measures)."""
+    with _locked(key) as path:
+        data = _read(path, key)
+    if data is not None:
+        data["path"] = str(path)
+    return data
 
 
 def cached(key: TuningKey, measure: Callable[[], dict[str, Any]], refresh: bool = False) -> tuple[dict[str, Any], bool]:
