@@ -63,7 +63,7 @@ class PoolDriver:
         meta = self._meta.build(np.array(qlens, i64), np.array(slens, i64), np.array(kv, i64),
                                 np.concatenate([[0], np.cumsum(slens)]).astype(i64), np.array(out, i64),
                                 self.model.args.num_queries_per_kv, decode_kernel=self.kernels)
-        self.model.fused_ops = self.kernels
+        self.model.use_kernels(self.kernels)
         # every token's row, or the last token of each sequence
         rows = list(range(len(ids))) if all_rows else list(np.cumsum(qlens) - 1)
         with torch.inference_mode():

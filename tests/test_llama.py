@@ -20,6 +20,7 @@ from transformers import (
 from lockgate import kernels as cpu_kernels
 from lockgate.kernel_choice import FormChoice
 from lockgate.layers.forms import GroupQuantWeight, Int4Weight
+from lockgate.layers.ops import KernelOps
 from lockgate.models.llama import LlamaArgs, LlamaModel
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -119,9 +120,11 @@ def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int,
     monkeypatch.setattr(torch.ops.lockgate, "decode_layers_",
                         lambda *a: kinds_seen.append(set(a[9])) or real(*a), raising=False)
 
+    whole_step = KernelOps.whole_step
+
     def run(one_call: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(model, "_layers_decode",
-                            LlamaModel._layers_decode.__get__(model) if one_call else (lambda *a: None))
+        # the layer loop on the same fused ops, or the whole-step path where it applies
+        monkeypatch.setattr(KernelOps, "whole_step", whole_step if one_call else (lambda *a, **k: None))
         drv = pool_driver(model, seed=seed, kernels=True)
         return [drv.step(step)[0] for step in steps]
 

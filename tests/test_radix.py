@@ -239,33 +239,27 @@ def test_heap_stays_bounded_and_compaction_mid_evict_is_safe() -> None:
     t.check_invariants()
 
 
-def test_evicted_or_reset_node_cannot_be_locked() -> None:
+def test_evicted_node_cannot_be_locked() -> None:
     t = RadixCache()
     t.insert(arr(1, 2), arr(0, 1))
     n = t.match_prefix(arr(1, 2)).node
     t.evict(2)
     with pytest.raises(ValueError, match="not in the tree"):
         t.lock(n)
-    t.insert(arr(3), arr(5))
-    n = t.match_prefix(arr(3)).node
-    t.reset()
-    with pytest.raises(ValueError, match="not in the tree"):
-        t.lock(n)
     assert t.protected_size == 0
     t.check_invariants()
 
 
-def test_reset_returns_all_slots_and_refuses_with_locks() -> None:
+def test_evicting_everything_keeps_only_locked_paths() -> None:
     t = RadixCache()
     t.insert(arr(1, 2, 3), arr(0, 1, 2))
     t.insert(arr(1, 5), arr(7, 3))
     n = t.match_prefix(arr(1, 5)).node
     t.lock(n)
-    with pytest.raises(RuntimeError):
-        t.reset()
-    assert t.total_size == 4
+    assert sorted(t.evict(t.total_size).tolist()) == [1, 2]  # [2, 3] under 1 goes; 1 -> 5 is locked
+    assert t.total_size == 2 and t.match_prefix(arr(1, 5)).length == 2
     t.unlock(n)
-    assert sorted(t.reset().tolist()) == [0, 1, 2, 3]
+    assert sorted(t.evict(t.total_size).tolist()) == [0, 3]
     assert (t.total_size, t.num_nodes, t.all_slots().size) == (0, 0, 0)
     assert t.match_prefix(arr(1, 2)).length == 0
     t.check_invariants()
@@ -344,7 +338,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.inserted: list[Seq] = []
         self.next_slot = 0
         self.handed: set[int] = set()  # slots the tree was given (or offered, duplicates)
-        self.returned: list[int] = []  # duplicates from insert, evicted, reset
+        self.returned: list[int] = []  # duplicates from insert, evicted
 
     # model helpers
 
@@ -462,8 +456,8 @@ class RadixMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: not self.locks)
     @rule()
-    def reset(self) -> None:
-        out = self.tree.reset()
+    def evict_all(self) -> None:
+        out = self.tree.evict(self.tree.total_size)
         assert sorted(out.tolist()) == sorted(self.cached.values())
         self.returned.extend(out.tolist())
         self.cached.clear()
@@ -479,7 +473,7 @@ class RadixMachine(RuleBasedStateMachine):
         protected = len(self.locked_prefixes())
         assert (t.total_size, t.protected_size, t.evictable_size) == (
             len(self.cached), protected, len(self.cached) - protected)
-        # slot accounting: handed - (duplicates + evicted + reset) is exactly what the tree holds
+        # slot accounting: handed - (duplicates + evicted) is exactly what the tree holds
         assert len(set(self.returned)) == len(self.returned), "a slot came back twice"
         assert set(self.returned) <= self.handed
         held = t.all_slots().tolist()

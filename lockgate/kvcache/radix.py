@@ -258,18 +258,6 @@ class RadixCache:
                 self._push(parent)
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
-    def reset(self) -> np.ndarray:
-        """Empty the tree and return every slot it held. Raises if anything is locked."""
-        if self._protected:
-            raise RuntimeError(f"reset with {self._protected} locked tokens in the tree")
-        slots = self.all_slots()
-        for child in self.root.children.values():
-            child.parent = None  # detach, so stale holders cannot lock into the old tree
-        self.root = RadixNode(_EMPTY, _EMPTY, None)
-        self._evictable = self._protected = self._num_nodes = 0
-        self._heap = []
-        return slots
-
     # -- inspection -------------------------------------------------------------------
 
     def all_slots(self) -> np.ndarray:
@@ -363,7 +351,7 @@ class RadixCache:
         x = node
         while x is not self.root:
             if x.parent is None:
-                raise ValueError(f"{node!r} is not in the tree (evicted or reset)")
+                raise ValueError(f"{node!r} is not in the tree (evicted)")
             path.append(x)
             x = x.parent
         return path

@@ -9,7 +9,13 @@ against ``LayerOps`` and runs on either backend:
 * ``rope_qkv(qkv, cos, sin, ...)``: split the fused q/k/v projection, rotate q and k; the torch
   backend returns ``(q, k, v)`` for attention to write into the pool, the kernel backend writes
   K/V into the pool itself and returns ``(q, None, None)``;
-* ``silu_mul(gate_up)``: ``silu(gate) * up`` of the fused gate/up projection.
+* ``silu_mul(gate_up)``: ``silu(gate) * up`` of the fused gate/up projection;
+
+and one fast path: ``whole_step(...)`` runs every layer of a step in one call, or returns None
+for the layer loop to run instead (always None on torch; on the kernels, an all-decode step whose
+projections' picked forms ``lockgate::decode_layers_`` can run). The kernel backend packs the
+layers' tensors for that operator once per step size; ``forget()`` drops the packs when the
+projections' forms or choices change.
 
 Invariant: both backends round where the other does (each fused kernel rounds at the points the
 torch ops round), so a model gives the same results on either, up to the kernels' documented
@@ -18,15 +24,28 @@ reduction order. The kernel backend needs ``lockgate.kernels`` loaded.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from lockgate.layers.attention import AttentionMetadata
+from lockgate.layers.linear import Linear
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import apply_rope
 
 QKV = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+class LayerWeights(Protocol):
+    """What the whole-step path needs of a decoder layer: its two norms and its projections in
+    ``decode_layers_``' order (qkv, o, gate_up, down)."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+
+    def projections(self) -> dict[str, Linear]: ...
 
 
 class LayerOps(Protocol):
@@ -39,6 +58,12 @@ class LayerOps(Protocol):
                  k_cache: torch.Tensor, v_cache: torch.Tensor, out_slots: torch.Tensor) -> QKV: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def whole_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, layers: Iterable[LayerWeights], heads: int,
+                   kv_heads: int, eps: float, scale: float) -> torch.Tensor | None: ...
+
+    def forget(self) -> None: ...
 
 
 class TorchOps:
@@ -64,12 +89,23 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
         return F.silu(gate) * up
 
+    def whole_step(self, *args: object, **kwargs: object) -> None:
+        return None  # no fast path: the layer loop runs every step
+
+    def forget(self) -> None:
+        pass
+
 
 class KernelOps:
     """lockgate's fused CPU ops (``torch.ops.lockgate``): per layer two add + norm calls, one rope +
     K/V write and one silu * up, instead of a dozen torch ops and their temporaries."""
 
     name = "kernels"
+
+    def __init__(self) -> None:
+        # decode_layers_' weights per step size (rows), packed on first use from the forms each
+        # projection's choice picks for that many rows; () when some cannot go through it
+        self._packs: dict[int, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -84,3 +120,48 @@ class KernelOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.lockgate.silu_mul(gate_up)  # type: ignore[no-any-return]
+
+    def forget(self) -> None:
+        self._packs.clear()
+
+    def whole_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, layers: Iterable[LayerWeights], heads: int,
+                   kv_heads: int, eps: float, scale: float) -> torch.Tensor | None:
+        """An all-decode step in one call (``lockgate::decode_layers_``: the layer loop's very ops on
+        this backend, without returning to Python between them), or None when the step is not one:
+        every sequence decodes on the attention kernel without a shared prefix, and every
+        projection's picked form for this row count is a quantized one the operator runs."""
+        t = x.shape[0]
+        if len(meta.groups) != 1:
+            return None
+        g = meta.groups[0]
+        if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
+            return None
+        if t not in self._packs:
+            self._packs[t] = self._pack(layers, t, x.dtype)
+        packed = self._packs[t]
+        if not packed:
+            return None
+        weights, kinds = packed
+        d = cos.shape[-1]
+        return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
+                                                 g.kernel_slots, g.kernel_offsets, weights, kinds, heads, kv_heads,
+                                                 eps, scale)
+
+    @staticmethod
+    def _pack(layers: Iterable[LayerWeights], rows: int,
+              dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+        """The layers' tensors in ``decode_layers_``' order, and each projection's kind, for the
+        forms picked at ``rows`` rows; () when some picked form has no kind (dense, fp32) or is
+        the integer GEMM in a 16-bit run (the operator hands it x as it is)."""
+        weights: list[torch.Tensor] = []
+        kinds: list[int] = []
+        for layer in layers:
+            weights += [layer.attn_norm, layer.mlp_norm]
+            for lin in layer.projections().values():
+                args = lin.form_for(rows).decode_layers_args()
+                if args is None or (args[0] >= 100 and dtype != torch.float32):
+                    return ()
+                kinds.append(args[0])
+                weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]
+        return weights, kinds

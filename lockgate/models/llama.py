@@ -248,13 +248,18 @@ class LlamaModel(nn.Module):
         self.head = Linear(self.lm_head, None, head_forms)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
         self.scale = 1.0 / math.sqrt(args.head_dim)
-        # The layers' ops backend: lockgate's fused CPU ops when ``lockgate.kernels`` is loaded.
-        self.fused_ops = cpu_kernels
+        # The layers' ops backend: lockgate's fused CPU ops when ``lockgate.kernels`` is loaded
+        # (with a whole-step fast path for decode steps), else plain torch.
         self.ops: LayerOps = KernelOps() if cpu_kernels else TorchOps()
-        # The one-call decode path's weights per step size (rows), made on first use from the
-        # forms each projection's choice picks for that many rows; () when some form cannot go
-        # through decode_layers_ (then such steps run ``_layers``).
-        self._decode_packs: dict[int, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
+
+    def use_kernels(self, on: bool) -> None:
+        """Run the layers on lockgate's fused CPU ops (``on``; they must be loaded) or on plain torch."""
+        if on != self.fused_ops:
+            self.ops = KernelOps() if on else TorchOps()
+
+    @property
+    def fused_ops(self) -> bool:
+        return self.ops.name == "kernels"
 
     def projections(self) -> dict[str, list[Linear]]:
         """Every projection by role (qkv, o, gate_up, down: one per layer; head: the LM head)."""
@@ -274,7 +279,7 @@ class LlamaModel(nn.Module):
                     lin.choose(choices[role])
                 if drop:
                     lin.drop_unchosen()
-        self._decode_packs.clear()
+        self.ops.forget()  # the whole-step path packed the old choices' weights
 
     @property
     def dtype(self) -> torch.dtype:
@@ -297,8 +302,10 @@ class LlamaModel(nn.Module):
         """
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
-        decoded = self._layers_decode(x, cos, sin, meta, k_cache, v_cache) if self.fused_ops else None
-        x = decoded if decoded is not None else self._layers(x, cos, sin, meta, k_cache, v_cache)
+        a = self.args
+        whole = self.ops.whole_step(x, cos, sin, meta, k_cache, v_cache, self.layers, a.num_heads, a.num_kv_heads,
+                                    a.rms_norm_eps, self.scale)
+        x = whole if whole is not None else self._layers(x, cos, sin, meta, k_cache, v_cache)
         if logits_rows is None:
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, self.args.rms_norm_eps)  # [S, hidden]
@@ -322,48 +329,6 @@ class LlamaModel(nn.Module):
         if pending is not None:
             x += pending
         return x
-
-    def _layers_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
-        """The kernel backend's fast path: an all-decode step in one call (``lockgate::decode_layers_``:
-        ``_layers``' very ops on ``KernelOps``, without returning to Python between them), or None when the step is not one: every
-        sequence decodes on the attention kernel without a shared prefix, and the form every
-        projection's choice picks for this row count is a quantized one the operator runs. The
-        weights are packed on first use per row count: a projection's forms and choice must not
-        change afterwards without ``choose_forms`` (which forgets the packs)."""
-        t = x.shape[0]
-        groups = meta.groups
-        if len(groups) != 1:
-            return None
-        g = groups[0]
-        if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
-            return None
-        if t not in self._decode_packs:
-            self._decode_packs[t] = self._pack_decode_weights(t, x.dtype)
-        packed = self._decode_packs[t]
-        if not packed:
-            return None
-        weights, kinds = packed
-        a, d = self.args, self.args.head_dim
-        return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
-                                                 g.kernel_slots, g.kernel_offsets, weights, kinds, a.num_heads,
-                                                 a.num_kv_heads, a.rms_norm_eps, self.scale)
-
-    def _pack_decode_weights(self, rows: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
-        """The layers' tensors in ``decode_layers_``'s order, and each projection's kind, for the
-        forms picked at ``rows`` rows; () when some picked form has no kind (dense, fp32) or is
-        the integer GEMM in a 16-bit run (the operator hands it x as it is)."""
-        weights: list[torch.Tensor] = []
-        kinds: list[int] = []
-        for layer in typing.cast(list[DecoderLayer], self.layers):
-            weights += [layer.attn_norm, layer.mlp_norm]
-            for lin in layer.projections().values():
-                args = lin.form_for(rows).decode_layers_args()
-                if args is None or (args[0] >= 100 and dtype != torch.float32):
-                    return ()
-                kinds.append(args[0])
-                weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]
-        return weights, kinds
 
     @staticmethod
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
