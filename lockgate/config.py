@@ -274,6 +274,8 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on")
     served_model_name: str | None = option(None, "model name clients use (default: the --model value)")
+    strict_model_name: bool = option(False, "answer 404 to a request naming another model (vLLM's behaviour); "
+                                     "by default, serving one model, any name is taken as it (TGI's, SGLang's)")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health "
                                "(default: $LOCKGATE_API_KEY, if set)")
     default_max_tokens: int = option(2048, "max_tokens of a chat request that gives none (capped by the context): "

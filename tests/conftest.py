@@ -101,3 +101,16 @@ def smol_fp32():
     from lockgate import LLM
 
     return LLM("default", dtype="float32", max_total_tokens=8192, check_invariants=True)
+
+
+@pytest.fixture(scope="session")
+def smol_server():
+    """A real ``lockgate serve`` on the default model (defaults, a 64k-token pool), shared by the
+    modules that drive it over HTTP; stopped by process id at the end of the session."""
+    from server_util import ServerProc
+
+    s = ServerProc("--model", "default", "--max-total-tokens", "65536")
+    try:
+        yield s.wait_ready(timeout=300)
+    finally:
+        s.stop()

@@ -127,6 +127,34 @@ def test_build_survives_a_killed_builder_and_a_missing_path(tmp_path, monkeypatc
     assert not any(cache.rglob("lock"))  # the leftover torch lock is gone
 
 
+def test_another_checkout_of_the_same_code_loads_the_same_build(ops, tmp_path) -> None:
+    """The build is keyed by content, not place: a copy of the package elsewhere (another clone,
+    a worktree) finds the build this session made, loads it without compiling and without
+    touching it (ninja would rebuild if a command line named other source paths)."""
+    import shutil
+    import subprocess
+    import sys
+
+    built = kernels.cache_dir() / kernels.build_name()
+    assert (built / kernels.BUILT).is_file()
+    library = built / f"{kernels.build_name()}.so"
+    mtime = library.stat().st_mtime_ns
+    shutil.copytree(Path(kernels.__file__).parents[1], tmp_path / "lockgate",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import logging, sys, time; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from lockgate import kernels as k\n"
+            "t = time.perf_counter(); ok = k.load(); print('took', time.perf_counter() - t)\n"
+            "print(k.__file__, k.build_name(), ok, k.error()); sys.exit(0 if ok else 1)\n")
+    # -S: no .pth files, so the editable install's finder cannot send "lockgate" back to this checkout
+    site = os.pathsep.join([str(tmp_path), *(p for p in sys.path if p.endswith("site-packages"))])
+    env = {**os.environ, "PYTHONPATH": site}
+    r = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert str(tmp_path) in r.stdout and kernels.build_name() in r.stdout  # the copy, same build name
+    assert "compiling" not in r.stdout and library.stat().st_mtime_ns == mtime
+
+
 def test_cpu_kernels_off_and_bad_mode(monkeypatch) -> None:
     from lockgate import kernels as k
 

@@ -22,12 +22,8 @@ UNICODE_PROMPT = "Translate to French: 'The summer was very hot and the café wa
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ServerProc("--model", "default", "--max-total-tokens", "65536")
-    try:
-        yield s.wait_ready(timeout=300)
-    finally:
-        s.stop()
+def server(smol_server):
+    return smol_server
 
 
 @pytest.fixture(scope="module")

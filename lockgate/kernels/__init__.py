@@ -16,9 +16,14 @@ contracts are documented at the top of each source file:
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++
 compiler (``-O3 -march=native``: the code is built where it runs) into
 ``$LOCKGATE_CACHE_DIR/kernels/<name>`` (default ``~/.cache/lockgate/kernels``), where ``<name>``
-carries a hash of the sources, the flags, the torch version, the compiler and the CPU's feature
-flags, so a changed source, torch, compiler or CPU builds anew and no stale build is ever shared.
-About 15 s the first time on 2 cores, milliseconds after. Concurrent processes build one at a time under an ``flock`` the OS releases if
+carries a hash of the sources' content, the flags, the torch version, the compiler and the CPU's
+feature flags, so a changed source, torch, compiler or CPU builds anew and no stale build is ever
+shared, while every checkout of the same code shares one build: the sources are copied into the
+build directory and compiled from there (ninja rebuilds whenever a command line changes, and a
+command line names its sources' paths), and a finished build (marked by ``BUILT``) is loaded with
+``torch.ops.load_library`` without asking ninja at all. A build logs a line when it starts, one
+every ``PROGRESS_EVERY`` seconds while it runs (a first build takes 15 s to minutes on 2 cores)
+and how long it took. Concurrent processes build one at a time under an ``flock`` the OS releases if
 the builder dies (torch's own lock file would be left behind and waited on forever). The
 interpreter's bin directory goes on PATH first, so the ``ninja`` the package installs is found in
 a venv that is not activated.
@@ -51,6 +56,8 @@ SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 MODES = ("auto", "off")
+BUILT = "BUILT"  # written into a build directory once its library compiled and loaded
+PROGRESS_EVERY = 15.0  # seconds between "still compiling" lines
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
@@ -129,30 +136,56 @@ def _ninja_on_path() -> None:
 
 
 def _build() -> tuple[bool, str | None]:
-    from torch.utils import cpp_extension
-
     t0 = time.perf_counter()
     try:
         name = build_name()
         where = cache_dir() / name
         where.mkdir(parents=True, exist_ok=True)
-        _ninja_on_path()
         # One builder at a time, through a lock the OS releases when its holder dies: torch's own
         # lock is a plain file that a killed build leaves behind, and it waits on that forever.
         # Holding ours, any torch lock file present is such a leftover.
         with open(where / "lockgate.lock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
-            (where / "lock").unlink(missing_ok=True)
-            fresh = not any(where.glob("*.so"))
-            if fresh:
-                log.info("compiling lockgate CPU kernels into %s (first run on this machine, ~15 s)", where)
-            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                               extra_include_paths=[str(CSRC)], build_directory=str(where),
-                               is_python_module=False, verbose=False)
+            library = where / f"{name}.so"
+            if (where / BUILT).is_file() and library.is_file():
+                torch.ops.load_library(str(library))
+                return True, None
+            _compile(name, where)
+            (where / BUILT).write_text(f"built in {time.perf_counter() - t0:.1f}s\n")
     except Exception as e:  # a missing compiler, headers or ninja: keep the torch path
         msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         log.warning("lockgate CPU kernels unavailable, using plain torch ops instead (%s)", msg)
         return False, msg
-    if fresh:
-        log.info("lockgate CPU kernels built in %.1fs", time.perf_counter() - t0)
+    log.info("lockgate CPU kernels built in %.1fs", time.perf_counter() - t0)
     return True, None
+
+
+def _compile(name: str, where: Path) -> None:
+    """Compile (or finish compiling) the kernels in ``where`` from copies of the sources, and load
+    them; logs progress while the compiler runs."""
+    from torch.utils import cpp_extension
+
+    (where / "lock").unlink(missing_ok=True)
+    src = where / "src"
+    src.mkdir(exist_ok=True)
+    for f in (*SOURCES, *HEADERS):  # the build's name is their content's hash: same name, same bytes
+        if not (src / f.name).is_file() or (src / f.name).read_bytes() != f.read_bytes():
+            (src / f.name).write_bytes(f.read_bytes())
+    _ninja_on_path()
+    log.info("compiling lockgate CPU kernels into %s (once per machine, compiler, torch and kernel source; "
+             "15 s to a few minutes)", where)
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def progress() -> None:
+        while not done.wait(PROGRESS_EVERY):
+            log.info("still compiling lockgate CPU kernels (%.0fs so far)", time.perf_counter() - t0)
+
+    ticker = threading.Thread(target=progress, name="kernel-build-progress", daemon=True)
+    ticker.start()
+    try:
+        cpp_extension.load(name=name, sources=[str(src / s.name) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_include_paths=[str(src)], build_directory=str(where),
+                           is_python_module=False, verbose=False)
+    finally:
+        done.set()

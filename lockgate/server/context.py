@@ -172,6 +172,11 @@ class ServerContext:
         return await asyncio.to_thread(run)
 
     def check_model(self, model: str | None) -> None:
+        """A request may name the served model, its ``--model`` spec or, unless
+        ``--strict-model-name``, anything: with one model served and no adapters, a name can only
+        mean it (clients such as huggingface_hub send placeholders like "dummy" or "tgi")."""
+        if not self.cfg.strict_model_name:
+            return
         if model is not None and model not in (self.model_name, self.client.model_spec):
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model")

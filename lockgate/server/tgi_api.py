@@ -147,7 +147,7 @@ def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Respo
                         full = "".join(text)
                         event["generated_text"] = body.inputs + full if body.parameters.return_full_text else full
                         event["details"] = {"finish_reason": _reason(o), "generated_tokens": n,
-                                            "seed": body.parameters.seed}
+                                            "seed": body.parameters.seed, "input_length": o.num_prompt_tokens}
                     yield f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
         finally:
             ctx.abort(streams)
