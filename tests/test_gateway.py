@@ -94,8 +94,46 @@ def test_prefix_cache_keeps_groups_together_and_replicas_hit_their_cache() -> No
                 cached += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert all(len(h) == 1 for h in homes.values()), homes
         assert cached >= 9 * 800  # the replica really had the prefix: ~880 of ~890 tokens cached each
-        metrics = httpx.get(gw.url + "/metrics").text
+        scraped = httpx.get(gw.url + "/metrics")
+        metrics = scraped.text
         assert 'reason="match"' in metrics and "lockgate:gateway_prefix_blocks_matched_total" in metrics
+        # the fleet in one scrape: each replica's own series under its URL, in the engines' own format
+        assert scraped.headers["content-type"] == httpx.get(reps[0].url + "/metrics").headers["content-type"]
+        from prometheus_client.parser import text_string_to_metric_families
+
+        generated: dict[str, float] = {}
+        for fam in text_string_to_metric_families(metrics):
+            for smp in fam.samples:
+                if smp.name == "lockgate:generation_tokens_total":
+                    generated[smp.labels["replica"]] = smp.value
+        assert set(generated) == {r.url for r in reps} and sum(generated.values()) == 12 * 4
+        hits = sum(smp.value for fam in text_string_to_metric_families(metrics) for smp in fam.samples
+                   if smp.name == "lockgate:prefix_cache_hits_total")
+        assert hits == cached  # the replicas' real hits, summed over the fleet
+
+
+EVENT_BORN = {"lockgate:gateway_retries_total"}  # labelled by a replica and a cause: no sample before a retry
+
+
+def test_every_series_the_grafana_dashboard_queries_exists() -> None:
+    """dashboards/grafana.json against a live gateway scrape (its own series and its replicas'),
+    after traffic that fills every kind: a metric missing or renamed fails here."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    board = json.loads((Path(__file__).parents[1] / "dashboards" / "grafana.json").read_text())
+    queried = {name for p in board["panels"] for t in p["targets"] for name in re.findall(r"lockgate:\w+", t["expr"])}
+    assert len(queried) >= 20
+    with fleet(2) as (gw, _):
+        for i in range(4):
+            assert complete(gw.url, f"dashboard {i}", n=2).status_code == 200
+        families = list(text_string_to_metric_families(httpx.get(gw.url + "/metrics").text))
+    exported = {smp.name for fam in families for smp in fam.samples}
+    assert queried <= exported | EVENT_BORN, sorted(queried - exported)
+    # a series born with its first event (labels not known before) is still declared, with its type
+    declared = {f"{fam.name}_total" for fam in families if fam.type == "counter"}
+    assert EVENT_BORN <= declared
 
 
 def test_load_wins_over_cache_past_the_imbalance_threshold() -> None:

@@ -202,18 +202,53 @@ def test_client_disconnects_abort_and_free_slots(server) -> None:
     assert aborted and float(aborted[0].split()[-1]) >= 11
 
 
-def test_metrics_exposed(server, client) -> None:
-    client.completions.create(model="sim", prompt="metrics", max_tokens=4)
-    text = httpx.get(server.url + "/metrics").text
-    for name in ("lockgate:time_to_first_token_seconds_bucket", "lockgate:inter_token_latency_seconds_bucket",
-                 "lockgate:e2e_request_latency_seconds_count", "lockgate:queue_time_seconds_count",
-                 "lockgate:num_requests_running", "lockgate:num_requests_waiting", "lockgate:kv_slot_usage_ratio",
-                 "lockgate:prompt_tokens_total", "lockgate:generation_tokens_total",
-                 "lockgate:prefix_cache_queries_total", "lockgate:prefix_cache_hits_total",
-                 "lockgate:spec_decode_draft_tokens_total", "lockgate:spec_decode_accepted_tokens_total"):
-        assert any(ln.startswith(name) for ln in text.splitlines()), name  # a sample, not only its HELP line
-    gen = next(ln for ln in text.splitlines() if ln.startswith("lockgate:generation_tokens_total"))
-    assert float(gen.split()[-1]) >= 4
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as sample name{labels} -> value (labels sorted, model_name dropped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for smp in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()) if k != "model_name")
+            out[f"{smp.name}{{{labels}}}" if labels else smp.name] = smp.value
+    return out
+
+
+def test_metrics_follow_vllm_names_and_count_what_happened(server, client) -> None:
+    before = scrape(server.url)
+    r = client.completions.create(model="sim", prompt="metrics", max_tokens=4, n=2)
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    wait_idle(server)
+    after = scrape(server.url)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("lockgate:generation_tokens_total") == 8 == grew("lockgate:request_generation_tokens_sum")
+    assert grew("lockgate:prompt_tokens_total") == 2 * r.usage.prompt_tokens  # per sequence, as vLLM counts
+    assert grew("lockgate:request_prompt_tokens_sum") == grew("lockgate:prompt_tokens_total")
+    for per_request in ("request_generation_tokens", "request_prompt_tokens", "e2e_request_latency_seconds",
+                        "request_queue_time_seconds", "request_inference_time_seconds",
+                        "request_prefill_time_seconds", "request_decode_time_seconds",
+                        "time_to_first_token_seconds"):
+        assert grew(f"lockgate:{per_request}_count") == 2, per_request
+    # one sampling group of n = 2, max_tokens 4, whose longest sequence made 4 tokens
+    assert (grew("lockgate:request_params_n_count"), grew("lockgate:request_params_n_sum")) == (1, 2)
+    assert grew("lockgate:request_params_max_tokens_sum") == 4
+    assert grew("lockgate:request_max_num_generation_tokens_sum") == 4
+    assert grew("lockgate:inter_token_latency_seconds_count") == 6  # 3 gaps per sequence
+    assert grew("lockgate:request_success_total{finished_reason=length}") == 2
+    assert after["lockgate:num_preemptions_total"] == 0
+    assert 0 <= after["lockgate:kv_cache_usage_perc"] <= 1
+    for name in ("lockgate:num_requests_running", "lockgate:num_requests_waiting", "lockgate:prefix_cache_hits_total",
+                 "lockgate:prefix_cache_queries_total", "lockgate:spec_decode_num_draft_tokens_total",
+                 "lockgate:spec_decode_num_accepted_tokens_total"):
+        assert name in after, name
+    # vLLM's bucket bounds are all here (its queries' le values exist), token buckets 1-2-5 up to the context
+    assert 'lockgate:time_to_first_token_seconds_bucket{le=2560.0}' in after
+    assert 'lockgate:e2e_request_latency_seconds_bucket{le=7680.0}' in after
+    assert 'lockgate:request_prompt_tokens_bucket{le=500.0}' in after  # the sim's context is 512
+    assert not any(k.startswith("lockgate:request_prompt_tokens_bucket{le=1000.0") for k in after)
 
 
 # ---- separate servers: limits, auth, lifecycle ---------------------------------------------

@@ -16,7 +16,6 @@ import time
 import httpx
 import openai
 import pytest
-from server_util import ServerProc
 
 UNICODE_PROMPT = "Translate to French: 'The summer was very hot and the café was closed.'\nFrench:"
 
@@ -114,8 +113,8 @@ def test_speculation_streams_accepted_guesses_and_counts_them(server, client) ->
         text = httpx.get(server.url + "/metrics").text
         vals = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                 if ln.startswith("lockgate:spec_decode_")}
-        return vals.get("lockgate:spec_decode_draft_tokens_total", 0.0), \
-            vals.get("lockgate:spec_decode_accepted_tokens_total", 0.0)
+        return vals.get("lockgate:spec_decode_num_draft_tokens_total", 0.0), \
+            vals.get("lockgate:spec_decode_num_accepted_tokens_total", 0.0)
 
     drafted0, accepted0 = spec_counts()
     prompt = "The quick brown fox jumps over the lazy dog. " * 4

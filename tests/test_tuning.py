@@ -194,10 +194,9 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
     for role in ("qkv", "o", "gate_up", "down", "head"):
         assert f"  {role} " in r2.stdout
     # an engine with the same settings reads that table
+    import lockgate.models.llama as llama
     from lockgate.config import CacheConfig, ModelConfig
     from lockgate.runner.model_runner import ModelRunner
-
-    import lockgate.models.llama as llama
 
     built: list[tuple[set[str] | None, set[str]]] = []  # (forms asked for, forms made) per projection
     make_forms = llama.make_forms
@@ -222,8 +221,9 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
 
 
 def test_checkpoint_fingerprint_follows_content_not_place(tmp_path) -> None:
-    from lockgate.models.loader import checkpoint_fingerprint
     from safetensors.numpy import save_file
+
+    from lockgate.models.loader import checkpoint_fingerprint
 
     rng = np.random.default_rng(0)
     tensors = {"a": rng.standard_normal((256, 256), dtype=np.float32), "b": np.zeros(8, np.float32)}

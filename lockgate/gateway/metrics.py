@@ -4,13 +4,49 @@ One private registry per gateway. Counters: requests by replica, policy and rout
 blocks looked up and matched (their ratio is the gateway's expected hit rate; the replicas' own
 ``lockgate:prefix_cache_*`` counters say what really hit); retries by cause; replica health
 changes; replica restarts (``serve --dp``); proxy errors by kind. Gauges: each replica's health and load.
+
+Fleet series: every scrape of the gateway's ``/metrics`` also scrapes its healthy replicas and
+re-exports their ``lockgate:`` series with a ``replica`` label added (``FleetCollector``), so one
+scrape target shows the whole fleet and ``sum without (replica)`` gives fleet totals; the
+dashboard's queries (``sum by (le)``, rates) work on them unchanged. One exposition format
+(prometheus_client's latest text format) on the gateway and on every engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from lockgate.gateway.policy import Route
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class FleetCollector:
+    """The replicas' last scraped series, each sample labelled with its replica's URL."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, str] = {}  # replica URL -> its /metrics text
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for replica, text in self.texts.items():
+            try:
+                families = list(text_string_to_metric_families(text))
+            except ValueError:
+                continue  # not an exposition we can read: left out, the rest still shows
+            for fam in families:
+                if not fam.name.startswith("lockgate:") or fam.name.startswith("lockgate:gateway_"):
+                    continue
+                out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
+                out.samples += [Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+                                for s in fam.samples]
+        yield from merged.values()
 
 
 class GatewayMetrics:
@@ -36,6 +72,8 @@ class GatewayMetrics:
                           ["replica"], registry=r)
         for kind in ("no_replica", "upstream", "midstream"):
             self.errors.labels(kind)
+        self.fleet = FleetCollector()
+        r.register(self.fleet)
 
     def routed(self, route: Route) -> None:
         self.requests.labels(route.replica, route.policy, route.reason).inc()
@@ -55,7 +93,12 @@ class GatewayMetrics:
             except KeyError:
                 pass
 
-    def render(self, loads: dict[str, int]) -> bytes:
+    def render(self, loads: dict[str, int], replica_texts: dict[str, str] | None = None) -> bytes:
+        """The gateway's series, and the replicas' (``replica_texts``: URL -> their /metrics text)."""
         for replica, n in loads.items():
             self.load.labels(replica).set(n)
-        return generate_latest(self.registry)
+        self.fleet.texts = replica_texts or {}
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self.fleet.texts = {}

@@ -46,10 +46,11 @@ import httpx
 import msgspec
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
 from lockgate.gateway.keys import request_key
+from lockgate.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import Route, Router
 from lockgate.gateway.prefix_index import block_hashes
@@ -133,7 +134,8 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         loads = {u: r.load for u, r in gw.fleet.replicas.items()}
-        return PlainTextResponse(gw.metrics.render(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
+        texts = await gw.fleet.scrape_metrics()
+        return Response(gw.metrics.render(loads, texts), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/loads")
     async def loads() -> Response:

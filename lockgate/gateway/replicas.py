@@ -220,6 +220,22 @@ class Fleet:
             if isinstance(theirs, int):
                 r.external = theirs - r.in_flight  # others' traffic (> 0), or our count running ahead (< 0)
 
+    async def scrape_metrics(self) -> dict[str, str]:
+        """Each healthy replica's /metrics text, fetched concurrently (a replica that does not answer
+        within the poll timeout is left out of this scrape)."""
+        assert self._http is not None
+        http = self._http
+
+        async def one(r: Replica) -> tuple[str, str | None]:
+            try:
+                resp = await http.get(r.url + "/metrics")
+            except httpx.HTTPError:
+                return r.url, None
+            return r.url, resp.text if resp.status_code == 200 else None
+
+        got = await asyncio.gather(*(one(r) for r in list(self.replicas.values()) if r.healthy))
+        return {url: text for url, text in got if text is not None}
+
     async def _load_loop(self) -> None:
         while True:
             self._reload_file()

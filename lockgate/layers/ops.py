@@ -42,8 +42,11 @@ class LayerWeights(Protocol):
     """What the whole-step path needs of a decoder layer: its two norms and its projections in
     ``decode_layers_``' order (qkv, o, gate_up, down)."""
 
-    attn_norm: torch.Tensor
-    mlp_norm: torch.Tensor
+    @property
+    def attn_norm(self) -> torch.Tensor: ...
+
+    @property
+    def mlp_norm(self) -> torch.Tensor: ...
 
     def projections(self) -> dict[str, Linear]: ...
 

@@ -303,7 +303,8 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
         a = self.args
-        whole = self.ops.whole_step(x, cos, sin, meta, k_cache, v_cache, self.layers, a.num_heads, a.num_kv_heads,
+        layers = typing.cast(list[DecoderLayer], self.layers)
+        whole = self.ops.whole_step(x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads,
                                     a.rms_norm_eps, self.scale)
         x = whole if whole is not None else self._layers(x, cos, sin, meta, k_cache, v_cache)
         if logits_rows is None:

@@ -13,6 +13,7 @@ one HTTP request are aborted together if the client goes away.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from lockgate.config import ServerConfig
 from lockgate.ipc.messages import Ready, TextOut
 from lockgate.sampling import SamplingParams, is_text
-from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream
+from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream, SampleGroup
 from lockgate.server.metrics import Metrics
 from lockgate.server.protocol import error_message
 from lockgate.tokenizer.tokenizer import Tokenizer
@@ -227,9 +228,13 @@ class ServerContext:
         """Submit one engine request per (prompt ids, params); all or nothing."""
         self.check_queue(len(jobs))
         streams: list[RequestStream] = []
+        # the n copies of one prompt share its ids list: one sampling group each (for the metrics)
+        sizes = collections.Counter(id(ids) for ids, _ in jobs)
+        groups: dict[int, SampleGroup] = {}
         try:
             for ids, params in jobs:
-                streams.append(self.client.submit(self.client.new_id(kind), ids, params))
+                group = groups.setdefault(id(ids), SampleGroup(sizes[id(ids)], params.max_tokens or 0))
+                streams.append(self.client.submit(self.client.new_id(kind), ids, params, group))
         except EngineUnavailable as e:
             self.abort(streams)
             raise APIError(503, str(e)) from None

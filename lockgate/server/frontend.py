@@ -66,6 +66,16 @@ class EngineUnavailable(RuntimeError):
 
 
 @dataclass(eq=False)
+class SampleGroup:
+    """The n engine requests of one prompt (a parallel sampling group), for the per-group metrics."""
+
+    n: int
+    max_tokens: int
+    pending: int = 0
+    most_generated: int = 0
+
+
+@dataclass(eq=False)
 class RequestStream:
     rid: str
     num_prompt_tokens: int
@@ -73,6 +83,9 @@ class RequestStream:
     queue: asyncio.Queue[TextOut] = field(default_factory=asyncio.Queue)
     first_token: float | None = None
     last_token: float | None = None
+    queue_seconds: float | None = None  # arrival -> admitted, as the scheduler measured it
+    generated: int = 0
+    group: SampleGroup | None = None
     finished: bool = False
 
     async def outputs(self) -> AsyncIterator[TextOut]:
@@ -148,10 +161,13 @@ class EngineClient:
     def new_id(self, kind: str) -> str:
         return f"{kind}-{self._prefix}-{next(self._ids)}"
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+               group: SampleGroup | None = None) -> RequestStream:
         if self.failed is not None or self.info is None:
             raise EngineUnavailable(self.failed or "the model is still loading")
-        stream = RequestStream(rid, len(prompt_ids))
+        stream = RequestStream(rid, len(prompt_ids), group=group)
+        if group is not None:
+            group.pending += 1
         self.streams[rid] = stream
         try:
             self.to_scheduler.send_nowait(AddRequest(rid, list(prompt_ids), params, time.time()))
@@ -159,6 +175,15 @@ class EngineClient:
             del self.streams[rid]  # never sent: it holds no queue place and no engine state
             raise
         return stream
+
+    def _group_done(self, stream: RequestStream) -> None:
+        g = stream.group
+        if g is None:
+            return
+        g.pending -= 1
+        g.most_generated = max(g.most_generated, stream.generated)
+        if g.pending == 0:
+            self.metrics.group_finished(g.n, g.max_tokens, g.most_generated)
 
     def abort(self, rid: str) -> None:
         stream = self.streams.pop(rid, None)
@@ -221,6 +246,7 @@ class EngineClient:
         self.child_pids = {"scheduler": info.scheduler_pid, "detokenizer": msg.detokenizer_pid}
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir)
         self.info = info
+        self.metrics.on_ready(info.max_model_len)
         self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}
         self.ready.set()
         log.info("ready: model %s (%s), context %d tokens, KV capacity %d tokens", info.model, info.dtype,
@@ -233,6 +259,7 @@ class EngineClient:
         now = time.monotonic()
         m, name = self.metrics, self.model
         if out.queue_seconds is not None:
+            stream.queue_seconds = out.queue_seconds
             m.queue.labels(name).observe(out.queue_seconds)
         if out.ids:
             if stream.first_token is None:
@@ -243,13 +270,17 @@ class EngineClient:
                 for _ in out.ids:  # one observation per token (a step can bring several)
                     m.itl.labels(name).observe(gap)
             stream.last_token = now
+            stream.generated += len(out.ids)
             m.generation_tokens.labels(name).inc(len(out.ids))
         if out.finish_reason is not None:
             stream.finished = True
             del self.streams[out.rid]
-            m.e2e.labels(name).observe(now - stream.arrival)
+            prompt = out.num_prompt_tokens or stream.num_prompt_tokens
+            first = None if stream.first_token is None else stream.first_token - stream.arrival
+            m.finished(prompt, stream.generated, now - stream.arrival, stream.queue_seconds, first)
             m.requests.labels(name, out.finish_reason).inc()
-            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens or stream.num_prompt_tokens)
-            m.prefix_queries.labels(name).inc(out.num_prompt_tokens or stream.num_prompt_tokens)
+            m.prompt_tokens.labels(name).inc(prompt)
+            m.prefix_queries.labels(name).inc(prompt)
             m.prefix_hits.labels(name).inc(out.cached_tokens)
+            self._group_done(stream)
         stream.queue.put_nowait(out)

@@ -4,6 +4,16 @@ Owns one private ``CollectorRegistry`` (so several servers in one test process n
 and the metric objects. Latencies are observed by the frontend as outputs arrive; gauges
 mirror the engine's load figures carried by every step batch. Token and prefix-cache
 figures are counters, so rates and hit ratios over any window are exact.
+
+Names, types, units and label sets follow vLLM's for every concept both servers have (with
+``lockgate:`` for ``vllm:``), so its dashboards and alerts work after a prefix relabel, and the
+dashboard in ``dashboards/grafana.json`` works as it is. Histogram buckets are vLLM's bounds plus,
+for the latencies, finer ones below them (CPU token latencies are milliseconds): every ``le`` a
+vLLM query uses exists here too. Token-count histograms use the 1-2-5 series up to the context
+length, as vLLM's do, and appear once the engine is ready (``on_ready``). Series with no vLLM
+counterpart: ``kv_slots_used`` / ``kv_slots_capacity`` (the token pool in tokens).
+``num_preemptions`` is always 0: peak admission never lets a running request run out of KV
+slots, so nothing is ever preempted (exported for the dashboards that plot it).
 """
 
 from __future__ import annotations
@@ -13,12 +23,28 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lockgate.ipc.messages import EngineStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                1.0, 2.5, 5.0)
+# vLLM's bounds (vllm/v1/metrics/loggers.py), with finer ones below them where CPU latencies live
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
@@ -26,17 +52,25 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.model = model_name
-        self.ttft = Histogram("lockgate:time_to_first_token_seconds", "Time from request arrival to its first token",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("lockgate:inter_token_latency_seconds", "Time between consecutive output tokens",
-                             labels, buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("lockgate:e2e_request_latency_seconds", "Time from request arrival to its last token",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("lockgate:queue_time_seconds", "Time from arrival until the scheduler admitted it",
-                               labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._labels = labels
+
+        def latency(name: str, doc: str, buckets: tuple[float, ...] = REQUEST_BUCKETS) -> Histogram:
+            return Histogram(f"lockgate:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = latency("time_to_first_token_seconds", "Time from request arrival to its first token",
+                            TTFT_BUCKETS)
+        self.itl = latency("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
+        self.e2e = latency("e2e_request_latency_seconds", "Time from request arrival to its last token")
+        self.queue = latency("request_queue_time_seconds", "Time from arrival until the scheduler admitted it")
+        self.inference = latency("request_inference_time_seconds", "Time from admission to the last token")
+        self.prefill = latency("request_prefill_time_seconds", "Time from admission to the first token")
+        self.decode = latency("request_decode_time_seconds", "Time from the first token to the last")
+        self.params_n = Histogram("lockgate:request_params_n", "The n parameter of requests", labels,
+                                  buckets=N_BUCKETS, registry=r)
         self.running = Gauge("lockgate:num_requests_running", "Requests in the running batch", labels, registry=r)
         self.waiting = Gauge("lockgate:num_requests_waiting", "Requests in the waiting queue", labels, registry=r)
-        self.kv_usage = Gauge("lockgate:kv_slot_usage_ratio", "Used KV slots / capacity", labels, registry=r)
+        self.kv_usage = Gauge("lockgate:kv_cache_usage_perc", "KV pool usage, 1 = full (used slots / capacity)",
+                              labels, registry=r)
         self.kv_used = Gauge("lockgate:kv_slots_used", "KV slots held by requests", labels, registry=r)
         self.kv_capacity = Gauge("lockgate:kv_slots_capacity", "KV pool capacity in tokens", labels, registry=r)
         self.prompt_tokens = Counter("lockgate:prompt_tokens", "Prompt tokens of finished requests", labels,
@@ -44,19 +78,68 @@ class Metrics:
         self.generation_tokens = Counter("lockgate:generation_tokens", "Generated tokens", labels, registry=r)
         self.requests = Counter("lockgate:request_success", "Finished requests by finish reason",
                                 [*labels, "finished_reason"], registry=r)
+        self.preemptions = Counter("lockgate:num_preemptions", "Preempted requests (always 0: peak admission "
+                                   "never lets a running request run out of KV slots)", labels, registry=r)
         self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels, registry=r)
         self.prefix_hits = Counter("lockgate:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
                                    registry=r)
-        self.spec_draft = Counter("lockgate:spec_decode_draft_tokens", "Speculative guesses fed to the model",
+        self.spec_draft = Counter("lockgate:spec_decode_num_draft_tokens", "Speculative guesses fed to the model",
                                   labels, registry=r)
-        self.spec_accepted = Counter("lockgate:spec_decode_accepted_tokens",
+        self.spec_accepted = Counter("lockgate:spec_decode_num_accepted_tokens",
                                      "Speculative guesses the model agreed with (tokens gained)", labels, registry=r)
+        # token-count histograms: buckets up to the context length, known once the engine is ready
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
+        self.max_generation_tokens: Histogram | None = None
+        self.params_max_tokens: Histogram | None = None
         self._spec_seen = (0, 0)  # the scheduler's running totals at the last update
-        self.spec_draft.labels(model_name)  # export zeros from the start
-        self.spec_accepted.labels(model_name)
+        for series in (self.spec_draft, self.spec_accepted, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens, self.prefix_queries, self.prefix_hits):
+            series.labels(model_name)  # export zeros from the start
         for reason in ("stop", "length", "abort", "error"):
-            self.requests.labels(model_name, reason)  # export zeros from the start
+            self.requests.labels(model_name, reason)
+
+    def on_ready(self, max_model_len: int) -> None:
+        """Create the token-count histograms (1-2-5 buckets up to the context length); once."""
+        if self.request_prompt_tokens is not None:
+            return
+        buckets = one_two_five(max(max_model_len, 1))
+
+        def tokens(name: str, doc: str) -> Histogram:
+            h = Histogram(f"lockgate:{name}", doc, self._labels, buckets=buckets, registry=self.registry)
+            h.labels(self.model)
+            return h
+
+        self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens per request")
+        self.request_generation_tokens = tokens("request_generation_tokens", "Generated tokens per request")
+        self.max_generation_tokens = tokens("request_max_num_generation_tokens",
+                                            "Most tokens generated by one sequence of a request (n > 1)")
+        self.params_max_tokens = tokens("request_params_max_tokens", "The max_tokens parameter of requests")
+
+    def finished(self, prompt_tokens: int, generation_tokens: int, e2e: float, queue: float | None,
+                 first_token: float | None) -> None:
+        """One engine request finished: ``e2e`` seconds after arrival, admitted ``queue`` seconds after
+        it, its first token ``first_token`` seconds after it (None: it produced none)."""
+        m = self.model
+        self.e2e.labels(m).observe(e2e)
+        if queue is not None:
+            self.inference.labels(m).observe(max(e2e - queue, 0.0))
+            if first_token is not None:
+                self.prefill.labels(m).observe(max(first_token - queue, 0.0))
+        if first_token is not None:
+            self.decode.labels(m).observe(max(e2e - first_token, 0.0))
+        if self.request_prompt_tokens is not None and self.request_generation_tokens is not None:
+            self.request_prompt_tokens.labels(m).observe(prompt_tokens)
+            self.request_generation_tokens.labels(m).observe(generation_tokens)
+
+    def group_finished(self, n: int, max_tokens: int, most_generated: int) -> None:
+        """Every sequence of one prompt's ``n`` (a parallel sampling group) finished."""
+        m = self.model
+        self.params_n.labels(m).observe(n)
+        if self.max_generation_tokens is not None and self.params_max_tokens is not None:
+            self.max_generation_tokens.labels(m).observe(most_generated)
+            self.params_max_tokens.labels(m).observe(max_tokens)
 
     def update_stats(self, s: EngineStats) -> None:
         m = self.model
