@@ -98,8 +98,12 @@ class ModelConfig:
                                    "choice, one per core); 'serve --dp N' gives each replica cores/N")
     sim_step_ms: float = option(2.0, "sim model only: fixed cost of one step, milliseconds")
     sim_token_ms: float = option(0.05, "sim model only: cost per token in a step, milliseconds")
+    chat_template: str | None = option(None, "the chat template for chat requests: a Jinja file's path or the "
+                                       "template itself (default: the model's own; needed for a model without one)")
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.fp32_matmul_rows not in ("auto", "off") and not (
@@ -113,6 +117,26 @@ class ModelConfig:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.sim_step_ms < 0 or self.sim_token_ms < 0:
             raise ValueError("--sim-step-ms and --sim-token-ms must be >= 0")
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s text: the file ``value`` names, or ``value`` itself when it is a Jinja
+    template (has ``{{`` or ``{%``); ValueError naming the flag when it is neither or does not parse."""
+    import os
+
+    import jinja2
+
+    text = value
+    if "{{" not in value and "{%" not in value:
+        if not os.path.isfile(value):
+            raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{{{' or '{{%')")
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the template does not parse: {e.message} (line {e.lineno})") from None
+    return text
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from lockgate.config import EngineConfig
+from lockgate.config import EngineConfig, read_chat_template
 from lockgate.engine.core import EngineCore
 from lockgate.sampling import SamplingParams
 from lockgate.scheduler.request import FinishReason, Request
@@ -63,7 +63,9 @@ class LLM:
         """``LLM("default", max_total_tokens=4096, dtype="float32")`` or ``LLM(config=cfg)``."""
         cfg = config if config is not None else EngineConfig.build(model=model, **engine_options)
         self.engine = EngineCore(cfg, check_invariants=check_invariants)
-        self.tokenizer: Tokenizer = load_tokenizer(cfg.model.model, getattr(self.engine.runner, "model_dir", None))
+        template = None if cfg.model.chat_template is None else read_chat_template(cfg.model.chat_template)
+        self.tokenizer: Tokenizer = load_tokenizer(cfg.model.model, getattr(self.engine.runner, "model_dir", None),
+                                                   template)
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

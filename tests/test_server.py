@@ -8,6 +8,8 @@ process boundary in seconds. The default model's end-to-end checks are in test_s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import os
 import signal
 import threading
@@ -135,6 +137,33 @@ def test_any_model_name_means_the_one_served_unless_strict(server, client) -> No
         assert ok.status_code == 200
     finally:
         strict.stop()
+
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+
+
+def test_chat_template_flag_as_text_or_file_and_its_errors(tmp_path) -> None:
+    """--chat-template replaces the model's template (vLLM's flag): inline or from a file, in the API's
+    chat and /tokenize; a missing file or a template that does not parse stops the start with one line."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = "[system] Be brief.\n[user] Hi\n[bot]"
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    for value in (TEMPLATE, str(path)):
+        s = ServerProc(*SIM, "--chat-template", value)
+        try:
+            s.wait_ready()
+            ids = httpx.post(s.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+            assert httpx.post(s.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == want
+            r = httpx.post(s.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+        finally:
+            s.stop()
+    for value, needle in (("/no/such/template.jinja", "no such file"), ("{% if %}", "does not parse")):
+        r = subprocess.run([sys.executable, "-m", "lockgate.cli", "serve", *SIM, "--chat-template", value],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
 
 
 # ---- bad input --------------------------------------------------------------------------

@@ -77,6 +77,23 @@ def test_chat_template_matches_transformers(pair, chat) -> None:
                                                                               add_generation_prompt=gen)
 
 
+def test_a_given_chat_template_replaces_the_models_own(pair) -> None:
+    """--chat-template on the default model: both tokenizer kinds render the given template as
+    transformers renders it when handed the same template (its bos/eos names included)."""
+    from lockgate.tokenizer.tokenizer import HFTokenizer
+
+    _, ref = pair
+    template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+    d = prepare_model_dir("default")
+    fast = load_tokenizer("default", d, template)
+    hf = HFTokenizer(d)
+    hf.tok.chat_template = template
+    for chat in CHATS:
+        want = ref.apply_chat_template(chat, tokenize=False, chat_template=template)
+        assert fast.apply_chat_template(chat) == want == hf.apply_chat_template(chat)
+        assert want != ref.apply_chat_template(chat, tokenize=False)  # not the model's own
+
+
 def test_loading_and_using_it_imports_no_torch() -> None:
     code = ("import sys\nfrom lockgate.models.loader import prepare_model_dir\n"
             "from lockgate.tokenizer.tokenizer import load_tokenizer\n"

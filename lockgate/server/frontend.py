@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from lockgate.config import HEARTBEAT_SECONDS
+from lockgate.config import HEARTBEAT_SECONDS, read_chat_template
 from lockgate.ipc.channel import AsyncReceiver, AsyncSender
 from lockgate.ipc.messages import (
     AbortRequest,
@@ -100,9 +100,10 @@ class RequestStream:
 class EngineClient:
     def __init__(self, model: str, model_spec: str, scheduler_endpoint: str, api_endpoint: str,
                  metrics: Metrics, heartbeat_timeout: float = 30.0,
-                 on_unresponsive: Callable[[str, str], None] | None = None) -> None:
+                 on_unresponsive: Callable[[str, str], None] | None = None, chat_template: str | None = None) -> None:
         self.model = model  # the name clients use
         self.model_spec = model_spec  # the --model value; "sim" selects the byte tokenizer
+        self.chat_template = chat_template  # --chat-template (a file or the text), None: the model's own
         self.ctx = zmq.asyncio.Context()
         self.to_scheduler = AsyncSender(self.ctx, scheduler_endpoint)
         self.inbox: AsyncReceiver[ToApi] = AsyncReceiver(self.ctx, api_endpoint, ToApi)
@@ -244,7 +245,8 @@ class EngineClient:
     async def _on_ready(self, msg: DetokenizerReady) -> None:
         info = msg.ready
         self.child_pids = {"scheduler": info.scheduler_pid, "detokenizer": msg.detokenizer_pid}
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir)
+        template = None if self.chat_template is None else read_chat_template(self.chat_template)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir, template)
         self.info = info
         self.metrics.on_ready(info.max_model_len)
         self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}

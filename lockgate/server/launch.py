@@ -186,7 +186,8 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             nonlocal client, uv_server
             loop_ref["loop"] = asyncio.get_running_loop()
             client = EngineClient(name, engine.model.model, ep.scheduler, ep.api, metrics,
-                                  heartbeat_timeout=server.heartbeat_timeout, on_unresponsive=on_unresponsive)
+                                  heartbeat_timeout=server.heartbeat_timeout, on_unresponsive=on_unresponsive,
+                                  chat_template=engine.model.chat_template)
             app = create_app(client, server, api_key, metrics)
             config = uvicorn.Config(app, host=server.host, port=server.port, log_level=log_level.lower(),
                                     access_log=False, timeout_graceful_shutdown=math.ceil(server.shutdown_timeout),

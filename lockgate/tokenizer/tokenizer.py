@@ -56,7 +56,8 @@ class HFTokenizer:
         return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
 
 
-NO_TEMPLATE = "this model has no chat template; use the completions API with a plain prompt"
+NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template (a Jinja file or the "
+               "template text), or use the completions API with a plain prompt")
 # tokenizer_config.json keys that make transformers change what tokenizer.json alone would do
 _NOT_MIRRORED = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow", "do_lower_case")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -96,17 +97,12 @@ class FastTokenizer:
         return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        from transformers.utils.chat_template_utils import render_jinja_template  # no torch on this path
-
         if not self.template:
             raise ValueError(NO_TEMPLATE)
         kwargs: dict[str, Any] = dict(self.special)
         if self.extra_special:
             kwargs["additional_special_tokens"] = self.extra_special
-        # returns (one prompt per conversation, generation indices), whatever its annotation says
-        out: Any = render_jinja_template(conversations=[messages], chat_template=self.template,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
-        return str(out[0][0])
+        return render_template(self.template, messages, add_generation_prompt, kwargs)
 
 
 def load_fast(model_dir: Path) -> FastTokenizer | None:
@@ -140,6 +136,7 @@ class SimTokenizer:
     def __init__(self, vocab_size: int = 32000) -> None:
         self.eos_token_ids: tuple[int, ...] = (2,)
         self.vocab_size = vocab_size
+        self.template: str | None = None  # --chat-template, else the built-in format below
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
@@ -155,15 +152,38 @@ class SimTokenizer:
         return out.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        if self.template is not None:
+            return render_template(self.template, messages, add_generation_prompt, {})
         text = "".join(f"<|{m.get('role', 'user')}|>{m.get('content') or ''}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
 
-def load_tokenizer(model: str, model_dir: str | Path | None) -> Tokenizer:
+def render_template(template: str, messages: list[Message], add_generation_prompt: bool,
+                    special: dict[str, Any]) -> str:
+    """``template`` rendered over ``messages`` by transformers' own Jinja renderer (torch-free)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    # returns (one prompt per conversation, generation indices), whatever its annotation says
+    out: Any = render_jinja_template(conversations=[messages], chat_template=template,
+                                     add_generation_prompt=add_generation_prompt, **special)
+    return str(out[0][0])
+
+
+def load_tokenizer(model: str, model_dir: str | Path | None, chat_template: str | None = None) -> Tokenizer:
     """The byte tokenizer for ``sim``; else the torch-free ``FastTokenizer`` where it mirrors
-    transformers exactly, or transformers' own (``HFTokenizer``)."""
+    transformers exactly, or transformers' own (``HFTokenizer``). ``chat_template``: the template
+    text to use instead of the model's own (``--chat-template``, read by ``config.read_chat_template``)."""
+    tok: SimTokenizer | FastTokenizer | HFTokenizer
     if model == "sim":
-        return SimTokenizer()
+        tok = SimTokenizer()
+        tok.template = chat_template
+        return tok
     assert model_dir is not None
     fast = load_fast(Path(model_dir))
-    return fast if fast is not None else HFTokenizer(model_dir)
+    tok = fast if fast is not None else HFTokenizer(model_dir)
+    if chat_template is not None:
+        if isinstance(tok, FastTokenizer):
+            tok.template = chat_template
+        else:
+            tok.tok.chat_template = chat_template
+    return tok
