@@ -22,12 +22,15 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                   "whose probabilities add up to this (1 = off)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1 = all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the "
+                   "likeliest (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the logits of tokens already "
+                   "in the prompt or output by this (1 = off)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -120,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     from lockgate.offline import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(config=cfg)
+    try:
+        llm = LLM(config=cfg)
+    except (ValueError, OSError) as e:  # a model lockgate cannot load: say why in one line
+        print(f"lockgate: error: cannot load --model {cfg.model.model}: {e}", file=sys.stderr)
+        return 2
     logging.getLogger("lockgate").info("model loaded in %.1fs", time.perf_counter() - t0)
     try:
         if ns.command == "generate":
@@ -150,7 +157,11 @@ def _tune(ns: argparse.Namespace) -> int:
     from lockgate.runner.model_runner import ModelRunner
     from lockgate.runner.tuning import report
 
-    runner = ModelRunner(cfg.model, CacheConfig(max_total_tokens=256))  # no KV pool worth the name
+    try:
+        runner = ModelRunner(cfg.model, CacheConfig(max_total_tokens=256))  # no KV pool worth the name
+    except (ValueError, OSError) as e:
+        print(f"lockgate: error: cannot load --model {cfg.model.model}: {e}", file=sys.stderr)
+        return 2
     if ns.json:
         print(json.dumps({"dtype": str(runner.dtype).removeprefix("torch."), "dtype_choice": runner.dtype_info,
                           **runner.tuned}, indent=1, sort_keys=True))

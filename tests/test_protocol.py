@@ -70,7 +70,7 @@ def test_null_fields_mean_default() -> None:
 
 
 def test_unknown_fields_ignored() -> None:
-    req = CompletionRequest.model_validate({"prompt": "hi", "suffix": "x", "foo": {"bar": 1}, "logit_bias": {}})
+    req = CompletionRequest.model_validate({"prompt": "hi", "suffix": "", "foo": {"bar": 1}, "logit_bias": {}})
     assert req.prompts() == ["hi"]
     chat = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "hi", "tool_call_id": None, "weird": 1}],
@@ -78,9 +78,23 @@ def test_unknown_fields_ignored() -> None:
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     })
     assert chat.include_usage
-    tgi = TGIGenerateRequest.model_validate({"inputs": "x", "parameters": {"typical_p": 0.5, "watermark": True,
-                                                                         "truncate": 10, "best_of": 2}})
+    tgi = TGIGenerateRequest.model_validate({"inputs": "x", "parameters": {"typical_p": 1.0, "watermark": False,
+                                                                         "truncate": None, "best_of": 1,
+                                                                         "decoder_input_details": False}})
     assert tgi.sampling_params().greedy
+
+
+@pytest.mark.parametrize(("model", "body", "field"), [
+    (CompletionRequest, {"prompt": "hi", "suffix": "x"}, "suffix"),
+    (CompletionRequest, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+    (ChatCompletionRequest, {"messages": [], "response_format": {"type": "json_schema"}}, "response_format"),
+    (ChatCompletionRequest, {"messages": [], "tools": [{"type": "function"}]}, "tools"),
+    (TGIGenerateRequest, {"inputs": "x", "parameters": {"best_of": 2}}, "best_of"),
+    (TGIGenerateRequest, {"inputs": "x", "parameters": {"typical_p": 0.5}}, "typical_p"),
+])
+def test_output_changing_fields_lockgate_lacks_are_refused(model, body, field) -> None:
+    with pytest.raises(ValidationError, match=field):
+        model.model_validate(body)
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [

@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from server_util import ServerProc, free_port_run, pid_alive
 
@@ -377,6 +378,41 @@ def test_every_command_prints_its_help(command) -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout
+
+
+def test_every_flag_of_every_command_has_help_text() -> None:
+    import argparse
+
+    from lockgate.cli import build_parser
+
+    bare: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    walk(sub, [*path, name])
+            elif not (a.help or "").strip():
+                bare.append(" ".join([*path, *(a.option_strings or [a.dest])]))
+
+    walk(build_parser(), ["lockgate"])
+    assert bare == []
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "tune"])
+def test_a_model_lockgate_cannot_load_is_one_line_not_a_traceback(command, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.numpy import save_file
+
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}')
+    save_file({"w": np.zeros(4, np.float32)}, str(tmp_path / "model.safetensors"))
+    args = [command, "--model", str(tmp_path), "--log-level", "WARNING"] + (["hello"] if command != "tune" else [])
+    out = subprocess.run([sys.executable, "-m", "lockgate.cli", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1].startswith("lockgate: error:")
+    assert "gpt_neox" in out.stderr and "llama" in out.stderr  # what it is, and what is supported
 
 
 def test_serve_dp_shutdown_gives_streams_the_replicas_grace_and_restarts_nothing() -> None:

@@ -55,7 +55,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its next chunk")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default="random")
+    w.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="request mix: random lengths, ShareGPT-like lengths, mixed short/long outputs, "
+                        "groups sharing a prompt prefix, or multi-turn conversations")
     w.add_argument("--num-requests", type=int, default=None,
                    help="requests to send (default 100; shared-prefix: groups x prompts-per-group)")
     w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
@@ -79,7 +81,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                     help="gamma shape of the inter-arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
     ld.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     ld.add_argument("--warmup-requests", type=int, default=1, help="short requests sent before the clock starts")
-    ld.add_argument("--temperature", type=float, default=0.0)
+    ld.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request (0 = greedy)")
     ld.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="send ignore_eos and min_tokens = max_tokens so outputs have the asked length")
 

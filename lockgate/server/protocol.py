@@ -15,7 +15,8 @@ request into ``SamplingParams``, and the OpenAI error body. Invariants:
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal, cast
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -44,10 +45,28 @@ Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool)]
 
 
+def _empty(v: Any) -> bool:
+    return v in ({}, [], "", False)
+
+
 class _Model(BaseModel):
-    """Base: unknown fields ignored; ``null`` for a field that has a default means the default."""
+    """Base: unknown fields ignored; ``null`` for a field that has a default means the default.
+    ``_refused``: fields of other servers' APIs that would change the output and that lockgate does
+    not implement; a request giving one is a 400 naming it, unless its value asks for nothing
+    (the predicate), so clients that always send the default keep working."""
 
     model_config = ConfigDict(extra="ignore")
+    _refused: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, harmless in cls._refused.items():
+                if data.get(name) is not None and not harmless(data[name]):
+                    raise ValueError(f"{name} is not supported by lockgate: it would change the output, so it "
+                                     f"is refused rather than ignored (omit it, or send null)")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -73,8 +92,19 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+           "structured_outputs", "json_schema", "regex", "ebnf")  # vLLM's and SGLang's extensions
+
+
 class _SamplingFields(_Model):
     """Knobs shared by the OpenAI endpoints; ranges are checked by SamplingParams."""
+
+    _refused = {
+        "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+        "tools": _empty, "functions": _empty, "logit_bias": _empty, "lora_request": _empty,
+        "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+        **{name: _empty for name in _GUIDED},
+    }
 
     model: str | None = None
     temperature: Float = 1.0
@@ -123,7 +153,9 @@ def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``suffix`` and other unknown fields are ignored."""
+    """POST /v1/completions. Unknown fields are ignored; ``suffix`` (insertion) is refused."""
+
+    _refused = {**_SamplingFields._refused, "suffix": _empty}
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Int | None = None  # None: max_tokens_default, else 16 (OpenAI)
@@ -241,7 +273,13 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TGIParameters(_Model):
-    """TGI ``parameters``; typical_p, truncate, watermark, best_of, decoder_input_details ignored."""
+    """TGI ``parameters``. Refused unless they ask for nothing: grammar, adapter_id, watermark,
+    truncate, typical_p < 1, best_of > 1, decoder_input_details (the prompt's own logprobs)."""
+
+    _refused = {
+        "grammar": _empty, "adapter_id": _empty, "watermark": _empty, "truncate": lambda v: False,
+        "typical_p": lambda v: v == 1, "best_of": lambda v: v == 1, "decoder_input_details": _empty,
+    }
 
     max_new_tokens: Int = 20
     temperature: Float | None = Field(default=None, gt=0)

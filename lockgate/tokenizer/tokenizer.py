@@ -41,6 +41,9 @@ class HFTokenizer:
         eos = self.tok.eos_token_id
         self.eos_token_ids: tuple[int, ...] = (eos,) if eos is not None else ()
         self.vocab_size = len(self.tok)
+        # lockgate checks prompt lengths against the context itself; transformers' "longer than the
+        # maximum sequence length" warning would only repeat that in the server's log
+        self.tok.model_max_length = 1 << 62
         if getattr(self.tok, "chat_template", None) is None:
             self.tok.chat_template = None
 
