@@ -603,7 +603,7 @@ def main() -> int:
                 srv = make_lockgate(a, workdir, name)
                 srv.info["version"] = version("lockgate")
             else:
-                from lockgate.models.loader import prepare_model_dir
+                from lockgate.checkpoint.loader import prepare_model_dir
 
                 srv = make_vllm(a, workdir, str(prepare_model_dir(a.model)), name)
                 srv.info["version"] = peer_version(a.peer_venv)

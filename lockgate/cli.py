@@ -174,7 +174,7 @@ def _check_model_spec(spec: str) -> None:
     """Fail fast (before any process starts) on a --model that cannot exist."""
     from pathlib import Path
 
-    from lockgate.models.loader import DEFAULT_NAMES
+    from lockgate.checkpoint.loader import DEFAULT_NAMES
 
     if spec == "sim" or spec in DEFAULT_NAMES or Path(spec).expanduser().exists():
         return

@@ -89,7 +89,7 @@ def hf_reference():
     """transformers' own Llama, fp32, loaded from the very GGUF lockgate serves (the independent reference)."""
     from transformers import AutoModelForCausalLM
 
-    from lockgate.models.loader import default_gguf_path
+    from lockgate.checkpoint.loader import default_gguf_path
 
     gguf = default_gguf_path()
     return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()

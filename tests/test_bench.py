@@ -170,7 +170,7 @@ def test_workload_refuses_what_cannot_fit_and_bad_knobs(sim_tok) -> None:
 
 
 def test_exact_lengths_with_a_real_bpe_tokenizer() -> None:
-    from lockgate.models.loader import prepare_model_dir
+    from lockgate.checkpoint.loader import prepare_model_dir
     from lockgate.tokenizer.tokenizer import HFTokenizer
 
     # the default model's tokenizer (converted once from the GGUF and cached; a few seconds the first time)

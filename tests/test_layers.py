@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lockgate"
 LAYERS: dict[str, int] = {
     "sampling": 0, "plan": 0, "kernel_choice": 0, "version": 0,
     "config": 1,
-    "kvcache": 2, "ipc": 2, "httpguard": 2, "kernels": 2,
+    "kvcache": 2, "ipc": 2, "httpguard": 2, "kernels": 2, "checkpoint": 2,
     "tokenizer": 3, "scheduler": 3, "layers": 3,
     "models": 4,
     "runner": 5,
@@ -35,7 +35,7 @@ TORCH_FREE = ["lockgate.config", "lockgate.sampling", "lockgate.plan", "lockgate
               "lockgate.ipc.child", "lockgate.httpguard", "lockgate.tokenizer.tokenizer", "lockgate.tokenizer.output",
               "lockgate.tokenizer.process", "lockgate.scheduler.scheduler", "lockgate.scheduler.policy",
               "lockgate.scheduler.speculate", "lockgate.engine.core", "lockgate.engine.process",
-              "lockgate.models.loader", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
+              "lockgate.checkpoint.loader", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
               "lockgate.gateway.command", "lockgate.bench.command", "lockgate.cli"]
 
 

@@ -97,7 +97,7 @@ def test_model_spec_forms_load_the_same_model(smol_fp32) -> None:
     """--model accepts 'default', a .gguf path and a Hugging Face directory (config.json +
     safetensors + tokenizer): here the directory the GGUF was converted into."""
     from lockgate import LLM
-    from lockgate.models.loader import default_gguf_path
+    from lockgate.checkpoint.loader import default_gguf_path
 
     sp = SamplingParams(max_tokens=12, temperature=0.0)
     want = smol_fp32.generate("The capital of France is", sp)[0].outputs[0].token_ids

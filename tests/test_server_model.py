@@ -187,7 +187,7 @@ def test_only_the_scheduler_process_loads_torch(server) -> None:
 def test_tgi_stream_gives_each_token_its_own_text_and_top_tokens_under_speculation(server) -> None:
     """Several tokens can arrive in one step (accepted guesses); each TGI event must carry its own
     token's text (what an incremental decode of the ids so far adds), not the whole step's."""
-    from lockgate.models.loader import prepare_model_dir
+    from lockgate.checkpoint.loader import prepare_model_dir
     from lockgate.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer("default", prepare_model_dir("default"))

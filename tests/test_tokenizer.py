@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from lockgate.models.loader import prepare_model_dir
+from lockgate.checkpoint.loader import prepare_model_dir
 from lockgate.tokenizer.tokenizer import FastTokenizer, load_tokenizer
 
 TEXTS = ["", "Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnewlines\r\n\n", "café naïve 日本語 🙂👍🏽",
@@ -95,7 +95,7 @@ def test_a_given_chat_template_replaces_the_models_own(pair) -> None:
 
 
 def test_loading_and_using_it_imports_no_torch() -> None:
-    code = ("import sys\nfrom lockgate.models.loader import prepare_model_dir\n"
+    code = ("import sys\nfrom lockgate.checkpoint.loader import prepare_model_dir\n"
             "from lockgate.tokenizer.tokenizer import load_tokenizer\n"
             "t = load_tokenizer('default', prepare_model_dir('default'))\n"
             "t.decode(t.encode('hi')); t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"

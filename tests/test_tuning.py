@@ -223,7 +223,7 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
 def test_checkpoint_fingerprint_follows_content_not_place(tmp_path) -> None:
     from safetensors.numpy import save_file
 
-    from lockgate.models.loader import checkpoint_fingerprint
+    from lockgate.checkpoint.loader import checkpoint_fingerprint
 
     rng = np.random.default_rng(0)
     tensors = {"a": rng.standard_normal((256, 256), dtype=np.float32), "b": np.zeros(8, np.float32)}

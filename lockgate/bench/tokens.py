@@ -9,7 +9,7 @@ tokens of the model being served, so the count must come from that model's token
   workload is built, before the clock starts.
 * ``sim``: lockgate's byte-level sim tokenizer (1 UTF-8 byte = 1 token), for ``--model sim``.
 * ``default`` / a ``.gguf`` file: the converted model directory of
-  ``lockgate.models.loader.prepare_model_dir`` (a cache hit imports no torch).
+  ``lockgate.checkpoint.loader.prepare_model_dir`` (a cache hit imports no torch).
 * a directory with a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json).
 
 Every tokenizer here encodes *without* special tokens: the count is of the text the client
@@ -93,6 +93,6 @@ def load_bench_tokenizer(spec: str, url: str, model: str | None, headers: dict[s
     path = Path(spec).expanduser()
     if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return LocalTokenizer(HFTokenizer(path), str(path))
-    from lockgate.models.loader import prepare_model_dir
+    from lockgate.checkpoint.loader import prepare_model_dir
 
     return LocalTokenizer(HFTokenizer(prepare_model_dir(spec)), spec)

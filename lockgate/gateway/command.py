@@ -103,7 +103,7 @@ def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
 
 
 def _load_tokenizer(model: str):  # type: ignore[no-untyped-def]
-    from lockgate.models.loader import prepare_model_dir
+    from lockgate.checkpoint.loader import prepare_model_dir
     from lockgate.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(model, None if model == "sim" else prepare_model_dir(model))

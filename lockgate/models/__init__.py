@@ -1,13 +1,12 @@
-"""Model definitions and loading: the Llama family in torch, and model-directory preparation.
-
-``prepare_model_dir`` (loader) turns a model spec into a Hugging Face style directory;
-``LlamaModel.from_pretrained`` (llama) loads it. Never imports the scheduler, IPC or server.
-Exports are lazy so that the loader (no torch on a cache hit) can be used without torch.
+"""Model architectures in torch: the Llama family (``llama``) and what every architecture shares
+for reading a checkpoint's tensors (``weights``). The model files themselves (directory
+resolution, GGUF conversion) are ``lockgate.checkpoint``'s. Never imports the scheduler, IPC or
+server. Exports are lazy so that importing the package does not import torch.
 """
 
 from typing import Any
 
-__all__ = ["LlamaArgs", "LlamaModel", "prepare_model_dir"]
+__all__ = ["LlamaArgs", "LlamaModel"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,8 +14,4 @@ def __getattr__(name: str) -> Any:
         from lockgate.models import llama
 
         return getattr(llama, name)
-    if name == "prepare_model_dir":
-        from lockgate.models.loader import prepare_model_dir
-
-        return prepare_model_dir
     raise AttributeError(name)

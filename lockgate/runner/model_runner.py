@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from lockgate import kernels
+from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
 from lockgate.models.llama import PROJECTION_ROLES, LlamaArgs, LlamaModel
-from lockgate.models.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import tuning
 from lockgate.runner.sampler import sample

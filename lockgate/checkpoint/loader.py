@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from lockgate.models.rope_scaling import llama3_inv_freq
+from lockgate.checkpoint.rope_scaling import llama3_inv_freq
 
 log = logging.getLogger("lockgate.models")
 
