@@ -98,12 +98,22 @@ class ModelConfig:
                                    "choice, one per core); 'serve --dp N' gives each replica cores/N")
     sim_step_ms: float = option(2.0, "sim model only: fixed cost of one step, milliseconds")
     sim_token_ms: float = option(0.05, "sim model only: cost per token in a step, milliseconds")
+    deterministic: bool = option(False, "bitwise the same tokens and logprobs for a request whatever else is in "
+                                 "the batch, the prefix cache or the chunking: every projection on the integer GEMM "
+                                 "at every row count and every token's attention on the decode kernel (needs "
+                                 "lockgate's kernels and a 4/8-bit checkpoint such as the default model); costs "
+                                 "prefill speed, see docs/performance.md")
     chat_template: str | None = option(None, "the chat template for chat requests: a Jinja file's path or the "
                                        "template itself (default: the model's own; needed for a model without one)")
 
     def __post_init__(self) -> None:
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
+        if self.deterministic and self.matmul_forms not in ("auto", DETERMINISTIC_FORM):
+            raise ValueError(f"--deterministic runs every projection on {DETERMINISTIC_FORM} at every row count; "
+                             f"--matmul-forms {self.matmul_forms} contradicts it")
+        if self.deterministic and self.cpu_kernels == "off":
+            raise ValueError("--deterministic needs lockgate's CPU kernels; --cpu-kernels off contradicts it")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.fp32_matmul_rows not in ("auto", "off") and not (
@@ -117,6 +127,9 @@ class ModelConfig:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.sim_step_ms < 0 or self.sim_token_ms < 0:
             raise ValueError("--sim-step-ms and --sim-token-ms must be >= 0")
+
+
+DETERMINISTIC_FORM = "int-gemm"  # the one matmul form whose rows do not depend on how many there are
 
 
 def read_chat_template(value: str) -> str:

@@ -392,3 +392,41 @@ def test_decode_kernel_rejects_bad_input() -> None:
         op(q, kc, vc.bfloat16(), slots, offsets, 0.25)
     with pytest.raises(RuntimeError, match="outside the pool of 6000 slots"):
         op(q, kc, vc, torch.cat([slots[:-1], torch.tensor([6000])]), offsets, 0.25)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_invariant_attention_gives_each_token_its_decode_result_bitwise(case: str, dtype: torch.dtype) -> None:
+    """--deterministic: every token of a step is one decode-kernel row over its own keys. Its output
+    is close to the dense reference and *equal* to what the same token gets as the only row of a
+    step (a plain decode after its earlier tokens were written): batch, chunking and neighbours
+    change nothing."""
+    load_kernels()
+    seqs = CASES[case]
+    h, hkv, d = 8, 2, 16
+    rng = np.random.default_rng(zlib.crc32(f"rows-{case}".encode()))
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    plan, q, k, v, k_cache, v_cache, dense = make_step(rng, seqs, h, hkv, d)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    scale = d ** -0.5
+    meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
+                                   plan["out_slots"], num_queries_per_kv=h // hkv, decode_kernel=True,
+                                   row_invariant=True)
+    assert len(meta.groups) == 1 and meta.groups[0].kernel_slots is not None
+    rows = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(rows, dense_causal(dense, seqs, h, hkv), atol=1e-5, rtol=1e-5)
+    t = 0
+    for b, (sl, ql) in enumerate(seqs):
+        ctx = plan["kv_slots"][plan["kv_offsets"][b]:plan["kv_offsets"][b + 1]]
+        for i in range(ql):
+            n = sl - ql + i + 1  # this token's keys
+            alone = AttentionMetadata.build(np.array([1]), np.array([n]), ctx[:n], np.array([0, n]),
+                                            ctx[n - 1:n], num_queries_per_kv=h // hkv, decode_kernel=True)
+            got = paged_attention(q[t:t + 1], None, None, k_cache, v_cache, alone, scale)
+            assert torch.equal(got, rows[t:t + 1]), (case, b, i)
+            t += 1
+    with pytest.raises(ValueError, match="decode attention kernel"):
+        AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
+                                plan["out_slots"], num_queries_per_kv=h // hkv, row_invariant=True)

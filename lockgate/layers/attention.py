@@ -121,17 +121,27 @@ class AttentionMetadata:
     @staticmethod
     def build(query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray, kv_offsets: np.ndarray,
               out_slots: np.ndarray, num_queries_per_kv: int, device: torch.device | str = "cpu",
-              decode_kernel: bool = False) -> AttentionMetadata:
+              decode_kernel: bool = False, row_invariant: bool = False) -> AttentionMetadata:
         """Plan arrays (numpy i64, shapes as in ``ForwardPlan``) -> tensors on ``device``.
 
         ``decode_kernel``: decoding sequences attend with ``torch.ops.lockgate.decode_attention``
-        (the caller has loaded ``lockgate.kernels``); else with gathers and SDPA."""
+        (the caller has loaded ``lockgate.kernels``); else with gathers and SDPA.
+        ``row_invariant`` (needs ``decode_kernel``; ``--deterministic``): every token of the step,
+        prefill chunks included, is one row of the decode kernel over its own keys (key 0 up to its
+        position), so a token's attention is computed the same way, bitwise, whether it comes alone
+        in a decode step, in a chunk of any size or among any other sequences."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         kv_slots = np.asarray(kv_slots, dtype=np.int64)
         kv_offsets = np.asarray(kv_offsets, dtype=np.int64)
         q_offsets = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=q_offsets[1:])
+        t = torch.from_numpy(np.asarray(out_slots, dtype=np.int64)).to(device)
+        if row_invariant:
+            if not decode_kernel:
+                raise ValueError("row-invariant attention runs on lockgate's decode attention kernel")
+            group = _build_row_group(query_lens, seq_lens, kv_slots, kv_offsets, torch.device(device))
+            return AttentionMetadata(out_slots=t, groups=[group], num_tokens=int(q_offsets[-1]))
         is_decode = query_lens == 1
         groups = []
         for kind in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
@@ -155,7 +165,6 @@ class AttentionMetadata:
                 whole = sel.size == len(query_lens)  # one group covers the whole step, in order
                 groups.append(_build_group(sel, whole, query_lens, seq_lens, kv_slots, kv_offsets, q_offsets,
                                            num_queries_per_kv, torch.device(device)))
-        t = torch.from_numpy(np.asarray(out_slots, dtype=np.int64)).to(device)
         return AttentionMetadata(out_slots=t, groups=groups, num_tokens=int(q_offsets[-1]))
 
 
@@ -237,6 +246,24 @@ def _build_kernel_group(sel: np.ndarray, whole: bool, seq_lens: np.ndarray, kv_s
     return AttentionGroup(
         token_idx=None if whole else torch.from_numpy(q_offsets[sel]).to(device),  # one token per sequence
         num_seqs=len(sel), gather=None, mask=None, q_index=None, max_q=1,
+        kernel_slots=torch.from_numpy(np.ascontiguousarray(slots)).to(device),
+        kernel_offsets=torch.from_numpy(offsets).to(device))
+
+
+def _build_row_group(query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray, kv_offsets: np.ndarray,
+                     device: torch.device) -> AttentionGroup:
+    """Every token of the step as a decode-kernel row, in step order: token i of sequence b (at
+    position seq_len - query_len + i) gets keys 0 .. that position of b's context (CSR)."""
+    first = seq_lens - query_lens + 1  # keys of each sequence's first new token
+    tok_in_seq = np.arange(int(query_lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                                              query_lens)
+    lens = np.repeat(first, query_lens) + tok_in_seq  # [T] keys of each token
+    offsets = np.zeros(lens.size + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    starts = np.repeat(kv_offsets[:-1], query_lens)  # [T] where each token's sequence context begins
+    slots = kv_slots[np.repeat(starts - offsets[:-1], lens) + np.arange(int(offsets[-1]), dtype=np.int64)]
+    return AttentionGroup(
+        token_idx=None, num_seqs=int(lens.size), gather=None, mask=None, q_index=None, max_q=1,
         kernel_slots=torch.from_numpy(np.ascontiguousarray(slots)).to(device),
         kernel_offsets=torch.from_numpy(offsets).to(device))
 

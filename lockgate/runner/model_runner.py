@@ -21,6 +21,7 @@ through ``lockgate.runner.make_runner``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ import torch
 
 from lockgate import kernels
 from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
-from lockgate.config import CacheConfig, ModelConfig
+from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
 from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
@@ -74,6 +75,8 @@ def read_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
         t0 = time.perf_counter()
+        if model_cfg.deterministic:  # one batch-invariant form for every call (checked after loading)
+            model_cfg = dataclasses.replace(model_cfg, matmul_forms=DETERMINISTIC_FORM)
         self.cfg = model_cfg
         if model_cfg.num_threads is not None:
             torch.set_num_threads(model_cfg.num_threads)
@@ -93,7 +96,7 @@ class ModelRunner:
         # auto keeps an explicit --dtype float32 dense: what one asks for to match a reference exactly.
         # float32 chosen by --dtype auto still takes the lossless quantized forms.
         self.quantization = "none" if model_cfg.quantization == "auto" and model_cfg.dtype == "float32" \
-            else model_cfg.quantization
+            and not model_cfg.deterministic else model_cfg.quantization
         if self.quantization != model_cfg.quantization:
             log.info("--dtype float32 asked for explicitly: dense float32 weights only (exact, and several times "
                      "slower at small batches: every step streams 4 bytes per parameter); --dtype auto (float32 where "
@@ -109,6 +112,10 @@ class ModelRunner:
         # decode attention on lockgate's kernel (else gathers + SDPA): measured with the forms
         self.decode_kernel: bool = self.cpu_kernels
         self.tuned = self._choose_forms(model_cfg)
+        # --deterministic: every token's attention is a decode-kernel row (AttentionMetadata.build)
+        self.row_invariant: bool = model_cfg.deterministic
+        if self.row_invariant:
+            self._check_deterministic()
         args = self.model.args
         self.vocab_size: int = args.vocab_size
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
@@ -133,6 +140,21 @@ class ModelRunner:
                  self.capacity * bytes_per_token / 2**20)
 
     # ---- measured choices (lockgate.runner.tuning) ----
+
+    def _check_deterministic(self) -> None:
+        """--deterministic holds only if every projection really runs the batch-invariant form and
+        the attention kernel is there: else a start-up error saying what is missing."""
+        if not self.cpu_kernels:
+            raise ValueError(f"--deterministic needs lockgate's CPU kernels ({kernels.error() or 'not loaded'}; "
+                             f"dtype {self.dtype})")
+        self.decode_kernel = True
+        lacking = sorted(role for role, lins in self.model.projections().items()
+                         if any(lin.choice.names() != {DETERMINISTIC_FORM} for lin in lins))
+        if lacking:
+            raise ValueError(f"--deterministic needs the {DETERMINISTIC_FORM} form on every projection (a 4- or 8-bit "
+                             f"GGUF checkpoint such as the default model, --quantization auto or int4, and "
+                             f"int_linear's vector path: {int_gemm_isa() or 'not built'}); these have none: "
+                             f"{', '.join(lacking)}")
 
     def _wanted_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
         """Per role the forms worth building (dense is always built): those a forced
@@ -264,7 +286,8 @@ class ModelRunner:
             raise ValueError(f"bad plan: {t} tokens, out_slots {plan.out_slots.shape}, capacity {self.capacity}")
         dev = self.device
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.kv_slots, plan.kv_offsets,
-                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.decode_kernel)
+                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.decode_kernel,
+                                       self.row_invariant)
         s = int(plan.sample_rows.shape[0])
         rows = None
         if s:
