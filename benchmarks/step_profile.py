@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--matmul-forms", default="auto", help="semicolon list of --matmul-forms settings (auto = "
                     "the measured table; a form, e.g. dense or int-gemm; or spans, e.g. int-gemm:64,dense)")
     ap.add_argument("--tuning", default="auto", help="comma list of --tuning settings (auto, off, refresh)")
+    ap.add_argument("--deterministic", default="off", help="comma list of --deterministic settings (off,on)")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
@@ -156,13 +157,14 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     seq = args.prompt_len + args.decoded + 1
     capacity = max(batches) * seq + max(batches) + args.prefill + 8
-    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/forms-{m}/tuning-{t}": ModelRunner(
-        ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k, matmul_forms=m,
-                    tuning=t),
-        CacheConfig(max_total_tokens=capacity))
-        for d in args.dtypes.split(",") for q in args.quantization.split(",")
-        for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")
-        for m in args.matmul_forms.split(";") for t in args.tuning.split(",")}
+    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/forms-{m}/tuning-{t}" + ("/deterministic" if det == "on" else ""):
+               ModelRunner(ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k,
+                                       matmul_forms=m, tuning=t, deterministic=det == "on"),
+                           CacheConfig(max_total_tokens=capacity))
+               for d in args.dtypes.split(",") for q in args.quantization.split(",")
+               for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")
+               for m in args.matmul_forms.split(";") for t in args.tuning.split(",")
+               for det in args.deterministic.split(",")}
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()

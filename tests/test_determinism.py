@@ -8,6 +8,7 @@ four times in a row (the reproduction of issue 19, where a prefix-cache hit flip
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 import pytest
@@ -119,3 +120,28 @@ def test_server_same_seeded_request_four_times_in_a_row(server) -> None:
     body = {"prompt": "Pick a number:", "max_tokens": 12, "temperature": 1.0, "seed": 42, "logprobs": 1}
     answers = [complete(server.url, body) for _ in range(4)]
     assert all(a["text"] == answers[0]["text"] and a["logprobs"] == answers[0]["logprobs"] for a in answers)
+
+
+def test_through_the_gateway_any_replica_gives_the_same_answer() -> None:
+    """serve --dp 2 --deterministic, round-robin: the same seeded request answered by both replicas
+    (one of them from its prefix cache after the first round) is the same answer bitwise."""
+    from server_util import free_port_run
+
+    s = ServerProc("--model", "default", "--deterministic", "--dp", "2", "--policy", "round-robin",
+                   "--max-total-tokens", "8192", port=free_port_run(3))
+    try:
+        s.wait_ready(timeout=300)
+        deadline = time.monotonic() + 300
+        while httpx.get(s.url + "/health").json().get("healthy") != 2:
+            assert time.monotonic() < deadline, "replicas not healthy"
+            time.sleep(0.5)
+        body = {"prompt": "Pick a number:", "max_tokens": 12, "temperature": 1.0, "seed": 7, "logprobs": 1}
+        answers, replicas = [], set()
+        for _ in range(4):
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            replicas.add(r.headers["x-lockgate-replica"])
+            answers.append((r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]))
+        assert len(replicas) == 2 and all(a == answers[0] for a in answers)
+    finally:
+        assert s.stop() == 0
