@@ -329,8 +329,12 @@ class ServerConfig:
     shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
     dp: int = option(1, "data parallel: N engine replicas on the N ports after --port, behind a gateway on "
                      "--port (routing flags below)")
+    listen_fd: int | None = option(None, "serve on this inherited listening socket's file descriptor instead of "
+                                   "binding --host/--port (how serve --dp hands each replica the port it reserved)")
 
     def __post_init__(self) -> None:
+        if self.listen_fd is not None and self.listen_fd < 0:
+            raise ValueError(f"--listen-fd must be a file descriptor >= 0, got {self.listen_fd}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.default_max_tokens < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -15,31 +16,55 @@ from pathlib import Path
 import httpx
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
-def free_port_run(n: int) -> int:
-    """A port P such that P .. P+n-1 are all free now (for ``serve --dp``, which uses consecutive ports)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
+def _bindable(ports: range) -> bool:
+    socks = []
+    try:
+        for p in ports:
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", p))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port_run(n: int = 1) -> int:
+    """A port P such that P .. P+n-1 are all free now (for ``serve --dp``, which uses consecutive ports).
+
+    Picked above the kernel's ephemeral range where there is room: a port the kernel hands out to
+    outgoing connections can be taken by any connection (another test's client, a server's own
+    keep-alive) between this probe and the server's bind; a port outside that range only by a bind."""
+    lo, hi = _ephemeral_range()
+    rng = random.Random()
+    outside = [r for r in ((1024, lo - n), (hi + 1, 65536 - n)) if r[1] - r[0] >= 256]
+    for _ in range(200):
+        if outside:
+            a, b = rng.choice(outside)
+            base = rng.randrange(a, b)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = int(s.getsockname()[1])
+            if base + n > 65536:
+                continue
+        if _bindable(range(base, base + n)):
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise RuntimeError(f"no run of {n} free ports found")
+
+
+def free_port() -> int:
+    return free_port_run(1)
 
 
 def pid_alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ import http.server
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -387,6 +388,27 @@ def test_serve_dp_on_sim_routes_and_stops_everything() -> None:
     assert code == 0
     assert len([k for k in pids if k.startswith("replica")]) == 3 and len(pids) == 3 + 3 * 2  # each replica: scheduler + detokenizer
     assert not any(pid_alive(p) for p in pids.values()), pids
+
+
+def test_serve_dp_reserves_replica_ports_and_names_a_taken_one() -> None:
+    """The gateway binds every replica's port before anything starts (a connection's local port or
+    another server cannot take it later); a port already taken is a start-up error naming it."""
+    port = free_port_run(3)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port + 2))
+        s = ServerProc(*SIM, "--dp", "2", port=port)
+        try:
+            assert s.proc.wait(60) == 2
+            assert f"replica 2 of --dp 2 needs port {port + 2} (--port + 2), which is not free" in s.log(), s.log()
+            assert "started replica" not in s.log()  # nothing was started
+        finally:
+            s.stop()
+    bad = ServerProc(*SIM, "--listen-fd", "97", port=port)
+    try:
+        assert bad.proc.wait(60) == 2
+        assert "--listen-fd 97 is not an open socket" in bad.log(), bad.log()
+    finally:
+        bad.stop()
 
 
 def test_serve_dp_default_model_end_to_end() -> None:

@@ -261,6 +261,18 @@ def test_serve_dp_restarts_a_dead_replica_and_reports_degraded_meanwhile() -> No
             time.sleep(0.2)
         victim = s.child_pids()["replica1"]
         os.kill(victim, signal.SIGKILL)  # its scheduler and detokenizer follow (they watch their parent)
+        # The gateway holds the dead replica's port (bound, not listening): a connection is refused at
+        # once (the proxy retries it elsewhere), not queued until the restart.
+        deadline = time.monotonic() + 0.9  # the restart comes after 1 s
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port + 1}/health", timeout=0.5)
+            except httpx.ConnectError:
+                break
+            except httpx.TimeoutException as e:
+                raise AssertionError("a connection to a dead replica's port hung instead of being refused") from e
+            assert time.monotonic() < deadline, "the dead replica's port still answered"
+            time.sleep(0.02)
         statuses = set()
         deadline = time.monotonic() + 60
         while True:

@@ -3,7 +3,11 @@
 ``GatewayConfig`` holds the routing knobs (validated when built, each error naming its flag).
 ``run_gateway`` serves the gateway app on uvicorn until SIGINT/SIGTERM. ``serve_dp`` starts N
 ``lockgate serve`` replicas on the loopback ports after ``--port`` (each scheduler with cores/N torch
-threads unless ``--num-threads`` is given) and the gateway on ``--port``; on a signal the gateway
+threads unless ``--num-threads`` is given) and the gateway on ``--port``. The gateway process binds each
+replica's port itself before anything starts and hands the bound socket to the replica
+(``--listen-fd``), so no other socket (not even the gateway's own connections to the other replicas,
+whose local ports come from the same ephemeral range) can take a replica's port, at start or across
+its restarts; on a signal the gateway
 stops accepting and at once sends SIGTERM to the replicas, which finish in-flight work within their
 ``--shutdown-timeout`` (what is still running then ends with their own abort + error event, relayed
 by the gateway, which waits that long plus 5 s); then what is left is killed. A replica that dies on its own (a crash, or its
@@ -20,6 +24,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -215,15 +220,23 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
     replicas: list[ReplicaProcess] = []
     try:
         for i, url in enumerate(urls, 1):
+            port = server.port + i
             # replicas listen on loopback only (clients go through the gateway); the key goes by env, not argv
-            rserver = dataclasses.replace(server, host="127.0.0.1", port=server.port + i, dp=1, api_key=None)
-            cmd = [sys.executable, "-m", "lockgate.cli", "serve", "--log-level", log_level,
-                   *config_to_args(replica_engine), *config_to_args(rserver, ServerConfig)]
+            def command(fd: int, port: int = port) -> list[str]:
+                rserver = dataclasses.replace(server, host="127.0.0.1", port=port, dp=1, api_key=None, listen_fd=fd)
+                return [sys.executable, "-m", "lockgate.cli", "serve", "--log-level", log_level,
+                        *config_to_args(replica_engine), *config_to_args(rserver, ServerConfig)]
             env = {**os.environ, **({"LOCKGATE_API_KEY": server.api_key} if server.api_key else {})}
-            rep = ReplicaProcess(i, url, cmd, env, stopping, on_restart=gw.metrics.restarts.labels(url).inc)
+            try:
+                rep = ReplicaProcess(i, port, command, env, stopping, on_restart=gw.metrics.restarts.labels(url).inc)
+            except OSError as e:
+                print(f"lockgate: error: replica {i} of --dp {dp} needs port {port} (--port + {i}), which is not "
+                      f"free: {e.strerror}", file=sys.stderr)
+                return 2
             replicas.append(rep)
+        for i, rep in enumerate(replicas, 1):
             rep.start()
-            log.info("started replica %d/%d on port %d (pid %d, %d torch threads)", i, dp, server.port + i,
+            log.info("started replica %d/%d on port %d (pid %d, %d torch threads)", i, dp, rep.port,
                      rep.proc.pid, threads)
         def stop_replicas_now() -> None:  # the gateway got the signal: the replicas start their grace too
             stopping.set()
@@ -242,6 +255,12 @@ class ReplicaProcess:
     """One ``lockgate serve`` replica of ``serve --dp``, restarted whenever it exits on its own with an
     error (exit code 0 is a clean stop, e.g. a signal to the process group: not restarted).
 
+    The replica's port is reserved here: built, this object holds a socket bound to it (not
+    listening, so a connection to a replica that is down is refused at once and the gateway retries it
+    elsewhere); each replica process gets that socket's descriptor (``--listen-fd``) and listens on it.
+    When the replica dies the socket is closed (what queued on it is refused) and the port bound
+    again at once for the next start.
+
     Restarts back off exponentially (``RESTART_BACKOFF`` seconds, doubling to ``RESTART_BACKOFF_MAX``),
     and the backoff resets once a replica has run ``RESTART_RESET_AFTER`` seconds. Each restart is
     logged and counted (``lockgate:gateway_replica_restarts``); the gateway's health checks take the
@@ -252,23 +271,46 @@ class ReplicaProcess:
     RESTART_BACKOFF_MAX = 30.0
     RESTART_RESET_AFTER = 60.0
 
-    def __init__(self, index: int, url: str, cmd: list[str], env: dict[str, str], stopping: threading.Event,
-                 on_restart: Callable[[], None]) -> None:
-        self.index, self.url, self.cmd, self.env = index, url, cmd, env
+    def __init__(self, index: int, port: int, command: Callable[[int], list[str]], env: dict[str, str],
+                 stopping: threading.Event, on_restart: Callable[[], None]) -> None:
+        """``command(fd)`` is the replica's argv given its listening socket's descriptor. Raises
+        ``OSError`` if ``port`` cannot be bound on 127.0.0.1."""
+        self.index, self.port, self.command, self.env = index, port, command, env
+        self.url = f"http://127.0.0.1:{port}"
         self.stopping = stopping
         self.on_restart = on_restart
+        self.sock: socket.socket | None = reserve_port(port)
         self.proc: subprocess.Popen[bytes] = None  # type: ignore[assignment]  # set by start()
         self.lock = threading.Lock()  # start vs stop: a replica is never started after stop began
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.proc = self._spawn()
         threading.Thread(target=self._supervise, name=f"replica-{self.index}", daemon=True).start()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        if self.sock is None:
+            self.sock = reserve_port(self.port)  # OSError: the port was taken while the replica was down
+        fd = self.sock.fileno()
+        return subprocess.Popen(self.command(fd), env=self.env, pass_fds=(fd,))
+
+    def release(self) -> None:
+        """Close the reserved socket (the replica is down, or everything is stopping)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     def _supervise(self) -> None:
         backoff = self.RESTART_BACKOFF
         while True:
             began = time.monotonic()
             code = self.proc.wait()
+            with self.lock:
+                self.release()  # the replica listened on it: connections queued there are refused now
+                if not self.stopping.is_set():
+                    try:
+                        self.sock = reserve_port(self.port)
+                    except OSError as e:  # tried again at the restart
+                        log.warning("replica %d: could not bind port %d again at once: %s", self.index, self.port, e)
             if self.stopping.is_set():
                 return
             if code == 0:  # a clean stop (a signal sent to it, e.g. Ctrl-C to the process group): not a crash
@@ -279,15 +321,35 @@ class ReplicaProcess:
                 backoff = self.RESTART_BACKOFF
             log.error("replica %d (%s, pid %d) exited unexpectedly with code %d; restarting it in %.0fs "
                       "(the gateway routes around it meanwhile)", self.index, self.url, self.proc.pid, code, backoff)
-            if self.stopping.wait(backoff):
-                return
-            with self.lock:
-                if self.stopping.is_set():
+            while True:
+                if self.stopping.wait(backoff):
                     return
-                self.proc = subprocess.Popen(self.cmd, env=self.env)
+                backoff = min(backoff * 2, self.RESTART_BACKOFF_MAX)
+                with self.lock:
+                    if self.stopping.is_set():
+                        return
+                    try:
+                        self.proc = self._spawn()
+                        break
+                    except OSError as e:
+                        log.error("replica %d: port %d is taken (%s); trying again in %.0fs", self.index,
+                                  self.port, e.strerror, backoff)
             self.on_restart()
             log.info("replica %d restarted (pid %d)", self.index, self.proc.pid)
-            backoff = min(backoff * 2, self.RESTART_BACKOFF_MAX)
+
+
+def reserve_port(port: int) -> socket.socket:
+    """A TCP socket bound to 127.0.0.1:``port`` and not listening: the port is ours (no connect() picks it
+    as its local port, no other bind gets it) and a connection to it is refused until a replica
+    listens on it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past a dead replica's TIME_WAITs
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _signal_replicas(replicas: list[ReplicaProcess]) -> list[subprocess.Popen[bytes]]:
@@ -295,7 +357,8 @@ def _signal_replicas(replicas: list[ReplicaProcess]) -> list[subprocess.Popen[by
     procs = []
     for r in replicas:
         with r.lock:  # no restart can slip in after this (``stopping`` is set)
-            procs.append(r.proc)
+            if r.proc is not None:  # None: never started (start-up failed before its turn)
+                procs.append(r.proc)
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -312,4 +375,7 @@ def _stop_replicas(replicas: list[ReplicaProcess], timeout: float) -> None:
             log.warning("replica pid %d did not stop in %.0fs; killing it", p.pid, timeout)
             p.kill()
             p.wait()
+    for r in replicas:
+        with r.lock:
+            r.release()
     log.info("all %d replicas stopped", len(procs))

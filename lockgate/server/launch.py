@@ -35,6 +35,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,13 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
     from lockgate.server.frontend import EngineClient
     from lockgate.server.metrics import Metrics
 
+    listen: list[socket.socket] | None = None
+    if server.listen_fd is not None:
+        try:
+            listen = [inherited_socket(server.listen_fd)]
+        except ValueError as e:
+            print(f"lockgate: error: {e}", file=sys.stderr)
+            return 2
     api_key = server.api_key or os.environ.get("LOCKGATE_API_KEY") or None
     name = server.served_model_name or engine.model.model
     tmp = tempfile.mkdtemp(prefix="lockgate-")
@@ -199,7 +207,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
                 client.fail(sup.died)
                 return
             try:
-                await uv_server.serve()
+                await uv_server.serve(sockets=listen)
             finally:
                 cutter.cancel()
 
@@ -217,6 +225,18 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
         exit_code = 1
     log.info("server stopped (exit code %d)", exit_code)
     return exit_code
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """The TCP socket behind ``--listen-fd`` (bound by the parent; uvicorn makes it listen)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise ValueError(f"--listen-fd {fd} is not an open socket ({e.strerror})") from None
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        sock.detach()
+        raise ValueError(f"--listen-fd {fd} is not a TCP socket")
+    return sock
 
 
 GRACE_MARGIN_SECONDS = 0.5  # before uvicorn cancels what is left, so the last events still get written
