@@ -56,6 +56,10 @@ class SamplingBatch:
     output_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, I64))
     suppress_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, I64))  # EOS/stop ids banned (min_tokens)
     suppress_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, I64))
+    # Constrained decoding: rows ``allowed_rows`` [M] may only choose the tokens set in their
+    # bitmask ``allowed`` (int32 [M, ceil(V / 32)], bit t % 32 of word t // 32 = token t allowed).
+    allowed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, I64))
+    allowed: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
     def __post_init__(self) -> None:
         # Unused ragged lists default to S empty rows: offsets of S + 1 zeros.
@@ -123,6 +127,8 @@ class ForwardPlan:
         for name in ("prompt", "output", "suppress"):
             ids, off = getattr(sb, f"{name}_ids"), getattr(sb, f"{name}_offsets")
             assert off.shape == (sb.size + 1,) and int(off[-1]) == ids.shape[0], name
+        assert sb.allowed.ndim == 2 and sb.allowed.shape[0] == sb.allowed_rows.shape[0]
+        assert np.all((sb.allowed_rows >= 0) & (sb.allowed_rows < sb.size))
 
 
 @dataclass

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31  # no vocabulary is larger; ids travel as int32/int64 tensors
+MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema, regex or grammar text longer than this is refused
+STRUCTURED_KINDS = ("json", "regex", "choice", "lark")
 
 
 def is_text(s: str) -> bool:
@@ -21,6 +23,28 @@ def is_text(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a constrained request's output must match (the grammar package compiles it).
+
+    ``kind``: ``json`` (``value`` is a JSON schema as JSON text; ``{"type": "object"}`` for
+    OpenAI's ``json_object``), ``regex`` (the whole output matches the regular expression),
+    ``choice`` (``value`` is a JSON list of strings: the output is exactly one of them) or
+    ``lark`` (a Lark grammar, llguidance's dialect; GBNF is converted to it on the way in)."""
+
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.value, str) or not self.value:
+            raise ValueError(f"the {self.kind} constraint must be a non-empty string")
+        if len(self.value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {self.kind} constraint is {len(self.value)} characters long; at most "
+                             f"{MAX_GRAMMAR_CHARS} are accepted")
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; 0: chosen token only; N: chosen + top N
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # constrained decoding: the output matches this
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "config": 1,
     "kvcache": 2, "ipc": 2, "httpguard": 2, "kernels": 2, "checkpoint": 2,
     "tokenizer": 3, "scheduler": 3, "layers": 3,
-    "models": 4,
+    "models": 4, "grammar": 4,
     "runner": 5,
     "engine": 6,
     "offline": 7, "server": 7, "gateway": 7, "bench": 7,
@@ -35,7 +35,7 @@ TORCH_FREE = ["lockgate.config", "lockgate.sampling", "lockgate.plan", "lockgate
               "lockgate.ipc.child", "lockgate.httpguard", "lockgate.tokenizer.tokenizer", "lockgate.tokenizer.output",
               "lockgate.tokenizer.process", "lockgate.scheduler.scheduler", "lockgate.scheduler.policy",
               "lockgate.scheduler.speculate", "lockgate.engine.core", "lockgate.engine.process",
-              "lockgate.checkpoint.loader", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
+              "lockgate.checkpoint.loader", "lockgate.grammar", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
               "lockgate.gateway.command", "lockgate.bench.command", "lockgate.cli"]
 
 

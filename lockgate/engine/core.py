@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from lockgate.config import EngineConfig
+from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
 from lockgate.scheduler.request import Request
-from lockgate.scheduler.scheduler import Scheduler, SchedulerStats, StepOutput
+from lockgate.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats, StepOutput
+from lockgate.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("lockgate.engine")
 
@@ -45,6 +47,7 @@ class EngineCore:
                                    max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed)
         self.check = check_invariants
+        self._grammars: GrammarCompiler | None = None
         self.last_step: StepInfo | None = None
         self.num_steps = 0
         sc = cfg.scheduler
@@ -56,8 +59,23 @@ class EngineCore:
     def add_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams,
                     rid: str | None = None) -> Request:
         req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params)
+        if params.structured is not None:
+            try:
+                req.grammar = self.grammars.matcher(params.structured)
+            except GrammarError as e:
+                raise RequestRejected(str(e)) from None
         self.scheduler.submit(req)
         return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's tokenizer (made on the first constrained request)."""
+        if self._grammars is None:
+            runner = self.runner
+            model, model_dir = self.cfg.model.model, getattr(runner, "model_dir", None)
+            self._grammars = GrammarCompiler(lambda: load_tokenizer(model, model_dir), runner.vocab_size,
+                                             runner.eos_token_ids)
+        return self._grammars
 
     def validate(self, prompt_ids: list[int] | np.ndarray, max_tokens: int) -> None:
         """Raise ``RequestRejected`` (a ValueError) if a request of this shape can never run here."""

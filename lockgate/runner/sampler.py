@@ -7,6 +7,8 @@ server (only ``lockgate.plan.SamplingBatch``, plain numpy arrays).
 
 Order of processing, each step one batched pass over the whole [S, V] tensor:
 
+0. allowed: a constrained row's tokens outside its grammar bitmask (``allowed_rows`` /
+   ``allowed``) -> -inf, so greedy and sampled rows alike choose only what the grammar allows.
 1. suppress: each row's ``suppress_ids`` -> -inf (EOS / stop ids while the request has
    produced fewer than ``min_tokens``).
 2. repetition penalty, HF style, over the tokens in the row's ``prompt_ids`` + ``output_ids``:
@@ -24,7 +26,7 @@ Order of processing, each step one batched pass over the whole [S, V] tensor:
    how a sort ordered ties. Only the head of each row is sorted for top_p (``topk`` of a
    few hundred, widened when a nucleus is bigger), never the whole vocabulary up front.
 
-Fast path: every row greedy, no penalties, no suppress ids -> plain argmax.
+Fast path: every row greedy, no penalties, no suppress ids, no grammar -> plain argmax.
 
 Invariants:
 
@@ -51,7 +53,7 @@ import torch
 
 from lockgate.plan import SamplingBatch
 
-__all__ = ["SampleOutput", "apply_penalties", "apply_suppress", "sample", "step_seed"]
+__all__ = ["SampleOutput", "apply_allowed", "apply_penalties", "apply_suppress", "sample", "step_seed"]
 
 _M64 = (1 << 64) - 1
 # float32 uniforms come on a 2^-24 grid, so E = -log(1 - U) has an atom at 0 standing for the
@@ -96,14 +98,37 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     """One token per row of ``logits`` [S, V] under ``batch``'s per-row settings."""
     _check(logits, batch)
     raw = logits.float()  # [S, V] f32; may alias the caller's tensor: read only
-    if batch.all_greedy and not batch.any_penalty and batch.suppress_ids.size == 0:
+    if batch.all_greedy and not batch.any_penalty and batch.suppress_ids.size == 0 and batch.allowed_rows.size == 0:
         tokens = raw.argmax(dim=-1)  # [S]
     else:
         x = raw.clone()  # [S, V], ours to modify
+        apply_allowed(x, batch)
         apply_suppress(x, batch)
         _penalize_(x, batch)
         tokens = _choose(x, batch, global_generator)  # [S]
     return _logprobs(raw, tokens, batch)
+
+
+_BIT = None  # [32] i32: 1 << b, made on first use
+
+
+def apply_allowed(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Step 0, in place on ``x`` [S, V] f32: each constrained row's disallowed tokens -> -inf."""
+    global _BIT
+    m = batch.allowed_rows.shape[0]
+    if m == 0:
+        return x
+    v = x.shape[1]
+    if _BIT is None:
+        _BIT = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
+    words = torch.from_numpy(np.ascontiguousarray(batch.allowed, dtype=np.int32)).to(x.device)  # [M, W]
+    ok = (words[:, :, None] & _BIT.to(x.device)) != 0  # [M, W, 32]
+    ok = ok.reshape(m, -1)  # [M, 32 W]
+    if ok.shape[1] < v:
+        raise ValueError(f"SamplingBatch.allowed covers {ok.shape[1]} tokens, the logits have {v}")
+    rows = torch.from_numpy(np.asarray(batch.allowed_rows, dtype=np.int64)).to(x.device)  # [M]
+    x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(~ok[:, :v], float("-inf")))
+    return x
 
 
 def apply_suppress(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

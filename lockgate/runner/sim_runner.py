@@ -6,7 +6,8 @@ small cost model (``sim_step_ms + sim_token_ms * tokens in the step``, spent in
 ``time.sleep`` so it frees the CPU like a GIL-releasing kernel would), and returns
 deterministic tokens: the next token is a hash of the row's last input token and its
 position, never an EOS id, so a request runs to max_tokens unless stopped otherwise and
-the same prompt always gives the same output whatever the batch.
+the same prompt always gives the same output whatever the batch. A constrained row (grammar
+bitmask) takes the first allowed token at or after the hashed one.
 
 No torch; the KV "pool" is only a capacity number.
 """
@@ -51,6 +52,11 @@ class SimRunner:
             plan.validate()
         ends = np.cumsum(plan.query_lens)[plan.sample_rows] - 1
         tokens = self.next_tokens(plan.input_ids[ends], plan.positions[ends])
+        sb = plan.sampling
+        for row, words in zip(sb.allowed_rows.tolist(), sb.allowed, strict=True):  # constrained rows
+            ok = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size])
+            if ok.size:  # the first allowed token at or after the hashed one (wrapping round)
+                tokens[row] = ok[np.searchsorted(ok, tokens[row]) % ok.size]
         s = tokens.shape[0]
         k = int(max(0, plan.sampling.num_logprobs.max(initial=0)))
         top_ids = np.tile(np.arange(3, 3 + k, dtype=np.int64), (s, 1))

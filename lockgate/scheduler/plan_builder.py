@@ -89,5 +89,6 @@ def build_step(decode: list[Request], drafts: list[list[int]], prefill: list[tup
                        out_slots=out_slots, query_lens=q_lens, seq_lens=seq_lens, kv_slots=kv_slots,
                        kv_offsets=kv_offsets, sample_rows=sample_rows,
                        sampling=build_sampling([rows[i] for i in sample_rows.tolist()],
-                                               [j for s in spans for j in range(s)] + [0] * len(done)))
+                                               [g[:j] for g, s in zip(drafts, spans, strict=True) for j in range(s)]
+                                               + [[] for _ in done]))
     return ScheduledStep(plan, rows, sampled, sample_drafts, 0, int(q_lens[n_dec:].sum()), len(decode), n_dec)

@@ -15,8 +15,10 @@ those slots in the allocator. A decoding request has ``num_computed == len(all t
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 import numpy as np
 
@@ -29,6 +31,22 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens (or the context limit) reached
     ABORT = "abort"  # cancelled by the client or the server
+
+
+class Grammar(Protocol):
+    """A constrained request's grammar state, as the scheduler uses it (``lockgate.grammar``
+    implements it): bitmask rows of ``words`` int32 words, checked guesses, accepted tokens."""
+
+    words: int
+
+    def fill(self, row: np.ndarray, guesses: Sequence[int] = ()) -> None: ...
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int: ...
+
+    def accept(self, token: int) -> bool: ...
+
+    @property
+    def done(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -58,6 +76,7 @@ class Request:
     drafter: NgramIndex | None = None
     num_drafted: int = 0  # guessed tokens fed to the model
     num_accepted: int = 0  # of those, the ones the model agreed with (extra tokens gained)
+    grammar: Grammar | None = None  # constrained decoding: what the output must match (set by the engine)
     prefill_len: int = field(init=False)  # tokens to compute before sampling: the prompt, or all tokens on resume
     slots: np.ndarray = field(init=False)
 

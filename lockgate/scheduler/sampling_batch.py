@@ -1,10 +1,13 @@
 """The plan's per-row sampling settings, built from the requests that sample in a step.
 
-Owns one translation: requests (their ``SamplingParams``, prompt and output so far) ->
-``SamplingBatch``, the numpy arrays the runner's sampler reads. One row per plan sample row; a
-speculating request has one row per guess row, each at its own output position (``ahead``), so
-seeded draws and min_tokens suppression see the output index that row's token would have had
-one token per step. Pure: reads the requests, changes nothing.
+Owns one translation: requests (their ``SamplingParams``, prompt and output so far, grammar
+state) -> ``SamplingBatch``, the numpy arrays the runner's sampler reads. One row per plan sample
+row; a speculating request has one row per guess row, each at its own output position (after the
+guesses fed before it, ``before``), so seeded draws, min_tokens suppression and the grammar's
+allowed tokens are those that row's token would have had one token per step. A constrained
+request's rows get their grammar bitmask (its state after ``before``) and no min_tokens
+suppression: the grammar decides where the output may end. Reads the requests; the grammar states
+it consults are left as they were.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from lockgate.scheduler.request import Request
 I64 = np.int64
 
 
-def build_sampling(reqs: list[Request], ahead: list[int] | None = None) -> SamplingBatch:
-    """Per-row sampling arrays for the requests that sample this step. ``ahead[i]``: row ``i``
-    samples the request's output token ``num_output + ahead[i]`` (a speculating request's
-    rows after its first; 0 for every other row), which is what seeds and min_tokens see."""
+def build_sampling(reqs: list[Request], before: list[list[int]] | None = None) -> SamplingBatch:
+    """Per-row sampling arrays for the requests that sample this step. ``before[i]``: the guessed
+    tokens fed ahead of row ``i`` (a speculating request's rows after its first; [] for every other
+    row): row ``i`` samples the request's output token ``num_output + len(before[i])``."""
     ps = [r.params for r in reqs]
     n = len(ps)
-    made = [r.num_output + (ahead[i] if ahead else 0) for i, r in enumerate(reqs)]  # outputs before each row's token
+    ahead = [len(b) for b in before] if before is not None else [0] * n
+    made = [r.num_output + ahead[i] for i, r in enumerate(reqs)]  # outputs before each row's token
 
     def col(get, dtype):  # type: ignore[no-untyped-def]
         return np.fromiter((get(p) for p in ps), dtype=dtype, count=n)
@@ -49,5 +53,13 @@ def build_sampling(reqs: list[Request], ahead: list[int] | None = None) -> Sampl
             [r.output_ids if r.params.has_penalties else [] for r in reqs])
     if any(p.min_tokens for p in ps):
         batch.suppress_ids, batch.suppress_offsets = SamplingBatch.ragged(
-            [sorted(r.stop_token_ids) if m < r.params.min_tokens else [] for r, m in zip(reqs, made, strict=True)])
+            [sorted(r.stop_token_ids) if m < r.params.min_tokens and r.grammar is None else []
+             for r, m in zip(reqs, made, strict=True)])
+    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if constrained:
+        words = reqs[constrained[0]].grammar.words  # type: ignore[union-attr]
+        allowed = np.empty((len(constrained), words), dtype=np.int32)
+        for k, i in enumerate(constrained):
+            reqs[i].grammar.fill(allowed[k], before[i] if before is not None else ())  # type: ignore[union-attr]
+        batch.allowed_rows, batch.allowed = np.asarray(constrained, dtype=I64), allowed
     return batch

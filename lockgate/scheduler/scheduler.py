@@ -257,7 +257,9 @@ class Scheduler:
                 new.append(tok)
                 new_lps.append(lps[i])
                 new_top.append(top)
-                if tok in r.stop_token_ids and r.num_output >= r.params.min_tokens:
+                if r.grammar is not None and (not r.grammar.accept(tok) or r.grammar.done):
+                    reason = FinishReason.STOP  # the output is complete (or, never expected, broke the grammar)
+                elif tok in r.stop_token_ids and r.num_output >= r.params.min_tokens:
                     reason = FinishReason.STOP
                 elif r.num_output >= r.params.max_tokens:
                     reason = FinishReason.LENGTH

@@ -21,6 +21,9 @@ requests may guess this step and how many guesses the step can afford, and asks 
 ``NgramIndex``; ``accept`` records what the model agreed with and says how many of the request's
 rows to give back. The scheduler keeps the rows' slots and the per-token finish logic.
 
+A constrained request's guesses are cut at the first one its grammar forbids (the verify rows then
+carry the grammar's mask after the guesses before them, ``build_sampling``).
+
 When it may speculate (``propose``): a greedy request without penalties (each row's token is then
 the argmax of its own logits, whatever the rows before it), while the step's decode rows stay within
 ``speculative_max_rows``, and while the pool could hold every running request at its full
@@ -104,6 +107,8 @@ class Speculator:
             if len(r.drafter) < r.num_tokens:
                 r.drafter.extend(r.token_at(len(r.drafter), r.num_tokens).tolist())
             out[i] = r.drafter.propose(k)
+            if r.grammar is not None and out[i]:  # only guesses the grammar allows are fed
+                out[i] = out[i][:r.grammar.valid_prefix(out[i])]
             room -= len(out[i])
         return out
 
