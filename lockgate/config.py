@@ -329,10 +329,14 @@ class ServerConfig:
     shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
     dp: int = option(1, "data parallel: N engine replicas on the N ports after --port, behind a gateway on "
                      "--port (routing flags below)")
+    grammar_compile_timeout: float = option(10.0, "seconds a request's JSON schema, regex or grammar may take to "
+                                            "compile before the request is refused (400)")
     listen_fd: int | None = option(None, "serve on this inherited listening socket's file descriptor instead of "
                                    "binding --host/--port (how serve --dp hands each replica the port it reserved)")
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0):
+            raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.listen_fd is not None and self.listen_fd < 0:
             raise ValueError(f"--listen-fd must be a file descriptor >= 0, got {self.listen_fd}")
         if not 0 <= self.port <= 65535:

@@ -510,3 +510,49 @@ def test_to_numpy_and_empty_batch():
 def test_mismatched_batch_is_rejected():
     with pytest.raises(ValueError):
         sample(torch.randn(3, 7), make_batch(2))
+
+
+# ----------------------------------------------------------------------------- ties and grammar masks
+def test_tied_top_logprobs_list_the_greedy_token_first() -> None:
+    """Tied logits (common in bf16): the top list orders ties by id, as argmax breaks them, so a
+    greedy row's token is its own first top entry (TGI clients check exactly that)."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        x = torch.from_numpy(rng.integers(0, 4, size=(6, 300)).astype(np.float32))  # many exact ties
+        out = sample(x, make_batch(6, temperature=0.0, num_logprobs=5))
+        tokens, _, top_ids, top_lp = out.to_numpy()
+        assert np.array_equal(top_ids[:, 0], tokens)
+        assert np.all(np.diff(top_lp, axis=1) <= 0)
+        for r in range(6):
+            for a, b in zip(range(4), range(1, 5), strict=True):
+                if top_lp[r, a] == top_lp[r, b]:
+                    assert top_ids[r, a] < top_ids[r, b]
+
+
+def _bits(allowed: list[set[int]], v: int) -> np.ndarray:
+    words = np.zeros((len(allowed), (v + 31) // 32), dtype=np.uint32)
+    for i, ok in enumerate(allowed):
+        for t in ok:
+            words[i, t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_mask_restricts_only_its_rows_and_leaves_logprobs_raw(temperature: float) -> None:
+    v = 100
+    x = torch.randn(4, v, generator=gen(1))
+    ok = [{3, 64, 99}, {31, 32}]  # bits in the first, a middle and the last word
+    b = make_batch(4, temperature=temperature, num_logprobs=2, seeds=7, has_seed=True)
+    b.allowed_rows, b.allowed = np.array([1, 3]), _bits(ok, v)
+    free = make_batch(4, temperature=temperature, num_logprobs=2, seeds=7, has_seed=True)
+    for step in range(30):
+        b.seed_steps[:] = free.seed_steps[:] = step
+        out, ref = sample(x, b), sample(x, free)
+        t = out.tokens.numpy()
+        assert t[1] in ok[0] and t[3] in ok[1]
+        assert t[0] == ref.tokens[0] and t[2] == ref.tokens[2]  # other rows: as if no grammar ran
+        # reported logprobs are the model's (raw), not renormalised over the allowed tokens
+        want = torch.log_softmax(x, -1).gather(1, out.tokens[:, None]).squeeze(1)
+        assert torch.allclose(out.logprobs, want, atol=1e-6)
+    if temperature == 0.0:
+        assert t[1] == max(ok[0], key=lambda i: float(x[1, i]))

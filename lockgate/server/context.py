@@ -17,15 +17,16 @@ import collections
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from lockgate.config import ServerConfig
+from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.ipc.messages import Ready, TextOut
-from lockgate.sampling import SamplingParams, is_text
+from lockgate.sampling import SamplingParams, StructuredOutput, is_text
 from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream, SampleGroup
 from lockgate.server.metrics import Metrics
 from lockgate.server.protocol import error_message
@@ -118,6 +119,7 @@ class ServerContext:
     metrics: Metrics
     model_name: str
     api_key: str | None
+    _grammars: GrammarCompiler | None = field(default=None, init=False)  # made on the first constrained request
 
     # ---- readiness and limits ------------------------------------------------------------
     @property
@@ -171,6 +173,25 @@ class ServerContext:
         if len(conversation) <= INLINE_MESSAGES and sum(len(m["content"]) for m in conversation) <= INLINE_TEXT_CHARS:
             return run()
         return await asyncio.to_thread(run)
+
+    # ---- output constraints ----------------------------------------------------------------
+    async def check_structured(self, so: StructuredOutput | None, param: str | None, status: int = 400) -> None:
+        """Compile ``so`` (cached) before anything is queued: an invalid schema, regex or grammar, or
+        one that does not compile within ``--grammar-compile-timeout``, is a ``status`` naming ``param``.
+        Compiling runs in a worker thread (llguidance releases the GIL), so other requests go on."""
+        if so is None:
+            return
+        if self._grammars is None:
+            tok = self.tokenizer
+            self._grammars = GrammarCompiler(lambda: tok, tok.vocab_size, tok.eos_token_ids)
+        limit = self.cfg.grammar_compile_timeout
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._grammars.compile, so), timeout=limit)
+        except TimeoutError:
+            raise APIError(status, f"the {so.kind} constraint did not compile within {limit:g} s "
+                                   "(--grammar-compile-timeout)", param=param) from None
+        except GrammarError as e:
+            raise APIError(status, str(e), param=param) from None
 
     def check_model(self, model: str | None) -> None:
         """A request may name the served model, its ``--model`` spec or, unless

@@ -148,6 +148,7 @@ async def completions(request: Request) -> Response:
     texts_in = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await ctx.encode_all(texts_in)) if texts_in else iter([])
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+    await ctx.check_structured(body.structured, body.structured_field)
     jobs: list[tuple[list[int], SamplingParams]] = []
     for p_ids in ids:  # every prompt checked (ids against the vocabulary too) before any is decoded or sent
         max_tokens = ctx.check_prompt(p_ids, body.max_tokens if body.max_tokens is not None else 16)
@@ -210,6 +211,7 @@ async def chat_completions(request: Request) -> Response:
     ids = await ctx.chat_ids(body.conversation(), body.add_generation_prompt)
     max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
     params = body.sampling_params(max_tokens)
+    await ctx.check_structured(params.structured, body.structured_field)
     streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])
     rid, created = streams[0].rid, int(time.time())
 

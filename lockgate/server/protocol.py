@@ -15,6 +15,7 @@ request into ``SamplingParams``, and the OpenAI error body. Invariants:
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, cast
 
@@ -29,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from lockgate.sampling import MAX_LOGPROBS, SamplingParams
+from lockgate.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_N = 16
 _U64 = 2**64
@@ -92,19 +93,118 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-           "structured_outputs", "json_schema", "regex", "ebnf")  # vLLM's and SGLang's extensions
+def _schema_text(v: Any, where: str) -> str:
+    """A JSON schema given as an object (or a boolean) or as JSON text -> JSON text."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict | bool):
+        return json.dumps(v)
+    raise ValueError(f"{where} must be a JSON schema (an object or JSON text), got {type(v).__name__}")
+
+
+def _response_format(v: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object, json_schema."""
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json", '{"type": "object"}')
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("response_format.json_schema must be an object with a 'schema'")
+        schema = spec.get("schema", spec.get("json_schema"))
+        if schema is None:
+            raise ValueError("response_format.json_schema.schema is required")
+        return StructuredOutput("json", _schema_text(schema, "response_format.json_schema.schema"))
+    raise ValueError(f"response_format.type must be one of text, json_object, json_schema, got {kind!r:.40}")
+
+
+_VLLM_SO_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "backend",
+                    "_backend", "_backend_was_auto"}  # engine hints lockgate has no use for
+
+
+def _structured_outputs(v: dict[str, Any]) -> StructuredOutput | None:
+    """vLLM's ``structured_outputs`` object: exactly one of json, regex, choice, grammar, json_object."""
+    given = {k: x for k, x in v.items() if x is not None and x is not False and k not in _VLLM_SO_OPTIONS}
+    for k in given:
+        if k not in ("json", "regex", "choice", "grammar", "json_object"):
+            raise ValueError(f"structured_outputs.{k} is not supported by lockgate (supported: json, regex, "
+                             "choice, grammar, json_object)")
+    if len(given) > 1:
+        raise ValueError(f"structured_outputs takes one constraint, got {', '.join(sorted(given))}")
+    if not given:
+        return None
+    (k, x), = given.items()
+    return _constraint(k, x, f"structured_outputs.{k}")
+
+
+def _constraint(kind: str, v: Any, where: str) -> StructuredOutput:
+    """One constraint by vLLM's names: json (schema), regex, choice (list of strings), grammar, json_object."""
+    if kind == "json":
+        return StructuredOutput("json", _schema_text(v, where))
+    if kind == "json_object":
+        return StructuredOutput("json", '{"type": "object"}')
+    if kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+            raise ValueError(f"{where} must be a non-empty list of non-empty strings")
+        return StructuredOutput("choice", json.dumps(v))
+    if not isinstance(v, str):
+        raise ValueError(f"{where} must be a string, got {type(v).__name__}")
+    return StructuredOutput("regex" if kind == "regex" else "lark", v)
+
+
+# Request fields that constrain the output, and how each reads: OpenAI's response_format, vLLM's
+# structured_outputs and its older guided_* fields, SGLang's json_schema / regex / ebnf.
+_CONSTRAINTS: dict[str, Callable[[Any], StructuredOutput | None]] = {
+    "response_format": lambda v: _response_format(v) if isinstance(v, dict) else _bad("response_format", v),
+    "structured_outputs": lambda v: _structured_outputs(v) if isinstance(v, dict) else _bad("structured_outputs", v),
+    "guided_json": lambda v: _constraint("json", v, "guided_json"),
+    "guided_regex": lambda v: _constraint("regex", v, "guided_regex"),
+    "guided_choice": lambda v: _constraint("choice", v, "guided_choice"),
+    "guided_grammar": lambda v: _constraint("grammar", v, "guided_grammar"),
+    "json_schema": lambda v: _constraint("json", v, "json_schema"),
+    "regex": lambda v: _constraint("regex", v, "regex"),
+    "ebnf": lambda v: _constraint("grammar", v, "ebnf"),
+}
+
+
+def _bad(name: str, v: Any) -> StructuredOutput:
+    raise ValueError(f"{name} must be an object, got {type(v).__name__}")
 
 
 class _SamplingFields(_Model):
-    """Knobs shared by the OpenAI endpoints; ranges are checked by SamplingParams."""
+    """Knobs shared by the OpenAI endpoints; ranges are checked by SamplingParams. The output
+    constraints (``_CONSTRAINTS``) are read into ``structured`` (at most one per request)."""
 
     _refused = {
-        "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
         "tools": _empty, "functions": _empty, "logit_bias": _empty, "lora_request": _empty,
         "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
-        **{name: _empty for name in _GUIDED},
+        "structural_tag": _empty, "guided_whitespace_pattern": _empty,
     }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_constraints(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        found: dict[str, StructuredOutput] = {}
+        for name, read in _CONSTRAINTS.items():
+            if data.get(name) is not None:
+                so = read(data[name])
+                if so is not None:
+                    found[name] = so
+        if len(found) > 1:
+            raise ValueError(f"only one output constraint per request, got {', '.join(found)}")
+        # (a client cannot set the parsed fields themselves)
+        data = {k: v for k, v in data.items() if k not in _CONSTRAINTS and k not in ("structured", "structured_field")}
+        if found:
+            (name, so), = found.items()
+            data["structured"], data["structured_field"] = so, name
+        return data
+
+    structured: StructuredOutput | None = None  # from one of _CONSTRAINTS' fields
+    structured_field: str | None = None  # which one (errors name it)
 
     model: str | None = None
     temperature: Float = 1.0
@@ -132,7 +232,7 @@ class _SamplingFields(_Model):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             seed=self.seed, stop=tuple(self.stop), stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured=self.structured,
         )  # fmt: skip
 
     @property
@@ -273,13 +373,42 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TGIParameters(_Model):
-    """TGI ``parameters``. Refused unless they ask for nothing: grammar, adapter_id, watermark,
+    """TGI ``parameters``. Refused unless they ask for nothing: adapter_id, watermark,
     truncate, typical_p < 1, best_of > 1, decoder_input_details (the prompt's own logprobs)."""
 
     _refused = {
-        "grammar": _empty, "adapter_id": _empty, "watermark": _empty, "truncate": lambda v: False,
+        "adapter_id": _empty, "watermark": _empty, "truncate": lambda v: False,
         "typical_p": lambda v: v == 1, "best_of": lambda v: v == 1, "decoder_input_details": _empty,
     }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_grammar(cls, data: Any) -> Any:
+        """TGI's ``grammar``: {"type": "json", "value": schema} or {"type": "regex", "value": pattern}
+        (also "json_schema" with {"name", "schema"})."""
+        if not isinstance(data, dict):
+            return data
+        g = data.get("grammar")
+        data = {k: v for k, v in data.items() if k not in ("grammar", "structured")}
+        if g is None:
+            return data
+        if not isinstance(g, dict) or "type" not in g or "value" not in g:
+            raise ValueError('grammar must be {"type": "json" | "regex", "value": ...}')
+        kind, value = g["type"], g["value"]
+        if kind == "json":
+            data["structured"] = StructuredOutput("json", _schema_text(value, "grammar.value"))
+        elif kind == "json_schema":
+            schema = value.get("schema") if isinstance(value, dict) else None
+            data["structured"] = StructuredOutput("json", _schema_text(schema, "grammar.value.schema"))
+        elif kind == "regex":
+            if not isinstance(value, str):
+                raise ValueError("grammar.value must be a regex string for type regex")
+            data["structured"] = StructuredOutput("regex", value)
+        else:
+            raise ValueError(f"grammar.type must be json, json_schema or regex, got {kind!r:.40}")
+        return data
+
+    structured: StructuredOutput | None = None  # from grammar
 
     max_new_tokens: Int = 20
     temperature: Float | None = Field(default=None, gt=0)
@@ -325,7 +454,7 @@ class TGIGenerateRequest(_Model):
             top_k=p.top_k if p.top_k is not None else -1,
             repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
             frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
-            seed=p.seed, stop=tuple(p.stop), logprobs=logprobs,
+            seed=p.seed, stop=tuple(p.stop), logprobs=logprobs, structured=p.structured,
         )  # fmt: skip
 
 

@@ -63,6 +63,7 @@ async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, A
         params = body.sampling_params()
     except ValueError as e:
         raise APIError(422, str(e)) from None
+    await ctx.check_structured(params.structured, "grammar", status=422)
     return ctx, body, ctx.submit("tgi", [(ids, params)])
 
 
