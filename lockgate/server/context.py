@@ -18,7 +18,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
@@ -156,14 +156,15 @@ class ServerContext:
             return run()
         return await asyncio.to_thread(run)
 
-    async def chat_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    async def chat_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template applied to ``conversation``, then tokenized (in a thread when large).
         A template that fails on these messages is a 400 naming ``messages``."""
         tok = self.tokenizer
 
         def run() -> list[int]:
             try:
-                text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+                text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             except Exception as e:  # a template that fails on these messages (jinja raise_exception, ...)

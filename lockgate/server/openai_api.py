@@ -12,6 +12,7 @@ engine's (stop, length, abort); an engine error ends a stream with an ``error`` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,7 @@ from lockgate.server.context import APIError, ServerContext
 from lockgate.server.context import parse_body as parse
 from lockgate.server.frontend import RequestStream
 from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
+from lockgate.server.tools import ToolCallStream, parse_tool_calls, render_conversation, tool_grammar
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -208,10 +210,18 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(body.model)
     tok = ctx.tokenizer
     ctx.check_batch(1, body.n)
-    ids = await ctx.chat_ids(body.conversation(), body.add_generation_prompt)
+    mode = body.tool_mode  # none, auto, required, named
+    tools = body.tool_dicts() if mode != "none" else None
+    names = {t["function"]["name"] for t in tools or []}
+    conversation, template_tools = render_conversation(body.conversation(), tools, tok.supports_tools)
+    ids = await ctx.chat_ids(conversation, body.add_generation_prompt, template_tools)
     max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
-    params = body.sampling_params(max_tokens)
-    await ctx.check_structured(params.structured, body.structured_field)
+    params, constraint_field = body.sampling_params(max_tokens), body.structured_field
+    if tools and mode in ("required", "named"):  # one call, its arguments following the function's schema
+        choice = "required" if mode == "required" else {"function": {"name": body.tool_choice.name}}  # type: ignore[union-attr]
+        params = dataclasses.replace(params, structured=tool_grammar(tools, choice))
+        constraint_field = "tool_choice"
+    await ctx.check_structured(params.structured, constraint_field)
     streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])
     rid, created = streams[0].rid, int(time.time())
 
@@ -219,9 +229,16 @@ async def chat_completions(request: Request) -> Response:
         results = finished_ok(await ctx.collect(request, streams))
         choices = []
         for i, outs in enumerate(results):
-            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+            text, reason = "".join(o.text for o in outs), outs[-1].finish_reason
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if names:
+                content, calls = parse_tool_calls(text, names)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.wire() for c in calls]}
+                    reason = "tool_calls"
+            choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(tok, outs) if body.logprobs else None,
-                            "finish_reason": outs[-1].finish_reason, "stop_reason": outs[-1].stop_matched})
+                            "finish_reason": reason, "stop_reason": outs[-1].stop_matched})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
                              "choices": choices,
                              "usage": usage([len(ids)], results, [results[0][-1].cached_tokens])})
@@ -230,11 +247,30 @@ async def chat_completions(request: Request) -> Response:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
 
+    parsers = [ToolCallStream(names) for _ in streams] if names else []
+    num_calls = [0] * len(streams)
+
     def render(i: int, o: TextOut) -> str | None:
-        if not o.text and o.finish_reason is None and not body.logprobs:
-            return None
-        return chunk(i, {"content": o.text} if o.text else {}, o.finish_reason,
-                     chat_logprobs(tok, [o]) if body.logprobs else None)
+        if not parsers:
+            if not o.text and o.finish_reason is None and not body.logprobs:
+                return None
+            return chunk(i, {"content": o.text} if o.text else {}, o.finish_reason,
+                         chat_logprobs(tok, [o]) if body.logprobs else None)
+        # With tools: text that may begin a call is held back until it is one (or is not)
+        content, calls = parsers[i].feed(o.text)
+        if o.finish_reason is not None:
+            content += parsers[i].finish()[0]
+        events = []
+        if content or (body.logprobs and o.text):
+            events.append(chunk(i, {"content": content} if content else {}, None,
+                                chat_logprobs(tok, [o]) if body.logprobs else None))
+        for c in calls:
+            events.append(chunk(i, {"tool_calls": [c.wire(index=num_calls[i])]}))
+            num_calls[i] += 1
+        if o.finish_reason is not None:
+            reason = "tool_calls" if num_calls[i] else o.finish_reason
+            events.append(chunk(i, {}, reason))
+        return "".join(events) or None
 
     def closing(by_choice: list[list[TextOut]]) -> str | None:
         if not body.include_usage:

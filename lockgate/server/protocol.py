@@ -178,8 +178,7 @@ class _SamplingFields(_Model):
     constraints (``_CONSTRAINTS``) are read into ``structured`` (at most one per request)."""
 
     _refused = {
-        "tools": _empty, "functions": _empty, "logit_bias": _empty, "lora_request": _empty,
-        "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+        "functions": _empty, "logit_bias": _empty, "lora_request": _empty, "function_call": lambda v: v == "none",
         "structural_tag": _empty, "guided_whitespace_pattern": _empty,
     }
 
@@ -255,7 +254,8 @@ def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. Unknown fields are ignored; ``suffix`` (insertion) is refused."""
 
-    _refused = {**_SamplingFields._refused, "suffix": _empty}
+    _refused = {**_SamplingFields._refused, "suffix": _empty, "tools": _empty,
+                "tool_choice": lambda v: v == "none"}  # tools are a chat feature
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Int | None = None  # None: max_tokens_default, else 16 (OpenAI)
@@ -310,10 +310,25 @@ class ContentPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; some clients an object
+
+
+class ToolCallIn(_Model):
+    """An earlier call in an assistant message (sent back with the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this answers
 
     @field_validator("content", mode="plain", json_schema_input_type=str | list[ContentPart] | None)
     @classmethod
@@ -340,8 +355,40 @@ def _part(p: Any) -> ContentPart:
     return ContentPart(type="text", text=p["text"])
 
 
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (an object)
+    strict: bool | None = None
+
+
+class ToolDef(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionCall | dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        f = self.function
+        return f.name if isinstance(f, FunctionCall) else str(f.get("name"))
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -353,14 +400,40 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.name not in names:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools ({', '.join(names)})")
+        if self.tool_mode in ("required", "named") and self.structured is not None:
+            raise ValueError(f"tool_choice {'required' if choice == 'required' else 'naming a function'} "
+                             f"constrains the output, and so does {self.structured_field}: give one")
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools, or tool_choice none), auto (the default with tools), required, named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice in (None, "auto"):
+            return "auto"
+        return "required" if self.tool_choice == "required" else "named"
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def conversation(self) -> list[dict[str, Any]]:
         """[{"role", "content"}] for the chat template; text parts joined by "\\n"; developer -> system."""
         return _conversation(self.messages)
 

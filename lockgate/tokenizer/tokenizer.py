@@ -27,7 +27,17 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
+
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template renders ``tools`` itself (else the server writes them into the prompt)."""
+        ...
+
+
+def _takes_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template  # type: ignore[operator]
 
 
 class HFTokenizer:
@@ -53,10 +63,16 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(NO_TEMPLATE)
-        return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+        return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                tools=tools))  # type: ignore[arg-type]
+
+    @property
+    def supports_tools(self) -> bool:
+        return _takes_tools(getattr(self.tok, "chat_template", None))
 
 
 NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template (a Jinja file or the "
@@ -99,13 +115,18 @@ class FastTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.template:
             raise ValueError(NO_TEMPLATE)
         kwargs: dict[str, Any] = dict(self.special)
         if self.extra_special:
             kwargs["additional_special_tokens"] = self.extra_special
-        return render_template(self.template, messages, add_generation_prompt, kwargs)
+        return render_template(self.template, messages, add_generation_prompt, kwargs, tools)
+
+    @property
+    def supports_tools(self) -> bool:
+        return _takes_tools(self.template)
 
 
 def load_fast(model_dir: Path) -> FastTokenizer | None:
@@ -154,20 +175,26 @@ class SimTokenizer:
             out.append(b if b < 256 else 97 + (b % 26))
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self.template is not None:
-            return render_template(self.template, messages, add_generation_prompt, {})
+            return render_template(self.template, messages, add_generation_prompt, {}, tools)
         text = "".join(f"<|{m.get('role', 'user')}|>{m.get('content') or ''}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
+    @property
+    def supports_tools(self) -> bool:
+        return _takes_tools(self.template)
+
 
 def render_template(template: str, messages: list[Message], add_generation_prompt: bool,
-                    special: dict[str, Any]) -> str:
-    """``template`` rendered over ``messages`` by transformers' own Jinja renderer (torch-free)."""
+                    special: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> str:
+    """``template`` rendered over ``messages`` (and ``tools``, OpenAI-style function definitions) by
+    transformers' own Jinja renderer (torch-free)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     # returns (one prompt per conversation, generation indices), whatever its annotation says
-    out: Any = render_jinja_template(conversations=[messages], chat_template=template,
+    out: Any = render_jinja_template(conversations=[messages], chat_template=template, tools=tools,  # type: ignore[arg-type]
                                      add_generation_prompt=add_generation_prompt, **special)
     return str(out[0][0])
 
