@@ -60,6 +60,7 @@ class SamplingBatch:
     # bitmask ``allowed`` (int32 [M, ceil(V / 32)], bit t % 32 of word t // 32 = token t allowed).
     allowed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, I64))
     allowed: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    allowed_seconds: float = 0.0  # wall time the scheduler spent filling ``allowed`` (reported, not used)
 
     def __post_init__(self) -> None:
         # Unused ragged lists default to S empty rows: offsets of S + 1 zeros.

@@ -48,6 +48,9 @@ class EngineCore:
                                    eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed)
         self.check = check_invariants
         self._grammars: GrammarCompiler | None = None
+        # constrained decoding's own cost: steps with grammar rows, those rows, seconds filling their masks
+        self.grammar_steps = self.grammar_rows = 0
+        self.grammar_seconds = 0.0
         self.last_step: StepInfo | None = None
         self.num_steps = 0
         sc = cfg.scheduler
@@ -117,6 +120,11 @@ class EngineCore:
         result = self.runner.execute(step.plan)
         outs = self.scheduler.update(step, result)
         self.num_steps += 1
+        sb = step.plan.sampling
+        if sb.allowed_rows.size:
+            self.grammar_steps += 1
+            self.grammar_rows += int(sb.allowed_rows.size)
+            self.grammar_seconds += sb.allowed_seconds
         self.last_step = StepInfo(len(step.rows), step.num_new_seqs, step.num_prefill_tokens, step.num_decode,
                                   time.perf_counter() - t0, step.num_cached_tokens, step.num_generated)
         if self.check:

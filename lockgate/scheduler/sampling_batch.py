@@ -12,6 +12,8 @@ it consults are left as they were.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from lockgate.plan import SamplingBatch
@@ -58,8 +60,10 @@ def build_sampling(reqs: list[Request], before: list[list[int]] | None = None) -
     constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if constrained:
         words = reqs[constrained[0]].grammar.words  # type: ignore[union-attr]
+        t0 = time.perf_counter()
         allowed = np.empty((len(constrained), words), dtype=np.int32)
         for k, i in enumerate(constrained):
             reqs[i].grammar.fill(allowed[k], before[i] if before is not None else ())  # type: ignore[union-attr]
         batch.allowed_rows, batch.allowed = np.asarray(constrained, dtype=I64), allowed
+        batch.allowed_seconds = time.perf_counter() - t0
     return batch
