@@ -37,6 +37,28 @@ class StructuredOutput:
     kind: str
     value: str
 
+    @classmethod
+    def json(cls, schema: dict[str, object] | str) -> StructuredOutput:
+        """Output matching a JSON schema (an object, or its JSON text)."""
+        import json
+
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: list[str]) -> StructuredOutput:
+        import json
+
+        return cls("choice", json.dumps(list(options)))
+
+    @classmethod
+    def grammar(cls, text: str) -> StructuredOutput:
+        """A Lark grammar (llguidance's dialect); GBNF / EBNF text is converted."""
+        return cls("lark", text)
+
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
