@@ -102,6 +102,7 @@ class SchedulerProcess:
         try:
             self.engine = EngineCore(args.engine)
             self.engine.runner.warmup()
+            self.engine.grammars.prepare_in_background()  # the first constrained request then does not wait
         except Exception as e:
             if isinstance(e, ValueError | OSError):  # bad model, flags or files: the message says it all
                 log.error("failed to start the engine: %s", e)

@@ -185,6 +185,7 @@ class ServerContext:
         if self._grammars is None:
             tok = self.tokenizer
             self._grammars = GrammarCompiler(lambda: tok, tok.vocab_size, tok.eos_token_ids)
+        await asyncio.to_thread(self._grammars.prepare)  # the tokenizer's trie, once: not the grammar's time
         limit = self.cfg.grammar_compile_timeout
         try:
             await asyncio.wait_for(asyncio.to_thread(self._grammars.compile, so), timeout=limit)
