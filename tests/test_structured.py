@@ -236,7 +236,7 @@ def test_regex_choice_and_json_object_on_completions(oai) -> None:
                                extra_body={"guided_choice": ["yes", "no", "it depends"]})
     assert r.choices[0].text in ("yes", "no", "it depends") and r.choices[0].finish_reason == "stop"
     r = oai.completions.create(model="default", prompt="A JSON object describing a cat:", max_tokens=120,
-                               temperature=0, response_format={"type": "json_object"})
+                               temperature=0, extra_body={"response_format": {"type": "json_object"}})
     assert isinstance(json.loads(r.choices[0].text), dict)
 
 
