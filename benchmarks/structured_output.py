@@ -7,13 +7,14 @@ rows, microseconds per constrained row, and that time as a share of the run's wa
 
 The offline engine on the default model (the same engine the server drives), greedy. Prompts ask for a
 user record (``tests/test_structured.py``'s nested schema: objects, an enum, a bounded array, required
-keys). The unconstrained variant gets the same prompts with ``ignore_eos`` so it runs ``--max-tokens``;
-the constrained one ends when the JSON is complete, so compare tok/s and TPOT, not wall time. c = 1 runs
-the requests one after another; c = 32 submits them 32 at a time. Variants alternate per round so a noisy
-machine hits both alike. Each output of the schema variant is checked to parse and validate.
+keys). Each round runs the constrained requests, then the same prompts unconstrained with ``ignore_eos``
+and ``max_tokens`` set to the length each constrained output had, so both variants generate the same
+number of tokens per request and wall time, tok/s and TPOT compare directly. c = 1 runs the requests one
+after another; c = 32 submits them 32 at a time. Each output of the schema variant is checked to parse
+and validate.
 
 Usage:  .venv/bin/python benchmarks/structured_output.py [--requests 64] [--max-tokens 128] [--rounds 2]
-        [--concurrency 1,32]
+        [--concurrency 1,32] [--speculative-tokens N]
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_structured import PROMPTS, RECORD  # noqa: E402  (the same schema and prompts as the tests)
 
 
-def run(llm: LLM, prompts: list[str], params: SamplingParams, conc: int, check: bool) -> dict[str, Any]:
+def run(llm: LLM, prompts: list[str], params: list[SamplingParams], conc: int, check: bool) -> dict[str, Any]:
     eng = llm.engine
     g0 = (eng.grammar_steps, eng.grammar_rows, eng.grammar_seconds)
     outs = []
     t0 = time.perf_counter()
     for i in range(0, len(prompts), conc):
-        outs += llm.generate(prompts[i:i + conc], params)
+        outs += llm.generate(prompts[i:i + conc], params[i:i + conc])
     wall = time.perf_counter() - t0
     n_out = [len(o.outputs[0].token_ids) for o in outs]
     tpot = [(o.metrics.e2e - o.metrics.time_to_first_token) / (n - 1) * 1e3
@@ -51,7 +52,7 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, conc: int, check: 
         for o in outs:
             jsonschema.validate(json.loads(o.outputs[0].text), RECORD)
     steps, rows, secs = (eng.grammar_steps - g0[0], eng.grammar_rows - g0[1], eng.grammar_seconds - g0[2])
-    row: dict[str, Any] = {"wall_s": wall, "output_tokens": sum(n_out), "output_tok_s": sum(n_out) / wall,
+    row: dict[str, Any] = {"lengths": n_out, "wall_s": wall, "output_tokens": sum(n_out), "output_tok_s": sum(n_out) / wall,
                            "tpot_p50_ms": statistics.median(tpot),
                            "ttft_p50_ms": statistics.median(o.metrics.time_to_first_token for o in outs) * 1e3}
     if steps:
@@ -66,23 +67,26 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--speculative-tokens", type=int, default=None, help="the engine's (default: its own)")
     args = ap.parse_args()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-    llm = LLM("default", max_total_tokens=65536)
+    llm = LLM("default", max_total_tokens=65536, **({} if args.speculative_tokens is None
+                                                     else {"speculative_tokens": args.speculative_tokens}))
     so = StructuredOutput("json", json.dumps(RECORD))
-    variants = {"none": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
-                "json_schema": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=so)}
-    llm.generate(prompts[:2], variants["json_schema"])  # compile and warm up
+    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=so)
+    llm.generate(prompts[:2], constrained)  # compile and warm up
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for conc in (int(c) for c in args.concurrency.split(",")):
         n = args.requests if conc > 1 else max(4, args.requests // 8)  # c = 1 is slow: fewer requests
         for _ in range(args.rounds):
-            for name, params in variants.items():
-                r = run(llm, prompts[:n], params, conc, check=name == "json_schema")
-                results.setdefault(f"c{conc}", {}).setdefault(name, []).append(r)
+            r = run(llm, prompts[:n], [constrained] * n, conc, check=True)
+            results.setdefault(f"c{conc}", {}).setdefault("json_schema", []).append(r)
+            # the same prompts, unconstrained, each made to generate exactly as many tokens
+            free = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in r["lengths"]]
+            results[f"c{conc}"].setdefault("none", []).append(run(llm, prompts[:n], free, conc, check=False))
     summary: dict[str, Any] = {}
     for key, by_variant in results.items():
-        summary[key] = {name: {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
+        summary[key] = {name: {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0] if k != "lengths"}
                         for name, rs in by_variant.items()}
         a, b = summary[key]["json_schema"], summary[key]["none"]
         summary[key]["ratio_tok_s"] = round(a["output_tok_s"] / b["output_tok_s"], 3)
