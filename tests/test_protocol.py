@@ -151,7 +151,7 @@ def test_chat_conversation() -> None:
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "tool", "content": "42", "name": "calc"},  # a tool answer keeps its function's name
     ]
 
 

@@ -202,9 +202,11 @@ def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
     # fields that would change the output and that lockgate does not implement: a 400 naming each,
     # never a silent 200 (the same fields with values that ask for nothing pass, above and here)
     chat = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for field, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                         ("tool_choice", "required"), ("logit_bias", {"5": 10}), ("guided_json", {"type": "object"}),
-                         ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]), ("structured_outputs", {"x": 1})):
+    # (or that it implements, given a value it cannot honour: an unknown response_format type, a tool
+    # without its function, tool_choice without tools, a structured_outputs key it does not know)
+    for field, value in (("response_format", {"type": "xml"}), ("tools", [{"type": "function"}]),
+                         ("tool_choice", "required"), ("logit_bias", {"5": 10}), ("functions", [{"name": "f"}]),
+                         ("structural_tag", {"x": 1}), ("structured_outputs", {"x": 1})):
         r = httpx.post(server.url + "/v1/chat/completions", json={**chat, field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
     ok = httpx.post(server.url + "/v1/chat/completions", json={**chat, "response_format": {"type": "text"},
@@ -212,7 +214,7 @@ def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
     assert ok.status_code == 200, ok.text
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "suffix": "end", "max_tokens": 2})
     assert r.status_code == 400 and "suffix" in r.json()["error"]["message"]
-    for param, value in (("grammar", {"type": "regex", "value": "a+"}), ("adapter_id", "my-lora"),
+    for param, value in (("grammar", {"type": "ebnf", "value": "a+"}), ("adapter_id", "my-lora"),
                          ("truncate", 10), ("typical_p", 0.5), ("watermark", True), ("decoder_input_details", True)):
         r = httpx.post(server.url + "/generate", json={"inputs": "x", "parameters": {param: value}})
         assert r.status_code == 422 and param in r.json()["error"], (param, r.text)

@@ -8,7 +8,9 @@ character) is held back until the next token completes it.
 
 Stop strings: the tail of the text that could still become a stop string (up to the
 longest stop string minus one characters) is held back; when a stop string appears, the
-text is cut just before it and ``stopped`` becomes true. Nothing after or of the stop
+text is cut just before it and ``stopped`` becomes true. Of several, the one whose occurrence
+ends first wins (ties: the one starting first), which is what text arriving one character at a
+time would see; so the cut never depends on how the text was split into pushes. Nothing after or of the stop
 string is ever emitted.
 """
 
@@ -44,9 +46,9 @@ class IncrementalDetokenizer:
             self.prefix, self.read = self.read, len(self.ids)
         if self.stop:
             start = max(self.emitted - self.hold, 0)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            hits = [(i + len(s), i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                i, s = min(hits)
+                _, i, s = min(hits)  # the stop string completed first (then the one starting first)
                 self.text = self.text[:i]
                 self.stopped = True
                 self.stop_reason = s
