@@ -79,6 +79,28 @@ def test_second_request_reuses_the_prefix_and_reports_it() -> None:
     assert run_all(off)[ob.rid] == outs[b.rid] and ob.cached_tokens == 0
 
 
+def test_requests_arriving_together_share_a_prefix_that_is_still_being_prefilled() -> None:
+    """Four requests with one 600-token prefix, submitted at once: the first computes the prefix,
+    the others wait for it to enter the cache and then reuse it, so the prefix is computed once;
+    a request with an unrelated prompt is not held back; the outputs are those of each alone."""
+    prefix = np.arange(3, 603)
+    prompts = [np.concatenate([prefix, [10 + i, 20 + i]]) for i in range(4)] + [np.arange(1000, 1300)]
+    eng = make_engine(20_000, max_prefill_tokens=256)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=4)) for p in prompts]
+    outs = run_all(eng)
+    computed = sum(int(plan.query_lens.sum()) for plan in eng.runner.plans) - sum(  # type: ignore[attr-defined]
+        len(o) - 1 for o in outs.values())  # prompt tokens computed (each decode step computes one token)
+    assert [r.cached_tokens for r in reqs[1:4]] == [600, 600, 600]
+    assert reqs[0].cached_tokens == 0 and reqs[4].cached_tokens == 0
+    assert computed == 602 + 3 * 2 + 300
+    first_steps = {r.rid: r.admit_time for r in reqs}
+    assert first_steps[reqs[4].rid] <= first_steps[reqs[1].rid]  # the unrelated one went ahead
+    for p, r in zip(prompts, reqs, strict=True):
+        alone = make_engine(20_000)
+        a = alone.add_request(p, SamplingParams(max_tokens=4))
+        assert run_all(alone)[a.rid] == outs[r.rid]
+
+
 def test_eviction_reclaims_cached_slots_lru() -> None:
     eng = make_engine(1000)
     old = eng.add_request(np.arange(3, 403), SamplingParams(max_tokens=2))

@@ -23,6 +23,11 @@ Each call to ``schedule()`` builds one step:
    longest). A candidate first matches its longest cached prefix: those tokens are not
    recomputed, their slots are locked in the tree and not counted again. The first candidate
    that does not fit blocks the rest. Admitted requests get their first chunk in this same step.
+   **In-flight sharing**: a candidate whose prompt shares at least ``SHARE_MIN_TOKENS`` more tokens
+   with a running request that is still prefilling than the cache holds for it waits (keeping its
+   place at the front): that request's chunks enter the tree as they are computed, so the
+   candidate later reuses them instead of computing the same prefix again beside it (requests of
+   a shared-prefix burst arrive together, before any of them is cached).
 3. **Decode** every running request whose prefill is done: one token each, in the same
    step as the prefill chunks, so a long prompt never stalls running decodes.
 4. **Speculate** while the step's decode rows are few: a greedy request is fed its newest
@@ -293,9 +298,15 @@ class Scheduler:
             self.waiting = deque(self.policy.order(list(self.waiting), self.tree, self.num_steps, time.monotonic()))
         charges = self._charges()
         now = time.monotonic()
+        deferred: list[Request] = []  # sharing a prefix with a prefill in flight: back to the front after
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             cand = self.waiting[0]
             matched, node, slots = self.ledger.match(cand)
+            if self._shares_inflight(cand, matched):
+                if node is not None:
+                    self.ledger.unlock(node)
+                deferred.append(self.waiting.popleft())
+                continue
             n = min(cand.prefill_len - matched, budget)
             trial = charges.copy()
             trial.add(cand.num_tokens - matched, cand.left, stalled=n < cand.prefill_len - matched, node=node)
@@ -314,7 +325,28 @@ class Scheduler:
             self.running.append(cand)
             prefill.append((cand, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return budget
+
+    SHARE_MIN_TOKENS = 64
+
+    def _shares_inflight(self, cand: Request, matched: int) -> bool:
+        """True if a running request still prefilling will put at least ``SHARE_MIN_TOKENS`` of
+        ``cand``'s prompt beyond ``matched`` (what the cache holds for it now) into the tree."""
+        if self.ledger.tree is None or cand.num_prompt - matched <= self.SHARE_MIN_TOKENS:
+            return False
+        mine = cand.prompt_ids
+        for r in self.running:
+            if not r.is_prefilling:
+                continue
+            n = min(mine.shape[0], r.num_prompt)
+            if n - matched <= self.SHARE_MIN_TOKENS:
+                continue
+            same = mine[:n] == r.prompt_ids[:n]
+            common = n if same.all() else int(np.argmin(same))
+            if common - matched >= self.SHARE_MIN_TOKENS:
+                return True
+        return False
 
     def _charges(self) -> Charges:
         """The running batch as admission rows, longest-living first (stalled ones count as
