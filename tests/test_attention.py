@@ -430,3 +430,35 @@ def test_row_invariant_attention_gives_each_token_its_decode_result_bitwise(case
     with pytest.raises(ValueError, match="decode attention kernel"):
         AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
                                 plan["out_slots"], num_queries_per_kv=h // hkv, row_invariant=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("d", [64, 128, 16])  # the AVX-512 / AVX2 vector paths, and the plain loops
+def test_prefill_kernel_matches_the_reference(case: str, d: int) -> None:
+    """``prefill_kernel``: the whole step (decodes and prefill chunks on cached contexts) in one
+    ``prefill_attention`` call, each token causal over its own keys: the dense reference's result."""
+    load_kernels()
+    seqs = CASES[case]
+    h, hkv = 9, 3
+    rng = np.random.default_rng(zlib.crc32(f"prefill-kernel-{case}-{d}".encode()))
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    plan, q, k, v, k_cache, v_cache, dense = make_step(rng, seqs, h, hkv, d)
+    meta = AttentionMetadata.build(plan["query_lens"], plan["seq_lens"], plan["kv_slots"], plan["kv_offsets"],
+                                   plan["out_slots"], num_queries_per_kv=h // hkv, decode_kernel=True,
+                                   prefill_kernel=True)
+    assert len(meta.groups) == 1 and meta.groups[0].kernel_q_offsets is not None
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, d ** -0.5)
+    torch.testing.assert_close(got, dense_causal(dense, seqs, h, hkv), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_rejects_bad_input() -> None:
+    op = load_kernels().prefill_attention
+    q, kc, vc, slots, offsets = _decode_inputs([3, 4], 9, 3, 16, torch.float32, torch.float32, seed=0)
+    q5 = torch.cat([q, q, q[:1]])  # 5 new tokens: 2 of the first sequence, 3 of the second
+    op(q5, kc, vc, slots, offsets, torch.tensor([0, 2, 5]), 0.25)  # fine
+    with pytest.raises(RuntimeError, match="q_offsets must cover q"):
+        op(q5, kc, vc, slots, offsets, torch.tensor([0, 2, 4]), 0.25)
+    with pytest.raises(RuntimeError, match="has 5 new tokens but 4 keys"):
+        op(q5, kc, vc, slots, torch.tensor([3, 7]), torch.tensor([0, 5]), 0.25)
+    with pytest.raises(RuntimeError, match="has no query tokens"):
+        op(q5, kc, vc, slots, offsets, torch.tensor([0, 0, 5]), 0.25)

@@ -69,13 +69,18 @@ def test_bad_prompts_rejected_before_running(smol_fp32) -> None:
     assert not smol_fp32.engine.has_work
 
 
-def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch) -> None:
-    # With the cache on, the last three conversations decode together on the cached system
-    # prompt's slots (> MIN_SHARED_PREFIX tokens): attention reads it once per step for all three
-    # (shared-prefix path) and must give the same greedy tokens as the cache-off run.
+@pytest.mark.parametrize("prefill_kernel", [False, True], ids=["sdpa-cascade", "prefill-kernel"])
+def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch, prefill_kernel: bool) -> None:
+    # With the cache on, the last three conversations prefill together on the cached system
+    # prompt's slots (> MIN_SHARED_PREFIX tokens). On SDPA (asked for explicitly) attention reads it
+    # once per step for all three (shared-prefix path); on the prefill kernel each token reads it by
+    # slot. Either way the greedy tokens must be the cache-off run's.
     from lockgate import LLM
     from lockgate.layers import attention
 
+    if prefill_kernel and not smol_fp32.engine.runner.decode_kernel:
+        pytest.skip("lockgate's CPU kernels are not loaded here")
+    monkeypatch.setattr(smol_fp32.engine.runner, "prefill_kernel", prefill_kernel)
     calls = []
     real = attention._add_prefixes
     monkeypatch.setattr(attention, "_add_prefixes", lambda *a: calls.append(len(a[5])) or real(*a))
@@ -86,7 +91,10 @@ def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch) -> None:
     first = smol_fp32.chat(convs[:1], sp)  # warms the cache with the system prompt
     on = first + smol_fp32.chat(convs[1:], sp)
     assert all(o.num_cached_tokens > attention.MIN_SHARED_PREFIX for o in on[1:])  # the system prompt was reused
-    assert calls and max(calls) == 1  # one shared prefix, attended once per layer and step
+    if not prefill_kernel:
+        assert calls and max(calls) == 1  # one shared prefix, attended once per layer and step
+    else:
+        assert not calls
     off_llm = LLM("default", dtype="float32", max_total_tokens=4096, disable_prefix_cache=True)
     off = off_llm.chat(convs, sp)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]

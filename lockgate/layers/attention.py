@@ -94,6 +94,9 @@ class AttentionGroup:
     # Decode on ``lockgate.kernels`` (``decode_attention``): each sequence's keys as CSR, read by slot.
     kernel_slots: torch.Tensor | None = None  # [N] i64
     kernel_offsets: torch.Tensor | None = None  # [Bg + 1] i64
+    # Every token of the step on ``prefill_attention``: sequence b's new tokens are rows
+    # kernel_q_offsets[b] .. [b + 1] of q, each attending causally to its keys in the CSR above.
+    kernel_q_offsets: torch.Tensor | None = None  # [Bg + 1] i64
     _additive: dict[torch.dtype, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -121,7 +124,8 @@ class AttentionMetadata:
     @staticmethod
     def build(query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray, kv_offsets: np.ndarray,
               out_slots: np.ndarray, num_queries_per_kv: int, device: torch.device | str = "cpu",
-              decode_kernel: bool = False, row_invariant: bool = False) -> AttentionMetadata:
+              decode_kernel: bool = False, row_invariant: bool = False,
+              prefill_kernel: bool = False) -> AttentionMetadata:
         """Plan arrays (numpy i64, shapes as in ``ForwardPlan``) -> tensors on ``device``.
 
         ``decode_kernel``: decoding sequences attend with ``torch.ops.lockgate.decode_attention``
@@ -129,7 +133,9 @@ class AttentionMetadata:
         ``row_invariant`` (needs ``decode_kernel``; ``--deterministic``): every token of the step,
         prefill chunks included, is one row of the decode kernel over its own keys (key 0 up to its
         position), so a token's attention is computed the same way, bitwise, whether it comes alone
-        in a decode step, in a chunk of any size or among any other sequences."""
+        in a decode step, in a chunk of any size or among any other sequences.
+        ``prefill_kernel`` (needs ``decode_kernel``; chosen by the tuning where it measures faster than
+        SDPA): the same single kernel call for the whole step, for speed."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         kv_slots = np.asarray(kv_slots, dtype=np.int64)
@@ -137,10 +143,15 @@ class AttentionMetadata:
         q_offsets = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=q_offsets[1:])
         t = torch.from_numpy(np.asarray(out_slots, dtype=np.int64)).to(device)
-        if row_invariant:
+        if row_invariant or prefill_kernel:
             if not decode_kernel:
                 raise ValueError("row-invariant attention runs on lockgate's decode attention kernel")
-            group = _build_row_group(query_lens, seq_lens, kv_slots, kv_offsets, torch.device(device))
+            dev = torch.device(device)
+            group = AttentionGroup(
+                token_idx=None, num_seqs=len(query_lens), gather=None, mask=None, q_index=None,
+                max_q=int(query_lens.max()) if len(query_lens) else 0,
+                kernel_slots=torch.from_numpy(np.ascontiguousarray(kv_slots, dtype=np.int64)).to(dev),
+                kernel_offsets=torch.from_numpy(kv_offsets).to(dev), kernel_q_offsets=torch.from_numpy(q_offsets).to(dev))
             return AttentionMetadata(out_slots=t, groups=[group], num_tokens=int(q_offsets[-1]))
         is_decode = query_lens == 1
         groups = []
@@ -250,24 +261,6 @@ def _build_kernel_group(sel: np.ndarray, whole: bool, seq_lens: np.ndarray, kv_s
         kernel_offsets=torch.from_numpy(offsets).to(device))
 
 
-def _build_row_group(query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray, kv_offsets: np.ndarray,
-                     device: torch.device) -> AttentionGroup:
-    """Every token of the step as a decode-kernel row, in step order: token i of sequence b (at
-    position seq_len - query_len + i) gets keys 0 .. that position of b's context (CSR)."""
-    first = seq_lens - query_lens + 1  # keys of each sequence's first new token
-    tok_in_seq = np.arange(int(query_lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(query_lens) - query_lens,
-                                                                              query_lens)
-    lens = np.repeat(first, query_lens) + tok_in_seq  # [T] keys of each token
-    offsets = np.zeros(lens.size + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    starts = np.repeat(kv_offsets[:-1], query_lens)  # [T] where each token's sequence context begins
-    slots = kv_slots[np.repeat(starts - offsets[:-1], lens) + np.arange(int(offsets[-1]), dtype=np.int64)]
-    return AttentionGroup(
-        token_idx=None, num_seqs=int(lens.size), gather=None, mask=None, q_index=None, max_q=1,
-        kernel_slots=torch.from_numpy(np.ascontiguousarray(slots)).to(device),
-        kernel_offsets=torch.from_numpy(offsets).to(device))
-
-
 def _shared_prefixes(gather: np.ndarray, old: np.ndarray, device: torch.device
                      ) -> tuple[list[SharedPrefix], np.ndarray]:
     """Sequences (rows of the padded gather [Bg, L]; ``old`` [Bg] = keys before each one's
@@ -326,6 +319,10 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, h, d = q.shape
     hkv = k_cache.shape[1]
     gs = h // hkv
+    if g.kernel_q_offsets is not None:  # every token, causal, each sequence's keys read by slot in place
+        o, _ = torch.ops.lockgate.prefill_attention(q, k_cache, v_cache, g.kernel_slots, g.kernel_offsets,
+                                                    g.kernel_q_offsets, scale)  # [T, H, D]
+        return o
     if g.kernel_slots is not None:  # decode, each sequence's own keys read by slot in place
         o, _ = torch.ops.lockgate.decode_attention(q, k_cache, v_cache, g.kernel_slots, g.kernel_offsets,
                                                    scale)  # [Bg, H, D] (and log-sum-exps [Bg, H], unused)

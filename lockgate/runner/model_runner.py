@@ -109,11 +109,13 @@ class ModelRunner:
             if model_cfg.tuning == "auto" and model_cfg.matmul_forms == "auto" else None
         self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
                                                 fp32, self.cpu_kernels, self._wanted_forms(model_cfg)).eval()
-        # decode attention on lockgate's kernel (else gathers + SDPA): measured with the forms
+        # decode attention on lockgate's kernel (else gathers + SDPA), and prefill attention on it
+        # too (else SDPA): measured with the forms
         self.decode_kernel: bool = self.cpu_kernels
-        self.tuned = self._choose_forms(model_cfg)
+        self.prefill_kernel: bool = False
         # --deterministic: every token's attention is a decode-kernel row (AttentionMetadata.build)
         self.row_invariant: bool = model_cfg.deterministic
+        self.tuned = self._choose_forms(model_cfg)
         if self.row_invariant:
             self._check_deterministic()
         args = self.model.args
@@ -225,6 +227,7 @@ class ModelRunner:
             info = self._measured(cfg.tuning == "refresh")
             choices = {role: FormChoice.parse(text) for role, text in info["choices"].items()}
             self.decode_kernel = self.cpu_kernels and info.get("attention", "kernel") == "kernel"
+            self.prefill_kernel = self.decode_kernel and info.get("prefill_attention", "sdpa") == "kernel"
             source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
         self.model.choose_forms(choices)
         if cfg.fp32_matmul_rows not in ("auto", "off"):
@@ -237,10 +240,12 @@ class ModelRunner:
         lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning.notable_flags(cpu['flags'])}, "
                  f"{torch.get_num_threads()} threads, {self.dtype}, int-gemm path {int_gemm_isa() or 'not built'}):"]
         lines += [f"  {role:<8} {roles[role][0].choice.describe()}" for role in roles]
-        lines.append(f"  decode attention: {'lockgate kernel' if self.decode_kernel else 'gathers + SDPA'}")
+        lines.append(f"  decode attention: {'lockgate kernel' if self.decode_kernel else 'gathers + SDPA'}; "
+                     f"prefill attention: {'lockgate kernel' if self.prefill_kernel or self.row_invariant else 'SDPA'}")
         log.info("\n".join(lines))
         return {**info, "choices": {role: str(lins[0].choice) for role, lins in roles.items()},
-                "decode_attention": "kernel" if self.decode_kernel else "sdpa", "source": source,
+                "decode_attention": "kernel" if self.decode_kernel else "sdpa",
+                "prefill_attention": "kernel" if self.prefill_kernel else "sdpa", "source": source,
                 "int_gemm_isa": int_gemm_isa()}
 
     def _measured(self, refresh: bool) -> dict[str, Any]:
@@ -257,9 +262,13 @@ class ModelRunner:
             samples = tuning.measure_forms(roles, self.dtype) if any(len(f) > 1 for f in forms.values()) else {}
             attention = tuning.measure_attention(args.num_heads, args.num_kv_heads, args.head_dim, self.dtype,
                                                  args.num_layers) if self.cpu_kernels else {}
+            prefill = tuning.measure_prefill_attention(args.num_heads, args.num_kv_heads, args.head_dim,
+                                                       self.dtype) if self.cpu_kernels else {}
             choices = tuning.decide(samples)
             return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
-                    "attention_ms": attention, "attention": tuning.decide_attention(attention), "forms": forms}
+                    "attention_ms": attention, "attention": tuning.decide_attention(attention),
+                    "prefill_attention_ms": prefill, "prefill_attention": tuning.decide_prefill_attention(prefill),
+                    "forms": forms}
 
         data, hit = tuning.cached(self._forms_key, measure, refresh=refresh)
         return {**data, "cached": hit}
@@ -287,7 +296,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.kv_slots, plan.kv_offsets,
                                        plan.out_slots, self.model.args.num_queries_per_kv, dev, self.decode_kernel,
-                                       self.row_invariant)
+                                       self.row_invariant, self.prefill_kernel)
         s = int(plan.sample_rows.shape[0])
         rows = None
         if s:

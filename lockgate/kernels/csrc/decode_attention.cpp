@@ -10,6 +10,15 @@
 //   out      [B, H, D]      q's dtype: softmax(scale * q k^T) v over the sequence's keys
 //   lse      [B, H]         float32: log-sum-exp of the scaled scores (to merge partial results)
 //
+// lockgate::prefill_attention(q, k_cache, v_cache, slots, offsets, q_offsets, scale) -> (out, lse)
+//
+//   q          [T, H, D]    every new token of the step; sequence b's are rows q_offsets[b] .. q_offsets[b+1]
+//   q_offsets  [B+1] int64  (CSR over q); Q_b = q_offsets[b+1] - q_offsets[b] >= 1, Q_b <= the keys of b
+//   out [T, H, D], lse [T, H]: token i of sequence b (the last Q_b of its n_b keys are the new
+//   tokens) attends to keys 0 .. n_b - Q_b + i: causal, each token one row of the computation below
+//   over its own keys, so a token's result is bitwise what decode_attention gives it as a sequence
+//   of its own with those keys (the same chunks, the same merge), whatever else is in the step.
+//
 // One query token per sequence, every key visible (decode). Query heads h = kv * G + g share
 // kv head kv (GQA, G = H / Hkv). A work item is (sequence, kv head, key chunk): it reads each
 // key's K and V row once, straight from the pool by slot (no gathered copy, no padding to the
@@ -52,7 +61,7 @@ inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, c10::BFloat16* out) { *out = lockgate::to_bf16(x); }  // round to nearest even
 
 struct Item {
-  int64_t seq, kv, begin, end;  // keys [begin, end) of the sequence's slot list
+  int64_t seq, kv, base, begin, end;  // query row seq; keys slots[base + begin .. base + end)
 };
 
 // Keys per work item: a fixed number, whatever the batch and the thread count, so that a
@@ -64,12 +73,13 @@ struct Item {
 // less to merge than its 128 K and V rows cost to read.
 constexpr int64_t kChunkKeys = 128;
 
-std::vector<Item> plan_items(const int64_t* off, int64_t b, int64_t hkv) {
+// Query row r's keys are slots[base[r] .. base[r] + count[r]).
+std::vector<Item> plan_items(const std::vector<int64_t>& base, const std::vector<int64_t>& count, int64_t hkv) {
   std::vector<Item> items;
-  for (int64_t s = 0; s < b; ++s) {
-    const int64_t n = off[s + 1] - off[s];
+  for (int64_t s = 0; s < static_cast<int64_t>(base.size()); ++s) {
+    const int64_t n = count[s];
     for (int64_t kv = 0; kv < hkv; ++kv) {
-      for (int64_t j = 0; j < n; j += kChunkKeys) items.push_back({s, kv, j, std::min(j + kChunkKeys, n)});
+      for (int64_t j = 0; j < n; j += kChunkKeys) items.push_back({s, kv, base[s], j, std::min(j + kChunkKeys, n)});
     }
   }
   return items;
@@ -284,7 +294,7 @@ void attend_generic(const float* qf, const TKV* kc, const TKV* vc, const int64_t
 
 template <typename TQ, typename TKV>
 void attend_item(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, const TKV* kc, const TKV* vc,
-                 const int64_t* slots, const int64_t* off, int64_t hkv, int64_t g, int64_t d, float scale,
+                 const int64_t* slots, int64_t hkv, int64_t g, int64_t d, float scale,
                  float* part, std::vector<float>& scratch) {
   const int64_t n = it.end - it.begin;
   scratch.resize(static_cast<size_t>(g * d + d + g * n));
@@ -292,7 +302,7 @@ void attend_item(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, const 
   float* row = qf + g * d;     // [D] one key or value row, widened (generic path)
   float* sc = row + d;         // [G, n] scores, then probabilities
   load_queries(it, q, q_s0, q_s1, g, d, scale, qf);
-  const int64_t* sl = slots + off[it.seq] + it.begin;
+  const int64_t* sl = slots + it.base + it.begin;
 #if defined(__AVX512F__)
   if (d == 64) return attend_avx512<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
   if (d == 128) return attend_avx512<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
@@ -306,10 +316,10 @@ void attend_item(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, const 
 
 template <typename TQ, typename TKV>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-         const at::Tensor& offsets, double scale, at::Tensor& out, at::Tensor& lse) {
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1), g = h / hkv;
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  const std::vector<Item> items = plan_items(off, b, hkv);
+         const std::vector<int64_t>& base, const std::vector<int64_t>& count, double scale, at::Tensor& out,
+         at::Tensor& lse) {
+  const int64_t h = q.size(1), d = q.size(2), hkv = k_cache.size(1), g = h / hkv;
+  const std::vector<Item> items = plan_items(base, count, hkv);
   const int64_t ni = static_cast<int64_t>(items.size());
   std::vector<float> parts(static_cast<size_t>(ni * g * (d + 2)));
   const TQ* qp = q.data_ptr<TQ>();
@@ -319,7 +329,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, ni, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
-      attend_item<TQ, TKV>(items[i], qp, q.stride(0), q.stride(1), kc, vc, sl, off, hkv, g, d,
+      attend_item<TQ, TKV>(items[i], qp, q.stride(0), q.stride(1), kc, vc, sl, hkv, g, d,
                            static_cast<float>(scale), parts.data() + i * g * (d + 2), scratch);
     }
   });
@@ -361,44 +371,91 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 namespace lockgate {
 
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                                    const at::Tensor& v_cache, const at::Tensor& slots,
-                                                    const at::Tensor& offsets, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with a contiguous last dim");
+namespace {
+
+void check_pool(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                const char* name) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, name, ": q must be [T, H, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
-              "k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
-  TORCH_CHECK(q.size(2) == k_cache.size(2), "head dim of q and the pool differ");
+              name, ": k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), name, ": k_cache and v_cache dtypes differ");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), name, ": head dim of q and the pool differ");
   TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
-              "query heads must be a positive multiple of kv heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  offsets.is_contiguous() && offsets.dim() == 1 && offsets.size(0) == q.size(0) + 1,
-              "slots [N] and offsets [B + 1] must be contiguous int64");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "decode_attention is a CPU kernel");
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  for (int64_t s = 0; s < q.size(0); ++s) {
-    TORCH_CHECK(off[s + 1] > off[s] && off[s] >= 0 && off[s + 1] <= slots.size(0),
-                "sequence ", s, " has no keys or its offsets leave slots");
-  }
+              name, ": query heads must be a positive multiple of kv heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              name, ": slots must be contiguous int64 [N]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), name, " is a CPU kernel");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t n = slots.size(0), capacity = k_cache.size(0);
   bool in_pool = true;
   for (int64_t i = 0; i < n; ++i) in_pool &= sl[i] >= 0 && sl[i] < capacity;  // O(N), vectorised
-  TORCH_CHECK(in_pool, "a slot is outside the pool of ", capacity, " slots");
+  TORCH_CHECK(in_pool, name, ": a slot is outside the pool of ", capacity, " slots");
+}
+
+const int64_t* checked_offsets(const at::Tensor& offsets, int64_t rows, int64_t limit, const char* what,
+                               const char* array) {
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.dim() == 1 &&
+                  offsets.size(0) == rows + 1,
+              "the offsets of ", what, " must be contiguous int64 [B + 1]");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(rows == 0 || (off[0] >= 0 && off[rows] <= limit), "the offsets leave ", array);
+  for (int64_t s = 0; s < rows; ++s) TORCH_CHECK(off[s + 1] > off[s], "sequence ", s, " has no ", what);
+  return off;
+}
+
+std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& q, const at::Tensor& k_cache,
+                                            const at::Tensor& v_cache, const at::Tensor& slots,
+                                            const std::vector<int64_t>& base, const std::vector<int64_t>& count,
+                                            double scale, const char* name) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   if (qt == at::kFloat && kt == at::kFloat) {
-    run<float, float>(q, k_cache, v_cache, slots, offsets, scale, out, lse);
+    run<float, float>(q, k_cache, v_cache, slots, base, count, scale, out, lse);
   } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
-    run<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, slots, offsets, scale, out, lse);
+    run<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, slots, base, count, scale, out, lse);
   } else if (qt == at::kFloat && kt == at::kBFloat16) {
-    run<float, c10::BFloat16>(q, k_cache, v_cache, slots, offsets, scale, out, lse);
+    run<float, c10::BFloat16>(q, k_cache, v_cache, slots, base, count, scale, out, lse);
   } else {
-    TORCH_CHECK(false, "decode_attention: unsupported dtypes q ", qt, " / pool ", kt);
+    TORCH_CHECK(false, name, ": unsupported dtypes q ", qt, " / pool ", kt);
   }
   return {out, lse};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                    const at::Tensor& v_cache, const at::Tensor& slots,
+                                                    const at::Tensor& offsets, double scale) {
+  check_pool(q, k_cache, v_cache, slots, "decode_attention");
+  const int64_t b = q.size(0);
+  const int64_t* off = checked_offsets(offsets, b, slots.size(0), "keys", "slots");
+  std::vector<int64_t> base(off, off + b), count(static_cast<size_t>(b));
+  for (int64_t s = 0; s < b; ++s) count[s] = off[s + 1] - off[s];
+  return dispatch(q, k_cache, v_cache, slots, base, count, scale, "decode_attention");
+}
+
+std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                     const at::Tensor& v_cache, const at::Tensor& slots,
+                                                     const at::Tensor& offsets, const at::Tensor& q_offsets,
+                                                     double scale) {
+  check_pool(q, k_cache, v_cache, slots, "prefill_attention");
+  const int64_t b = offsets.size(0) - 1;
+  TORCH_CHECK(b >= 0, "prefill_attention: offsets must have B + 1 entries");
+  const int64_t* off = checked_offsets(offsets, b, slots.size(0), "keys", "slots");
+  const int64_t* qo = checked_offsets(q_offsets, b, q.size(0), "query tokens", "q");
+  TORCH_CHECK(b == 0 ? q.size(0) == 0 : (qo[0] == 0 && qo[b] == q.size(0)), "prefill_attention: q_offsets must cover q");
+  std::vector<int64_t> base(static_cast<size_t>(q.size(0))), count(static_cast<size_t>(q.size(0)));
+  for (int64_t s = 0; s < b; ++s) {
+    const int64_t nq = qo[s + 1] - qo[s], nk = off[s + 1] - off[s];
+    TORCH_CHECK(nq <= nk, "prefill_attention: sequence ", s, " has ", nq, " new tokens but ", nk, " keys");
+    for (int64_t i = 0; i < nq; ++i) {
+      base[qo[s] + i] = off[s];
+      count[qo[s] + i] = nk - nq + 1 + i;
+    }
+  }
+  return dispatch(q, k_cache, v_cache, slots, base, count, scale, "prefill_attention");
 }
 
 }  // namespace lockgate
@@ -406,6 +463,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor offsets, float scale)"
         " -> (Tensor, Tensor)");
+  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor offsets, "
+        "Tensor q_offsets, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_attention", &lockgate::decode_attention); }
+TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
+  m.impl("decode_attention", &lockgate::decode_attention);
+  m.impl("prefill_attention", &lockgate::prefill_attention);
+}

@@ -14,6 +14,10 @@ namespace lockgate {
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& slots,
                                                     const at::Tensor& offsets, double scale);
+std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                     const at::Tensor& v_cache, const at::Tensor& slots,
+                                                     const at::Tensor& offsets, const at::Tensor& q_offsets,
+                                                     double scale);
 // fused_ops.cpp
 at::Tensor add_rms_norm_(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
                          double eps);
