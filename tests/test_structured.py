@@ -128,6 +128,8 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_state(sim_gr
     ({"json_schema": json.dumps(RECORD)}, "json"),  # SGLang's
     ({"regex": "x"}, "regex"),
     ({"ebnf": 'root ::= "x"'}, "lark"),
+    ({"structured_outputs": {"json": RECORD, "whitespace_pattern": "[ ]?"}}, "json"),
+    ({"guided_json": RECORD, "guided_whitespace_pattern": r"\s*"}, "json"),
 ])
 def test_every_api_field_for_a_constraint_is_read(fields, kind) -> None:
     for model, base in ((CompletionRequest, {"prompt": "hi"}),
@@ -148,6 +150,9 @@ def test_no_constraint_two_constraints_and_unsupported_ones() -> None:
                            ({"response_format": {"type": "xml"}}, "response_format.type must be one of"),
                            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema is required"),
                            ({"guided_choice": []}, "non-empty list"),
+                           ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "applies to a JSON constraint"),
+                           ({"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}},
+                            "applies to a JSON constraint"),
                            ({"structural_tag": {"x": 1}}, "structural_tag is not supported")):
         with pytest.raises(ValueError, match=needle):
             CompletionRequest.model_validate({**base, **fields})
@@ -293,6 +298,16 @@ def test_bad_constraints_are_refused_before_queueing_and_nothing_else_suffers() 
         r = httpx.post(ok.url + "/generate", json={"inputs": "hi", "parameters": {
             "max_new_tokens": 20, "grammar": {"type": "regex", "value": "[a-c]{4}"}}})
         assert re.fullmatch("[a-c]{4}", r.json()["generated_text"])
+        # vLLM's whitespace options: compact by default (", " and ": "), none at all, or a pattern
+        texts = {}
+        for name, so in (("default", {"json": schema}), ("none", {"json": schema, "disable_any_whitespace": True}),
+                         ("pattern", {"json": schema, "whitespace_pattern": "[ ]{2}"})):
+            r = c.completions.create(model="sim", prompt="hi", max_tokens=60, extra_body={"structured_outputs": so})
+            texts[name] = r.choices[0].text
+            jsonschema.validate(json.loads(texts[name]), schema)
+        assert ", " in texts["default"] and ": " in texts["default"]
+        assert " " not in texts["none"]
+        assert "  " in texts["pattern"] and not re.search(r"(?<! ) (?! )", texts["pattern"])  # spaces only in pairs
     finally:
         s.stop()
         ok.stop()

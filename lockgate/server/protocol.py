@@ -120,23 +120,47 @@ def _response_format(v: dict[str, Any]) -> StructuredOutput | None:
     raise ValueError(f"response_format.type must be one of text, json_object, json_schema, got {kind!r:.40}")
 
 
-_VLLM_SO_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "backend",
-                    "_backend", "_backend_was_auto"}  # engine hints lockgate has no use for
+_VLLM_SO_OPTIONS = {"disable_fallback", "disable_additional_properties", "backend", "_backend",
+                    "_backend_was_auto"}  # engine hints lockgate has no use for (they do not change a valid output)
+
+
+def _json_whitespace(so: StructuredOutput, where: str, pattern: Any = None, none: bool = False) -> StructuredOutput:
+    """A JSON constraint with vLLM's whitespace options: ``whitespace_pattern`` (a regex for the
+    whitespace allowed between JSON tokens) or ``disable_any_whitespace`` (none at all), written into
+    the schema's ``x-guidance`` options (llguidance's own place for them)."""
+    if (pattern is None and not none) or (pattern is None and so.kind != "json"):
+        return so  # (no whitespace to take away outside JSON: disable_any_whitespace changes nothing there)
+    if so.kind != "json":
+        raise ValueError(f"{where} applies to a JSON constraint only")
+    if pattern is not None and not isinstance(pattern, str):
+        raise ValueError(f"{where} must be a regex string")
+    schema = json.loads(so.value) if so.value.lstrip().startswith("{") else None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} needs the JSON schema to be an object")
+    opts = {"item_separator": ",", "key_separator": ":"}
+    opts |= {"whitespace_flexible": True, "whitespace_pattern": pattern} if pattern is not None else \
+        {"whitespace_flexible": False}
+    schema["x-guidance"] = {**(schema.get("x-guidance") or {}), **opts}
+    return StructuredOutput("json", json.dumps(schema))
 
 
 def _structured_outputs(v: dict[str, Any]) -> StructuredOutput | None:
-    """vLLM's ``structured_outputs`` object: exactly one of json, regex, choice, grammar, json_object."""
-    given = {k: x for k, x in v.items() if x is not None and x is not False and k not in _VLLM_SO_OPTIONS}
+    """vLLM's ``structured_outputs`` object: exactly one of json, regex, choice, grammar, json_object,
+    with ``whitespace_pattern`` or ``disable_any_whitespace`` for JSON."""
+    pattern, none = v.get("whitespace_pattern"), bool(v.get("disable_any_whitespace"))
+    given = {k: x for k, x in v.items() if x is not None and x is not False and k not in _VLLM_SO_OPTIONS
+             and k not in ("whitespace_pattern", "disable_any_whitespace")}
     for k in given:
         if k not in ("json", "regex", "choice", "grammar", "json_object"):
             raise ValueError(f"structured_outputs.{k} is not supported by lockgate (supported: json, regex, "
-                             "choice, grammar, json_object)")
+                             "choice, grammar, json_object, whitespace_pattern, disable_any_whitespace)")
     if len(given) > 1:
         raise ValueError(f"structured_outputs takes one constraint, got {', '.join(sorted(given))}")
     if not given:
         return None
     (k, x), = given.items()
-    return _constraint(k, x, f"structured_outputs.{k}")
+    return _json_whitespace(_constraint(k, x, f"structured_outputs.{k}"), "structured_outputs.whitespace_pattern",
+                            pattern, none)
 
 
 def _constraint(kind: str, v: Any, where: str) -> StructuredOutput:
@@ -179,7 +203,7 @@ class _SamplingFields(_Model):
 
     _refused = {
         "functions": _empty, "logit_bias": _empty, "lora_request": _empty, "function_call": lambda v: v == "none",
-        "structural_tag": _empty, "guided_whitespace_pattern": _empty,
+        "structural_tag": _empty,
     }
 
     @model_validator(mode="before")
@@ -196,10 +220,15 @@ class _SamplingFields(_Model):
         if len(found) > 1:
             raise ValueError(f"only one output constraint per request, got {', '.join(found)}")
         # (a client cannot set the parsed fields themselves)
-        data = {k: v for k, v in data.items() if k not in _CONSTRAINTS and k not in ("structured", "structured_field")}
+        pattern = data.get("guided_whitespace_pattern")  # vLLM's older field, beside guided_json
+        data = {k: v for k, v in data.items()
+                if k not in _CONSTRAINTS and k not in ("structured", "structured_field", "guided_whitespace_pattern")}
         if found:
             (name, so), = found.items()
-            data["structured"], data["structured_field"] = so, name
+            data["structured"] = _json_whitespace(so, "guided_whitespace_pattern", pattern)
+            data["structured_field"] = name
+        elif pattern is not None:
+            raise ValueError("guided_whitespace_pattern applies to a JSON constraint only")
         return data
 
     structured: StructuredOutput | None = None  # from one of _CONSTRAINTS' fields
