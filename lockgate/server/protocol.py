@@ -137,7 +137,7 @@ def _json_whitespace(so: StructuredOutput, where: str, pattern: Any = None, none
     schema = json.loads(so.value) if so.value.lstrip().startswith("{") else None
     if not isinstance(schema, dict):
         raise ValueError(f"{where} needs the JSON schema to be an object")
-    opts = {"item_separator": ",", "key_separator": ":"}
+    opts: dict[str, Any] = {"item_separator": ",", "key_separator": ":"}
     opts |= {"whitespace_flexible": True, "whitespace_pattern": pattern} if pattern is not None else \
         {"whitespace_flexible": False}
     schema["x-guidance"] = {**(schema.get("x-guidance") or {}), **opts}
