@@ -306,6 +306,8 @@ class Scheduler:
                 if node is not None:
                     self.ledger.unlock(node)
                 deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.SHARE_MAX_DEFERRED:  # a burst on one prefix: look no further this step
+                    break
                 continue
             n = min(cand.prefill_len - matched, budget)
             trial = charges.copy()
@@ -329,6 +331,7 @@ class Scheduler:
         return budget
 
     SHARE_MIN_TOKENS = 64
+    SHARE_MAX_DEFERRED = 64  # candidates set aside per step before admission stops looking
 
     def _shares_inflight(self, cand: Request, matched: int) -> bool:
         """True if a running request still prefilling will put at least ``SHARE_MIN_TOKENS`` of
