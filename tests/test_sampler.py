@@ -556,3 +556,14 @@ def test_grammar_mask_restricts_only_its_rows_and_leaves_logprobs_raw(temperatur
         assert torch.allclose(out.logprobs, want, atol=1e-6)
     if temperature == 0.0:
         assert t[1] == max(ok[0], key=lambda i: float(x[1, i]))
+
+
+def test_top_logprobs_survive_nan_and_minus_inf_logits() -> None:
+    """A row with NaN (a broken model step) must not crash the whole batch's sampling; rows with many
+    -inf (masked) entries still list their finite tokens first."""
+    x = torch.randn(3, 50, generator=gen(3))
+    x[1, 5] = float("nan")
+    x[2, :] = float("-inf")
+    x[2, 7] = 0.0
+    _, _, top_ids, top_lp = sample(x, make_batch(3, temperature=0.0, num_logprobs=4)).to_numpy()
+    assert top_ids.shape == (3, 4) and top_ids[2, 0] == 7 and np.isinf(top_lp[2, 1:]).all()

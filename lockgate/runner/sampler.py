@@ -312,7 +312,9 @@ def _top_by_value_then_id(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     above = raw > kth  # [S, V]: all of these are in
     tied = raw == kth  # [S, V]: the lowest-id ones fill the rest
     room = k - above.sum(dim=-1, keepdim=True)  # [S, 1], >= 1
-    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # [S, V], exactly k per row
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # [S, V], exactly k per row ...
+    if int(chosen.sum()) != s * k:  # ... unless a row holds NaN (compares false): topk's own order then
+        return torch.topk(raw, k, dim=-1)
     ids = chosen.nonzero()[:, 1].view(s, k)  # [S, K], ascending ids
     vals = raw.gather(1, ids)
     order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # stable: ties stay by id
