@@ -221,11 +221,66 @@ class SchedulerConfig:
                              f"{self.speculative_ngram_min} and {self.speculative_ngram_max}")
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}``
+    -> (name, path)."""
+    import json
+
+    t = str(text).strip()
+    if t.startswith("{"):
+        try:
+            obj = json.loads(t)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {text!r}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+            raise ValueError(f"--lora-modules {text!r}: the JSON form needs string fields 'name' and 'path'")
+        name, path = obj["name"].strip(), obj["path"].strip()
+    else:
+        name, sep, path = t.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep:
+            raise ValueError(f"--lora-modules {text!r}: expected name=path (or JSON with name and path)")
+    if not name or not path:
+        raise ValueError(f"--lora-modules {text!r}: the adapter's name and path must both be non-empty")
+    return name, path
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enable_lora: bool = option(True, "serve LoRA adapters (vLLM's flag; on by default: adapters cost nothing "
+                               "until a request names one); --no-enable-lora refuses adapter loads")
+    lora_modules: tuple[str, ...] = option((), "LoRA adapters to load at start, each name=path to a PEFT adapter "
+                                           "directory (adapter_config.json + adapter_model.safetensors) or vLLM's "
+                                           'JSON {"name": ..., "path": ...}; requests choose one by model name',
+                                           nargs="+")
+    max_loras: int = option(4, "adapters one batch can mix (the runner's adapter slots; a request whose adapter "
+                            "finds every slot busy waits for one)")
+    max_lora_rank: int = option(64, "largest LoRA rank accepted at load")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        names = [parse_lora_module(m)[0] for m in self.lora_modules]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"--lora-modules names {dup} more than once")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs LoRA enabled (drop --no-enable-lora)")
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+
+    @property
+    def modules(self) -> list[tuple[str, str]]:
+        return [parse_lora_module(m) for m in self.lora_modules]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @staticmethod
     def build(**flat: Any) -> EngineConfig:
@@ -266,6 +321,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
             kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "").replace("%", "%%")}  # argparse %-formats help
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
+            if "nargs" in f.metadata:  # a tuple of strings
+                kw["nargs"], tp = f.metadata["nargs"], str
             if tp is bool:  # off by default: a plain switch; on by default: --no-... turns it off
                 kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
             else:
@@ -291,6 +348,8 @@ def config_to_args(cfg: Any, cls: type | None = None) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            args += [flag, *map(str, value)]
         else:
             args += [flag, str(value)]
     return args

@@ -4,11 +4,13 @@ Owns nothing of its own but the glue: it tokenizes, submits to the same ``Engine
 (scheduler + runner) the server uses, steps it until every request is done, detokenizes
 incrementally (stop strings included) and returns vLLM-shaped ``RequestOutput`` objects in
 the order of the inputs. A prompt that can never run (too long for the context or the KV
-pool) raises ``ValueError`` before anything runs.
+pool, or names an adapter that is not loaded) raises ``ValueError`` before anything runs.
+LoRA: ``LLM(..., lora_modules=("name=path",))`` or ``load_lora``, then ``generate(..., lora=name)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -17,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import EngineConfig, read_chat_template
 from lockgate.engine.core import EngineCore
 from lockgate.sampling import SamplingParams
@@ -70,7 +73,9 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """``lora``: the LoRA adapter (by name: ``--lora-modules`` / ``load_lora``) for every prompt,
+        or one per prompt (None: the base model)."""
         if prompts is None and prompt_token_ids is None:
             raise ValueError("give prompts or prompt_token_ids")
         texts: list[str | None]
@@ -81,19 +86,39 @@ class LLM:
             assert prompt_token_ids is not None
             ids = [list(p) for p in prompt_token_ids]
             texts = [None] * len(ids)
-        params = self._params(sampling_params, len(ids))
+        params = self._with_lora(self._params(sampling_params, len(ids)), lora)
         return self._run(texts, ids, params, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         convs: list[list[Message]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[assignment,list-item]
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        params = self._params(sampling_params, len(ids))
+        params = self._with_lora(self._params(sampling_params, len(ids)), lora)
         return self._run(list(texts), ids, params, use_tqdm)
 
+    def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Load the PEFT adapter at ``path`` as ``name`` (ValueError saying what is wrong)."""
+        return self.engine.load_adapter(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if name not in self.engine.adapters:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        self.engine.unload_adapter(name)
+
     # ---- internals -------------------------------------------------------------------
+    def _with_lora(self, params: list[SamplingParams], lora: str | Sequence[str | None] | None) -> list[SamplingParams]:
+        if lora is None:
+            return params
+        names = [lora] * len(params) if isinstance(lora, str) else list(lora)
+        if len(names) != len(params):
+            raise ValueError(f"got {len(names)} adapters for {len(params)} prompts")
+        for name in names:
+            if name is not None and name not in self.engine.adapters:
+                raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {', '.join(sorted(self.engine.adapters)) or 'none'})")
+        return [p if n is None else dataclasses.replace(p, lora=n) for p, n in zip(params, names, strict=True)]
+
     @staticmethod
     def _params(p: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if p is None:

@@ -98,6 +98,9 @@ class ForwardPlan:
     kv_offsets: np.ndarray  # i64 [B + 1]
     sample_rows: np.ndarray  # i64 [S], indices into [0, B)
     sampling: SamplingBatch
+    # LoRA: per sequence the runner slot of its adapter (-1: the base model) [B]; empty when no
+    # sequence of the step uses an adapter. Slots are filled before the step (``AdapterSlots``).
+    lora_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, I64))
 
     @property
     def num_seqs(self) -> int:
@@ -130,6 +133,7 @@ class ForwardPlan:
             assert off.shape == (sb.size + 1,) and int(off[-1]) == ids.shape[0], name
         assert sb.allowed.ndim == 2 and sb.allowed.shape[0] == sb.allowed_rows.shape[0]
         assert np.all((sb.allowed_rows >= 0) & (sb.allowed_rows < sb.size))
+        assert self.lora_slots.shape in ((0,), (self.num_seqs,))
 
 
 @dataclass

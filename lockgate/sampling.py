@@ -87,6 +87,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: chosen token only; N: chosen + top N
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrained decoding: the output matches this
+    lora: str | None = None  # the LoRA adapter (its name) to run under; None: the base model
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +124,8 @@ class SamplingParams:
              f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}), got {list(self.stop_token_ids)!r:.80}")
         need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        need(self.lora is None or (isinstance(self.lora, str) and bool(self.lora) and is_text(self.lora)),
+             f"lora must be an adapter's name, got {self.lora!r}")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

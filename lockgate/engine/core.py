@@ -5,22 +5,32 @@ schedule -> execute -> update. Callers (the scheduler process, the offline ``LLM
 this object's methods, never the scheduler behind it. The offline ``LLM`` drives it in-process; the server's
 scheduler process drives the very same object from its event loop (docs/design.md, habit 12).
 
+LoRA adapters (``load_adapter`` / ``unload_adapter``, ``--lora-modules`` at start): the engine
+names them (a fresh number per load: the prefix-cache namespace, so a name loaded again never
+reuses KV computed under its old weights), the runner reads and keeps their weights, the
+scheduler puts them into the runner's ``--max-loras`` slots. An unloaded adapter takes no new
+requests; its weights go once no request that named it is left.
+
 Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
 #queue-req; decode: #running-req, #token, gen throughput) are kept here.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
+from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import EngineConfig
 from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
+from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.request import Request
 from lockgate.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats, StepOutput
 from lockgate.tokenizer.tokenizer import load_tokenizer
@@ -47,6 +57,16 @@ class EngineCore:
                                    max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed)
         self.check = check_invariants
+        # LoRA: name -> (number, what was loaded); numbers of unloaded adapters whose weights wait
+        # for their last request
+        self.adapters: dict[str, tuple[int, AdapterInfo]] = {}
+        self._adapter_uids = itertools.count(1)
+        self._unloading: set[int] = set()
+        if cfg.lora.enable_lora:
+            self.runner.enable_lora(cfg.lora.max_loras, cfg.lora.max_lora_rank)
+            self.scheduler.lora = AdapterSlots(cfg.lora.max_loras, self.runner.put_adapter)
+            for name, path in cfg.lora.modules:
+                self.load_adapter(name, path)
         self._grammars: GrammarCompiler | None = None
         # constrained decoding's own cost: steps with grammar rows, those rows, seconds filling their masks
         self.grammar_steps = self.grammar_rows = 0
@@ -62,6 +82,11 @@ class EngineCore:
     def add_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams,
                     rid: str | None = None) -> Request:
         req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params)
+        if params.lora is not None:
+            if params.lora not in self.adapters:
+                raise RequestRejected(f"unknown LoRA adapter {params.lora!r} (loaded: "
+                                      f"{', '.join(sorted(self.adapters)) or 'none'})")
+            req.adapter = self.adapters[params.lora][0]
         if params.structured is not None:
             try:
                 req.grammar = self.grammars.matcher(params.structured)
@@ -69,6 +94,49 @@ class EngineCore:
                 raise RequestRejected(str(e)) from None
         self.scheduler.submit(req)
         return req
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        """Read, check and register the PEFT adapter at ``path`` as ``name``; ValueError saying why
+        not (LoRA off, the name taken, or what is wrong with the files). Other adapters and the
+        requests in flight are not affected either way. ``replace``: an adapter already named so
+        is swapped for this one once it loaded (its running requests finish on the old weights)."""
+        if not self.cfg.lora.enable_lora:
+            raise ValueError("LoRA adapters are disabled (--no-enable-lora)")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("a LoRA adapter needs a non-empty name")
+        if name in self.adapters and not replace:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
+        uid = next(self._adapter_uids)
+        info = self.runner.load_adapter(uid, name, path)
+        if name in self.adapters:
+            self.unload_adapter(name)
+        self.adapters[name] = (uid, info)
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop taking requests for ``name`` (KeyError if it is not loaded); its weights go once
+        no request that named it is left."""
+        uid, _ = self.adapters.pop(name)
+        self._unloading.add(uid)
+        self._reap_adapters()
+
+    def _reap_adapters(self) -> None:
+        if not self._unloading:
+            return
+        sched = self.scheduler
+        used = {r.adapter for r in sched.running} | {r.adapter for r in sched.waiting}
+        for uid in list(self._unloading):
+            if uid not in used and (sched.lora is None or sched.lora.forget(uid)):
+                self.runner.drop_adapter(uid)
+                self._unloading.discard(uid)
+
+    def adapter_load(self) -> dict[str, tuple[int, int]]:
+        """Per loaded adapter: (running, waiting) requests."""
+        names = {uid: name for name, (uid, _) in self.adapters.items()}
+        running = Counter(names.get(r.adapter) for r in self.scheduler.running if r.adapter)
+        waiting = Counter(names.get(r.adapter) for r in self.scheduler.waiting if r.adapter)
+        return {name: (running.get(name, 0), waiting.get(name, 0)) for name in self.adapters}
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -127,6 +195,7 @@ class EngineCore:
             self.grammar_seconds += sb.allowed_seconds
         self.last_step = StepInfo(len(step.rows), step.num_new_seqs, step.num_prefill_tokens, step.num_decode,
                                   time.perf_counter() - t0, step.num_cached_tokens, step.num_generated)
+        self._reap_adapters()
         if self.check:
             self.scheduler.check_invariants()
         return outs

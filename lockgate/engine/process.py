@@ -41,16 +41,20 @@ from lockgate.ipc.channel import Receiver, Sender
 from lockgate.ipc.child import WATCHDOG_EXIT_CODE, SchedulerProcArgs, child_startup
 from lockgate.ipc.messages import (
     AbortRequest,
+    AdapterCard,
+    AdapterReply,
     AddRequest,
     EngineStats,
     Fatal,
     Heartbeat,
+    LoadAdapter,
     Ready,
     Register,
     Shutdown,
     StepBatch,
     TokenOut,
     ToScheduler,
+    UnloadAdapter,
 )
 from lockgate.scheduler.request import FinishReason, Request
 from lockgate.scheduler.scheduler import RequestRejected, StepOutput
@@ -122,7 +126,7 @@ class SchedulerProcess:
         self.out.send(Ready(model=args.model_name, model_dir=str(getattr(r, "model_dir", "") or "") or None,
                             max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,
                             eos_token_ids=list(r.eos_token_ids), dtype=str(getattr(r, "dtype", "sim")),
-                            scheduler_pid=os.getpid()))
+                            scheduler_pid=os.getpid(), adapters=self._adapter_cards()))
 
     def _heartbeats(self) -> None:
         """A side thread with its own socket tells the detokenizer (and so the API) every second that
@@ -171,11 +175,33 @@ class SchedulerProcess:
             elif isinstance(m, AbortRequest):
                 if self.engine.abort(m.rid) is not None:
                     self.pending.append(self._token_out(m.rid, None, FinishReason.ABORT))
+            elif isinstance(m, LoadAdapter | UnloadAdapter):
+                self.adapter_change(m)
             else:
                 log.info("shutdown requested; aborting %d running and %d waiting requests",
                          len(self.engine.running), self.engine.num_waiting)
                 return False
         return True
+
+    def _adapter_cards(self) -> list[AdapterCard]:
+        return [AdapterCard(name, info.path, info.rank, info.modules) for name, (_, info) in self.engine.adapters.items()]
+
+    def adapter_change(self, m: LoadAdapter | UnloadAdapter) -> None:
+        """Load or unload a LoRA adapter between steps; the answer goes back to the API (an error
+        there changes nothing and leaves every request running)."""
+        error, status = None, 200
+        try:
+            if isinstance(m, LoadAdapter):
+                self.engine.load_adapter(m.name, m.path, replace=m.replace)
+            elif m.name not in self.engine.adapters:
+                error, status = f"no LoRA adapter named {m.name!r} is loaded", 404
+            else:
+                self.engine.unload_adapter(m.name)
+                log.info("LoRA adapter %r unloaded", m.name)
+        except (ValueError, OSError) as e:
+            error, status = str(e), 400
+            log.warning("LoRA adapter %r not loaded: %s", m.name, e)
+        self.out.send(AdapterReply(m.ticket, self._adapter_cards(), error, status))
 
     def add(self, m: AddRequest) -> None:
         self.out.send(Register(m.rid, list(m.params.stop), m.params.skip_special_tokens))
@@ -206,6 +232,13 @@ class SchedulerProcess:
                             slots_free=st.slots_free, slots_evictable=st.slots_evictable, capacity=st.capacity,
                             headroom=st.headroom, num_steps=self.engine.num_steps,
                             draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens)
+        lora = self.engine.scheduler.lora
+        if lora is not None:
+            load = self.engine.adapter_load()
+            stats.lora_running = {n: r for n, (r, _) in load.items()}
+            stats.lora_waiting = {n: w for n, (_, w) in load.items()}
+            stats.lora_loads, stats.lora_evictions = lora.counters.loads, lora.counters.evictions
+            stats.max_loras = lora.size
         self.out.send(StepBatch(self.pending, stats))
         self.pending = []
         if events:

@@ -16,6 +16,10 @@ plus the engine's load figures, so per-token traffic is one message per step, no
 request. Each union is tagged (``type`` field) so a receiver decodes exactly one of the
 listed structs or fails loudly.
 
+LoRA adapters loaded or unloaded at run time: the API sends ``LoadAdapter`` / ``UnloadAdapter``
+with a ticket; the scheduler answers ``AdapterReply`` (same ticket, the adapters now loaded or the
+error) through the detokenizer, which forwards it unchanged.
+
 Ordering invariant: a channel is FIFO, and the scheduler forwards ``Register`` for a request
 to the detokenizer before any of its tokens, on the same channel.
 """
@@ -48,7 +52,19 @@ class Shutdown(_Msg):
     pass
 
 
-ToScheduler = AddRequest | AbortRequest | Shutdown
+class LoadAdapter(_Msg):
+    ticket: str
+    name: str
+    path: str
+    replace: bool = False  # an adapter of that name is swapped for this one (vLLM's load_inplace)
+
+
+class UnloadAdapter(_Msg):
+    ticket: str
+    name: str
+
+
+ToScheduler = AddRequest | AbortRequest | Shutdown | LoadAdapter | UnloadAdapter
 
 
 # ---- scheduler -> detokenizer ------------------------------------------------------------
@@ -75,6 +91,25 @@ class TokenOut(_Msg):
     error: str | None = None  # with finish_reason "error": what went wrong
 
 
+class AdapterCard(msgspec.Struct, omit_defaults=True):
+    """A loaded LoRA adapter, as /v1/models shows it."""
+
+    name: str
+    path: str
+    rank: int
+    modules: list[str] = []
+
+
+class AdapterReply(_Msg):
+    """The scheduler's answer to ``LoadAdapter`` / ``UnloadAdapter``: the adapters loaded now, or
+    ``error`` (``status`` 400 bad adapter or name, 404 no such adapter) and nothing changed."""
+
+    ticket: str
+    adapters: list[AdapterCard]
+    error: str | None = None
+    status: int = 200
+
+
 class EngineStats(_Msg):
     running: int
     waiting: int
@@ -86,6 +121,11 @@ class EngineStats(_Msg):
     num_steps: int
     draft_tokens: int = 0  # speculation since start: guesses fed to the model
     accepted_tokens: int = 0  # of those, the ones it agreed with
+    lora_running: dict[str, int] = {}  # LoRA adapter name -> running requests (loaded adapters only)
+    lora_waiting: dict[str, int] = {}  # -> waiting requests
+    lora_loads: int = 0  # adapters put into a runner slot since start
+    lora_evictions: int = 0  # adapters taken out of a slot for another
+    max_loras: int = 0
 
 
 class StepBatch(_Msg):
@@ -104,6 +144,7 @@ class Ready(_Msg):
     eos_token_ids: list[int]
     dtype: str
     scheduler_pid: int
+    adapters: list[AdapterCard] = []  # LoRA adapters loaded at start (--lora-modules)
 
 
 class Fatal(_Msg):
@@ -121,7 +162,7 @@ class Heartbeat(_Msg):
     pid: int
 
 
-ToDetokenizer = Register | StepBatch | Ready | Fatal | Shutdown | Heartbeat
+ToDetokenizer = Register | StepBatch | Ready | Fatal | Shutdown | Heartbeat | AdapterReply
 
 
 # ---- detokenizer -> API ------------------------------------------------------------------
@@ -144,4 +185,4 @@ class DetokenizerReady(_Msg):
     detokenizer_pid: int
 
 
-ToApi = TextBatch | DetokenizerReady | Fatal | Heartbeat
+ToApi = TextBatch | DetokenizerReady | Fatal | Heartbeat | AdapterReply

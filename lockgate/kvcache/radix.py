@@ -42,6 +42,12 @@ Invariants (``check_invariants`` verifies them):
 Heap entries go stale when a node is touched, locked, gets children or is evicted; they
 are checked when popped and the heap is rebuilt when it grows past twice the node count.
 
+Namespaces: KV computed under one set of weights must never serve another (a LoRA adapter
+changes every layer's K/V). ``match_prefix`` and ``insert`` take a namespace ``ns`` (0: the base
+model; the scheduler gives each loaded adapter its own number): each namespace is a separate tree
+under its own root (``self.root`` is namespace 0's), sharing the pool, the LRU clock, the heap
+and the sizes. A root is any node without a parent that is filed in ``_roots``.
+
 Callers: the scheduler (match / insert / lock / unlock / evict, through one bookkeeping
 function that states which slots are cached, locked and free) and the waiting-queue
 policies (``match_prefix`` for longest-prefix ordering).
@@ -111,6 +117,7 @@ class RadixCache:
 
     def __init__(self) -> None:
         self.root = RadixNode(_EMPTY, _EMPTY, None)
+        self._roots: dict[int, RadixNode] = {0: self.root}  # namespace -> its tree's root
         self._clock = 0  # LRU clock: one tick per match / insert
         self._evictable = 0
         self._protected = 0
@@ -141,12 +148,19 @@ class RadixCache:
 
     # -- match / insert ---------------------------------------------------------------
 
-    def match_prefix(self, tokens: np.ndarray | Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``tokens``; splits the last edge if the match ends inside it."""
+    def _root_of(self, ns: int) -> RadixNode:
+        root = self._roots.get(ns)
+        if root is None:
+            root = self._roots[ns] = RadixNode(_EMPTY, _EMPTY, None)
+        return root
+
+    def match_prefix(self, tokens: np.ndarray | Sequence[int], ns: int = 0) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in namespace ``ns``; splits the last edge if the
+        match ends inside it."""
         toks = _as_i64(tokens, "tokens")  # i64 [n]
         n = toks.shape[0]
         now = self._tick()
-        node = self.root
+        node = self._root_of(ns)
         node.last_access = now
         parts: list[np.ndarray] = []
         pos = 0
@@ -165,8 +179,8 @@ class RadixCache:
         slots = np.concatenate(parts) if parts else _EMPTY.copy()  # i64 [pos]
         return MatchResult(length=pos, slots=slots, node=node)
 
-    def insert(self, tokens: np.ndarray | Sequence[int], slots: np.ndarray | Sequence[int]) -> int:
-        """Cache ``tokens -> slots``; returns how many leading tokens were cached already.
+    def insert(self, tokens: np.ndarray | Sequence[int], slots: np.ndarray | Sequence[int], ns: int = 0) -> int:
+        """Cache ``tokens -> slots`` in namespace ``ns``; returns how many leading tokens were cached already.
 
         For those the tree keeps its own slots and ``slots[:returned]`` stay the caller's
         (duplicates to free). The tree takes ownership of ``slots[returned:]``.
@@ -179,7 +193,7 @@ class RadixCache:
         if n == 0:
             return 0
         now = self._tick()
-        node = self.root
+        node = self._root_of(ns)
         node.last_access = now
         pos = 0
         while pos < n:
@@ -254,7 +268,7 @@ class RadixCache:
             self._evictable -= size
             count += size
             freed.append(node.value)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
         return np.concatenate(freed) if freed else _EMPTY.copy()
 
@@ -267,11 +281,11 @@ class RadixCache:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the tree's state is inconsistent."""
-        root = self.root
-        if root.parent is not None or root.key.shape != (0,) or root.value.shape != (0,):
-            raise AssertionError("root must have no parent and an empty edge")
-        if root.lock_ref != 0 or root.own_locks != 0:
-            raise AssertionError(f"root has lock_ref {root.lock_ref} / own_locks {root.own_locks}")
+        for root in self._roots.values():
+            if root.parent is not None or root.key.shape != (0,) or root.value.shape != (0,):
+                raise AssertionError("root must have no parent and an empty edge")
+            if root.lock_ref != 0 or root.own_locks != 0:
+                raise AssertionError(f"root has lock_ref {root.lock_ref} / own_locks {root.own_locks}")
         evictable = protected = nodes = 0
         live = {(t, i) for t, i, x in self._heap if x.parent is not None}
         for x in self._walk():
@@ -291,7 +305,7 @@ class RadixCache:
             if x.own_locks < 0 or x.lock_ref != x.own_locks + below:
                 raise AssertionError(f"{x!r}: lock_ref {x.lock_ref} != own_locks {x.own_locks} "
                                      f"+ children's {below}")
-            if p is not root and p.last_access < x.last_access:
+            if p.parent is not None and p.last_access < x.last_access:
                 raise AssertionError(f"{x!r} was used more recently than its parent")
             if x.lock_ref:
                 protected += x.key.shape[0]
@@ -312,7 +326,7 @@ class RadixCache:
         """Indented dump: one line per node with its tokens, slots, lock_ref and last_access."""
         lines = [f"root (total={self.total_size}, evictable={self.evictable_size}, "
                  f"protected={self.protected_size}, nodes={self._num_nodes})"]
-        stack = [(c, 1) for c in reversed(list(self.root.children.values()))]
+        stack = [(c, 1) for root in self._roots.values() for c in reversed(list(root.children.values()))]
         while stack:
             x, depth = stack.pop()
             lines.append(f"{'  ' * depth}{_preview(x.key, max_tokens)} -> {_preview(x.value, max_tokens)}"
@@ -346,19 +360,19 @@ class RadixCache:
         return head
 
     def _path(self, node: RadixNode) -> list[RadixNode]:
-        """``node`` and its ancestors below the root; raises if ``node`` is not in this tree."""
+        """``node`` and its ancestors below its root; raises if ``node`` is not in this tree."""
         path = []
         x = node
-        while x is not self.root:
-            if x.parent is None:
-                raise ValueError(f"{node!r} is not in the tree (evicted)")
+        while x.parent is not None:
             path.append(x)
             x = x.parent
+        if not any(x is root for root in self._roots.values()):
+            raise ValueError(f"{node!r} is not in the tree (evicted)")
         return path
 
     def _touched(self, node: RadixNode) -> None:
         """``node``'s last_access changed: give it a fresh heap entry if it can be evicted."""
-        if node is not self.root and not node.children and node.lock_ref == 0:
+        if node.parent is not None and not node.children and node.lock_ref == 0:
             self._push(node)
 
     def _push(self, node: RadixNode) -> None:
@@ -374,7 +388,7 @@ class RadixCache:
 
     def _walk(self) -> Iterator[RadixNode]:
         """Every non-root node, depth-first, parents before children."""
-        stack = list(self.root.children.values())
+        stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             x = stack.pop()
             yield x

@@ -45,9 +45,11 @@ from lockgate.kernel_choice import FormChoice
 from lockgate.layers.attention import AttentionMetadata, paged_attention
 from lockgate.layers.forms import INT4_MODES, make_forms
 from lockgate.layers.linear import Linear
+from lockgate.layers.lora import LoraStep
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.ops import KernelOps, LayerOps, TorchOps
 from lockgate.layers.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
+from lockgate.models.lora import LoraTargets, ModuleTarget
 from lockgate.models.weights import CheckpointReader, log_quantization
 
 log = logging.getLogger("lockgate.models")
@@ -87,6 +89,20 @@ class LlamaArgs:
         o = self.num_heads * self.head_dim * self.hidden_size
         mlp = 3 * self.intermediate_size * self.hidden_size
         return self.num_layers * (qkv + o + mlp) + self.vocab_size * self.hidden_size
+
+    def lora_targets(self) -> LoraTargets:
+        """The projections a LoRA adapter may touch, by PEFT module name, in the fused layout."""
+        h, hkv, d, hid, f = self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size, self.intermediate_size
+        qkv = (h + 2 * hkv) * d
+        return LoraTargets(self.num_layers, {
+            "q_proj": ModuleTarget("qkv", hid, qkv, 0, h * d),
+            "k_proj": ModuleTarget("qkv", hid, qkv, h * d, (h + hkv) * d),
+            "v_proj": ModuleTarget("qkv", hid, qkv, (h + hkv) * d, qkv),
+            "o_proj": ModuleTarget("o", h * d, hid, 0, hid),
+            "gate_proj": ModuleTarget("gate_up", hid, 2 * f, 0, f),
+            "up_proj": ModuleTarget("gate_up", hid, 2 * f, f, 2 * f),
+            "down_proj": ModuleTarget("down", f, hid, 0, hid),
+        })
 
     @staticmethod
     def from_config(cfg: dict[str, Any]) -> LlamaArgs:
@@ -296,37 +312,45 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+                logits_rows: torch.Tensor | None, lora: LoraStep | None = None) -> torch.Tensor | None:
         """input_ids/positions [T] i64, k_cache/v_cache [layers, capacity, Hkv, D],
         logits_rows [S] i64 (rows of T) -> logits [S, V] f32, or None when logits_rows is None.
+        ``lora``: the step's adapters (rows' low-rank updates of every projection), None for none.
         """
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
         a = self.args
         layers = typing.cast(list[DecoderLayer], self.layers)
-        whole = self.ops.whole_step(x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads,
-                                    a.rms_norm_eps, self.scale)
-        x = whole if whole is not None else self._layers(x, cos, sin, meta, k_cache, v_cache)
+        whole = None if lora is not None else self.ops.whole_step(
+            x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads, a.rms_norm_eps, self.scale)
+        x = whole if whole is not None else self._layers(x, cos, sin, meta, k_cache, v_cache, lora)
         if logits_rows is None:
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, self.args.rms_norm_eps)  # [S, hidden]
         return self.head(x).float()  # [S, V]
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         """The decoder layers on ``self.ops`` (torch, or lockgate's fused kernels): x [T, hidden] ->
         [T, hidden], the residual stream, updated in place. Each layer's MLP output is added at the
-        start of the next (``add_norm``), where the kernel backend fuses the add into the norm."""
+        start of the next (``add_norm``), where the kernel backend fuses the add into the norm.
+        ``lora``: each projection's output gets its rows' adapter updates (``LoraStep.add``)."""
         a, ops = self.args, self.ops
         t = x.shape[0]
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added to x
+
+        def project(lin: Linear, inp: torch.Tensor, i: int, role: str) -> torch.Tensor:
+            out = lin(inp)
+            return out if lora is None else lora.add(out, inp, i, role)
+
         for i, layer in enumerate(typing.cast(list[DecoderLayer], self.layers)):
             y = ops.add_norm(x, pending, layer.attn_norm, a.rms_norm_eps)  # x += pending; [T, hidden]
-            q, k, v = ops.rope_qkv(layer.qkv(y), cos, sin, h, hkv, k_cache[i], v_cache[i], meta.out_slots)
+            q, k, v = ops.rope_qkv(project(layer.qkv, y, i, "qkv"), cos, sin, h, hkv, k_cache[i], v_cache[i],
+                                   meta.out_slots)
             o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
-            y = ops.add_norm(x, layer.o(o.reshape(t, h * d)), layer.mlp_norm, a.rms_norm_eps)
-            pending = layer.down(ops.silu_mul(layer.gate_up(y)))  # [T, hidden]
+            y = ops.add_norm(x, project(layer.o, o.reshape(t, h * d), i, "o"), layer.mlp_norm, a.rms_norm_eps)
+            pending = project(layer.down, ops.silu_mul(project(layer.gate_up, y, i, "gate_up")), i, "down")
         if pending is not None:
             x += pending
         return x

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.plan import ForwardPlan, ForwardResult
 
@@ -17,6 +18,15 @@ class Runner(Protocol):
     def warmup(self) -> None: ...
 
     def execute(self, plan: ForwardPlan) -> ForwardResult: ...
+
+    # LoRA adapters: the engine numbers them (uid >= 1), the scheduler puts them into slots
+    def enable_lora(self, max_loras: int, max_rank: int) -> None: ...
+
+    def load_adapter(self, uid: int, name: str, path: str) -> AdapterInfo: ...
+
+    def drop_adapter(self, uid: int) -> None: ...
+
+    def put_adapter(self, slot: int, uid: int) -> None: ...
 
 
 def make_runner(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> Runner:

@@ -33,11 +33,14 @@ import torch
 
 from lockgate import kernels
 from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
+from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
 from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
+from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
 from lockgate.models.llama import PROJECTION_ROLES, LlamaArgs, LlamaModel
+from lockgate.models.lora import load_adapter
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import tuning
 from lockgate.runner.sampler import sample
@@ -140,6 +143,36 @@ class ModelRunner:
                  time.perf_counter() - t0, self.max_model_len)
         log.info("KV pool: %d tokens x %d bytes = %.1f MiB", self.capacity, bytes_per_token,
                  self.capacity * bytes_per_token / 2**20)
+        self.lora_slots: LoraSlots | None = None  # LoRA: the adapters the scheduler put in slots
+        self.max_lora_rank = 0
+        self._adapters: dict[int, AdapterWeights] = {}  # uid -> weights of every loaded adapter
+
+    # ---- LoRA adapters ----
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        self.lora_slots = LoraSlots(max_loras, self.model.args.num_layers)
+        self.max_lora_rank = max_rank
+
+    def load_adapter(self, uid: int, name: str, path: str) -> AdapterInfo:
+        """Read and check a PEFT adapter (ValueError saying what is wrong); kept until ``drop_adapter``."""
+        if self.lora_slots is None:
+            raise ValueError("LoRA is not enabled (start without --no-enable-lora)")
+        info, weights = load_adapter(name, path, self.model.args.lora_targets(), self.max_lora_rank, self.dtype)
+        self._adapters[uid] = weights
+        log.info("LoRA adapter %r loaded from %s: rank %d, %s, %.1f MiB", name, info.path, info.rank,
+                 "/".join(info.modules), info.nbytes / 2**20)
+        return info
+
+    def drop_adapter(self, uid: int) -> None:
+        self._adapters.pop(uid, None)
+
+    def put_adapter(self, slot: int, uid: int) -> None:
+        """Slot ``slot`` holds adapter ``uid`` from the next step on (0: empty it)."""
+        assert self.lora_slots is not None
+        if uid == 0:
+            self.lora_slots.clear(slot)
+        else:
+            self.lora_slots.put(slot, uid, self._adapters[uid])
 
     # ---- measured choices (lockgate.runner.tuning) ----
 
@@ -302,10 +335,15 @@ class ModelRunner:
         if s:
             ends = np.cumsum(plan.query_lens) - 1  # [B] last token row of each sequence
             rows = torch.from_numpy(np.ascontiguousarray(ends[plan.sample_rows], dtype=np.int64)).to(dev)
+        lora = None
+        if plan.lora_slots.size:
+            assert self.lora_slots is not None, "a plan with adapters, but LoRA is not enabled"
+            lora = LoraStep(self.lora_slots, LoraStep.expand(plan.lora_slots, plan.query_lens),
+                            self.cpu_kernels and dev.type == "cpu")
         with torch.inference_mode():
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
-                                meta, self.k_cache, self.v_cache, rows)  # [S, V] f32 or None
+                                meta, self.k_cache, self.v_cache, rows, lora)  # [S, V] f32 or None
             if logits is None:
                 return ForwardResult(tokens=np.zeros(0, np.int64), logprobs=np.zeros(0, np.float32),
                                      top_ids=np.zeros((0, 0), np.int64), top_logprobs=np.zeros((0, 0), np.float32),

@@ -7,7 +7,9 @@ small cost model (``sim_step_ms + sim_token_ms * tokens in the step``, spent in
 deterministic tokens: the next token is a hash of the row's last input token and its
 position, never an EOS id, so a request runs to max_tokens unless stopped otherwise and
 the same prompt always gives the same output whatever the batch. A constrained row (grammar
-bitmask) takes the first allowed token at or after the hashed one.
+bitmask) takes the first allowed token at or after the hashed one. A row under a LoRA adapter
+(checked from its ``adapter_config.json`` only; no weights) gets its token shifted by the
+adapter's number, so adapters visibly change outputs.
 
 No torch; the KV "pool" is only a capacity number.
 """
@@ -15,9 +17,11 @@ No torch; the KV "pool" is only a capacity number.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
+from lockgate.checkpoint.peft import AdapterInfo, read_adapter_config
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.plan import ForwardPlan, ForwardResult
 
@@ -36,9 +40,34 @@ class SimRunner:
         self.eos_token_ids: tuple[int, ...] = (SIM_EOS,)
         self.model_dir = None
         self.dtype = "sim"
+        self.max_lora_rank = 0
+        self.slot_uid: list[int] | None = None  # LoRA: slot -> adapter number (0: empty)
+        self.adapters: dict[int, AdapterInfo] = {}
 
     def warmup(self) -> None:
         pass
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        self.slot_uid, self.max_lora_rank = [0] * max_loras, max_rank
+
+    def load_adapter(self, uid: int, name: str, path: str) -> AdapterInfo:
+        if self.slot_uid is None:
+            raise ValueError("LoRA is not enabled (start without --no-enable-lora)")
+        cfg = read_adapter_config(Path(path))
+        rank = int(cfg.get("r", 8))
+        if not 1 <= rank <= self.max_lora_rank:
+            raise ValueError(f"LoRA adapter {path}: rank {rank} is above --max-lora-rank {self.max_lora_rank}")
+        info = AdapterInfo(name=name, path=str(path), rank=rank, alpha=float(cfg.get("lora_alpha", rank)),
+                           modules=sorted(cfg.get("target_modules") or []), base_model=cfg.get("base_model_name_or_path"))
+        self.adapters[uid] = info
+        return info
+
+    def drop_adapter(self, uid: int) -> None:
+        self.adapters.pop(uid, None)
+
+    def put_adapter(self, slot: int, uid: int) -> None:
+        assert self.slot_uid is not None and (uid == 0 or uid in self.adapters)
+        self.slot_uid[slot] = uid
 
     @staticmethod
     def next_tokens(last_ids: np.ndarray, last_pos: np.ndarray) -> np.ndarray:
@@ -52,6 +81,11 @@ class SimRunner:
             plan.validate()
         ends = np.cumsum(plan.query_lens)[plan.sample_rows] - 1
         tokens = self.next_tokens(plan.input_ids[ends], plan.positions[ends])
+        if plan.lora_slots.size:  # an adapter shifts its rows' tokens by its number
+            assert self.slot_uid is not None
+            uid = np.asarray(self.slot_uid, dtype=np.int64)[np.maximum(plan.lora_slots[plan.sample_rows], 0)]
+            shift = np.where(plan.lora_slots[plan.sample_rows] >= 0, uid, 0)
+            tokens = (tokens - 3 + 7919 * shift) % (SIM_VOCAB - 3) + 3
         sb = plan.sampling
         for row, words in zip(sb.allowed_rows.tolist(), sb.allowed, strict=True):  # constrained rows
             ok = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size])

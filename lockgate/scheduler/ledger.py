@@ -4,6 +4,9 @@ the radix prefix cache (docs/design.md, habit 3).
 Owns the allocator, the tree (None with ``--disable-prefix-cache``) and every operation that moves a
 slot between them and a request:
 
+KV is cached per adapter (``Request.adapter`` is the tree namespace): a request never reuses KV
+computed under other weights.
+
 * ``match`` a waiting request's longest cached prefix and lock it (``unlock`` if it is not admitted);
 * ``alloc`` slots for a step (evicting unlocked cache nodes, LRU, when the pool runs short) and
   ``free`` what a step gave back;
@@ -59,7 +62,7 @@ class SlotLedger:
         (its logits give the next token). Locks the match; (0, None, []) if none."""
         if self.tree is None or r.prefill_len < 2:
             return 0, None, _NO_SLOTS
-        m = self.tree.match_prefix(r.token_at(0, r.prefill_len - 1))
+        m = self.tree.match_prefix(r.token_at(0, r.prefill_len - 1), ns=r.adapter)
         if m.length == 0:
             return 0, None, _NO_SLOTS
         self.tree.lock(m.node)
@@ -79,11 +82,11 @@ class SlotLedger:
         if n > r.tree_len:
             toks = r.token_at(0, n)
             mine = r.slots[:n].copy()
-            had = tree.insert(toks, mine)
+            had = tree.insert(toks, mine, ns=r.adapter)
             if had > r.tree_len:
                 self.allocator.free(mine[r.tree_len:had])
             if keep_lock:
-                m = tree.match_prefix(toks)
+                m = tree.match_prefix(toks, ns=r.adapter)
                 assert m.length == n, f"inserted {n} tokens but matched {m.length}"
                 r.slots[:n] = m.slots
                 tree.lock(m.node)

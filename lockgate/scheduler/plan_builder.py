@@ -85,10 +85,12 @@ def build_step(decode: list[Request], drafts: list[list[int]], prefill: list[tup
     sample_rows = np.flatnonzero(sample_mask).astype(I64)
     done = [r for (r, _), m in zip(prefill, sample_mask[n_dec:].tolist(), strict=True) if m]
     sampled, sample_drafts = decode + done, drafts + [[] for _ in done]
+    lora = np.fromiter((r.lora_slot for r in rows), dtype=I64, count=len(rows))
     plan = ForwardPlan(input_ids=input_ids.astype(I64, copy=False), positions=positions.astype(I64),
                        out_slots=out_slots, query_lens=q_lens, seq_lens=seq_lens, kv_slots=kv_slots,
                        kv_offsets=kv_offsets, sample_rows=sample_rows,
                        sampling=build_sampling([rows[i] for i in sample_rows.tolist()],
                                                [g[:j] for g, s in zip(drafts, spans, strict=True) for j in range(s)]
-                                               + [[] for _ in done]))
+                                               + [[] for _ in done]),
+                       lora_slots=lora if bool((lora >= 0).any()) else np.zeros(0, I64))
     return ScheduledStep(plan, rows, sampled, sample_drafts, 0, int(q_lens[n_dec:].sum()), len(decode), n_dec)

@@ -105,7 +105,7 @@ class PrefixMatch(Protocol):
 
 
 class PrefixTree(Protocol):
-    def match_prefix(self, tokens: np.ndarray, /) -> PrefixMatch: ...
+    def match_prefix(self, tokens: np.ndarray, /, ns: int = 0) -> PrefixMatch: ...
 
 
 # ---- the bound and the policy interface -----------------------------------------------
@@ -197,7 +197,7 @@ def rank_fcfs(reqs: list[Request], tree: PrefixTree | None) -> list[Request]:
 def rank_lpm(reqs: list[Request], tree: PrefixTree | None) -> list[Request]:
     if tree is None or len(reqs) > LPM_MAX_QUEUE:
         return list(reqs)
-    lengths = [int(tree.match_prefix(match_tokens(r)).length) for r in reqs]  # one match per request
+    lengths = [int(tree.match_prefix(match_tokens(r), ns=r.adapter).length) for r in reqs]  # one match per request
     return _by_key_desc(reqs, lengths)
 
 
@@ -208,23 +208,24 @@ def rank_dfs_weight(reqs: list[Request], tree: PrefixTree | None) -> list[Reques
     attached: dict[int, list[Request]] = {}  # id(node) -> requests whose match ends there
     ends: list[PrefixNode] = []
     for r in reqs:
-        node = tree.match_prefix(match_tokens(r)).node
+        node = tree.match_prefix(match_tokens(r), ns=r.adapter).node
         bucket = attached.get(id(node))
         if bucket is None:
             attached[id(node)] = bucket = []
             ends.append(node)
         bucket.append(r)
-    # The nodes on some match's root path (stop climbing at a node already seen).
+    # The nodes on some match's root path (stop climbing at a node already seen); one root per
+    # namespace (adapter) the requests use.
     on_path: set[int] = set()
-    root: PrefixNode | None = None
+    roots: list[PrefixNode] = []
     for node in ends:
         cur: PrefixNode | None = node
         while cur is not None and id(cur) not in on_path:
             on_path.add(id(cur))
             if cur.parent is None:
-                root = cur
+                roots.append(cur)
             cur = cur.parent
-    assert root is not None, "a match node has no root ancestor"
+    assert roots, "a match node has no root ancestor"
 
     def kids(n: PrefixNode) -> list[tuple[int, PrefixNode]]:
         return [(tok, c) for tok, c in n.children.items() if id(c) in on_path]
@@ -233,7 +234,7 @@ def rank_dfs_weight(reqs: list[Request], tree: PrefixTree | None) -> list[Reques
     # sequences (heaviest first, ties by first token) followed by its own requests; the
     # weight of a subtree is the length of its sequence. Iterative: no recursion limit.
     seq: dict[int, list[Request]] = {}
-    stack: list[tuple[PrefixNode, bool]] = [(root, False)]
+    stack: list[tuple[PrefixNode, bool]] = [(root, False) for root in roots]
     while stack:
         node, expanded = stack.pop()
         if not expanded:
@@ -244,7 +245,7 @@ def rank_dfs_weight(reqs: list[Request], tree: PrefixTree | None) -> list[Reques
         out = [r for _, s in subs for r in s]
         out.extend(attached.get(id(node), ()))
         seq[id(node)] = out
-    ordered = seq[id(root)]
+    ordered = [r for s in sorted((seq[id(root)] for root in roots), key=len, reverse=True) for r in s]
     assert len(ordered) == len(reqs), "a match node is not filed under its parent's children"
     return ordered
 

@@ -77,6 +77,10 @@ class Request:
     num_drafted: int = 0  # guessed tokens fed to the model
     num_accepted: int = 0  # of those, the ones the model agreed with (extra tokens gained)
     grammar: Grammar | None = None  # constrained decoding: what the output must match (set by the engine)
+    # LoRA: the adapter's number (0: the base model; also the request's prefix-cache namespace)
+    # and, while running, the runner slot it sits in (-1: none)
+    adapter: int = 0
+    lora_slot: int = -1
     prefill_len: int = field(init=False)  # tokens to compute before sampling: the prompt, or all tokens on resume
     slots: np.ndarray = field(init=False)
 

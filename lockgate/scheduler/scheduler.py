@@ -28,6 +28,10 @@ Each call to ``schedule()`` builds one step:
    place at the front): that request's chunks enter the tree as they are computed, so the
    candidate later reuses them instead of computing the same prefix again beside it (requests of
    a shared-prefix burst arrive together, before any of them is cached).
+   **Adapters**: a candidate with a LoRA adapter is admitted only once its adapter has one of
+   the runner's slots (``AdapterSlots.acquire``, pinned while it runs); when every slot is pinned
+   by other adapters it waits in the queue, keeping its place, and the others go on. Its cached
+   prefix is matched in its adapter's own namespace of the tree.
 3. **Decode** every running request whose prefill is done: one token each, in the same
    step as the prefill chunks, so a long prompt never stalls running decodes.
 4. **Speculate** while the step's decode rows are few: a greedy request is fed its newest
@@ -62,6 +66,7 @@ from lockgate.config import SchedulerConfig
 from lockgate.plan import ForwardResult
 from lockgate.scheduler.admission import Charges, make_admission
 from lockgate.scheduler.ledger import SlotLedger
+from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.plan_builder import ScheduledStep, build_step
 from lockgate.scheduler.policy import QueueDelayBound, make_policy
 from lockgate.scheduler.request import FinishReason, Request
@@ -129,6 +134,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_retractions = 0
         self._step_cached = 0  # prompt tokens new requests took from the cache in the step being built
+        self.lora: AdapterSlots | None = None  # the runner's adapter slots (set by the engine when LoRA is on)
 
     # ---- intake ----------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -193,6 +199,9 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.ledger.check(self.running, self.waiting)
+        if self.lora is not None:
+            self.lora.check(sum(1 for r in self.running if r.lora_slot >= 0))
+        assert all(r.lora_slot < 0 for r in self.waiting), "a waiting request pins an adapter slot"
         if not self.admission.can_run_out:
             est = self.usage_estimate()
             assert est <= self.capacity, f"running batch's estimate {est} exceeds capacity {self.capacity}"
@@ -299,8 +308,12 @@ class Scheduler:
         charges = self._charges()
         now = time.monotonic()
         deferred: list[Request] = []  # sharing a prefix with a prefill in flight: back to the front after
+        no_slot: set[int] = set()  # adapters that found every slot pinned this step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             cand = self.waiting[0]
+            if cand.adapter and cand.adapter in no_slot:
+                deferred.append(self.waiting.popleft())
+                continue
             matched, node, slots = self.ledger.match(cand)
             if self._shares_inflight(cand, matched):
                 if node is not None:
@@ -316,6 +329,15 @@ class Scheduler:
                 if node is not None:
                     self.ledger.unlock(node)
                 break
+            if cand.adapter:
+                slot = self.lora.acquire(cand.adapter) if self.lora is not None else None
+                if slot is None:  # every adapter slot is pinned: wait for one, let the others by
+                    if node is not None:
+                        self.ledger.unlock(node)
+                    no_slot.add(cand.adapter)
+                    deferred.append(self.waiting.popleft())
+                    continue
+                cand.lora_slot = slot
             charges = trial
             self.waiting.popleft()
             cand.tree_node, cand.tree_len, cand.num_computed = node, matched, matched
@@ -340,7 +362,7 @@ class Scheduler:
             return False
         mine = cand.prompt_ids
         for r in self.running:
-            if not r.is_prefilling:
+            if not r.is_prefilling or r.adapter != cand.adapter:
                 continue
             n = min(mine.shape[0], r.num_prompt)
             if n - matched <= self.SHARE_MIN_TOKENS:
@@ -372,7 +394,7 @@ class Scheduler:
             if decode + chunks <= self.ledger.num_free + self.ledger.evictable:
                 return
             victim = self.running.pop()
-            self.ledger.release(victim)
+            self._leave(victim)
             victim.prefill_len = victim.num_tokens  # resume: recompute prompt + output, then sample
             victim.num_retractions += 1
             victim.enqueue_step = self.num_steps
@@ -383,12 +405,20 @@ class Scheduler:
             log.info("retracted request %s (%d tokens) to free KV slots; %d running, new-token ratio now %.2f",
                      victim.rid, victim.num_tokens, len(self.running), getattr(self.admission, "ratio", 1.0))
 
+    def _leave(self, r: Request) -> None:
+        """``r`` leaves the running set: its KV to the tree (or pool), its adapter slot unpinned."""
+        self.ledger.release(r)
+        if r.lora_slot >= 0:
+            assert self.lora is not None
+            self.lora.release(r.lora_slot)
+            r.lora_slot = -1
+
     def _finish(self, r: Request, reason: FinishReason) -> None:
         r.finish_reason = reason
         self._by_id.pop(r.rid, None)
         if r in self.running:
             self.running.remove(r)
-            self.ledger.release(r)
+            self._leave(r)
         else:
             try:
                 self.waiting.remove(r)

@@ -30,7 +30,7 @@ from starlette.types import Scope
 from lockgate.config import ServerConfig
 from lockgate.httpguard import BearerAuth, BodyLimit
 from lockgate.ipc.messages import Shutdown
-from lockgate.server import openai_api, tgi_api
+from lockgate.server import lora_api, openai_api, tgi_api
 from lockgate.server.context import APIError, ClientGone, ServerContext, parse_body
 from lockgate.server.frontend import EngineClient
 from lockgate.server.metrics import CONTENT_TYPE, Metrics
@@ -38,8 +38,10 @@ from lockgate.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TGIGenerateRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     error_message,
     openai_error,
 )
@@ -65,6 +67,7 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
     app.state.ctx = ServerContext(client=client, cfg=cfg, metrics=metrics, model_name=client.model, api_key=api_key)
     app.include_router(openai_api.router)
     app.include_router(tgi_api.router)
+    app.include_router(lora_api.router)
     app.include_router(_misc)
 
     def refuse(scope: Scope, status: int, message: str) -> Response:
@@ -119,10 +122,11 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/generate": TGIGenerateRequest, "/generate_stream": TGIGenerateRequest, "/": TGIGenerateRequest,
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest, "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 _ERRORS = {
     "400": "invalid request: the message names the field and the limit it broke",
-    "404": "the model named is not the one served",
+    "404": "the model or LoRA adapter named is not served",
     "413": "the body is larger than --max-request-bytes",
     "429": "more requests are waiting than --max-queued-requests; retry after Retry-After seconds",
     "500": "the engine failed while running the request",
@@ -193,13 +197,14 @@ async def metrics(request: Request) -> Response:
 async def loads(request: Request) -> Response:
     ctx = _ctx(request)
     s, c = ctx.client.stats, ctx.client
-    body = {"ready": c.ready.is_set(), "queued_in_api": c.num_queued, "in_flight": len(c.streams)}
+    body: dict[str, object] = {"ready": c.ready.is_set(), "queued_in_api": c.num_queued, "in_flight": len(c.streams)}
     if s is not None:
         body.update(running=s.running, waiting=s.waiting, slots_used=s.slots_used, slots_free=s.slots_free,
                     slots_evictable=s.slots_evictable, capacity=s.capacity, headroom=s.headroom, num_steps=s.num_steps)
     elif c.info is not None:
         body.update(running=0, waiting=0, slots_used=0, slots_free=c.info.capacity, slots_evictable=0,
                     capacity=c.info.capacity, headroom=c.info.capacity, num_steps=0)
+    body["adapters"] = sorted(c.adapters)  # LoRA adapters loaded (the gateway prefers a replica that has one)
     return JSONResponse(body)
 
 

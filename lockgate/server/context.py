@@ -195,15 +195,29 @@ class ServerContext:
         except GrammarError as e:
             raise APIError(status, str(e), param=param) from None
 
-    def check_model(self, model: str | None) -> None:
-        """A request may name the served model, its ``--model`` spec or, unless
-        ``--strict-model-name``, anything: with one model served and no adapters, a name can only
-        mean it (clients such as huggingface_hub send placeholders like "dummy" or "tgi")."""
-        if not self.cfg.strict_model_name:
-            return
-        if model is not None and model not in (self.model_name, self.client.model_spec):
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None for the base model. A request may
+        name a loaded adapter, the served model, its ``--model`` spec or, unless
+        ``--strict-model-name`` or adapters are loaded, anything: with one model served and no
+        adapters, a name can only mean it (clients such as huggingface_hub send placeholders like
+        "dummy" or "tgi"). With adapters loaded an unknown name is a 404 naming it."""
+        adapters = self.client.adapters
+        if model is not None and model in adapters:
+            return model
+        if model is None or model in (self.model_name, self.client.model_spec):
+            return None
+        if self.cfg.strict_model_name or adapters:
+            served = f"{self.model_name!r}" + (f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
+                                              if adapters else "")
+            raise APIError(404, f"The model `{model}` does not exist: this server serves {served}", param="model")
+        return None
+
+    def check_adapter(self, name: str | None, param: str) -> None:
+        """A LoRA adapter named by a request field other than ``model`` (TGI's ``adapter_id``)."""
+        if name is not None and name not in self.client.adapters and name not in (self.model_name,
+                                                                                 self.client.model_spec):
+            loaded = ", ".join(map(repr, sorted(self.client.adapters))) or "none"
+            raise APIError(404, f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})", param=param)
 
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
         """Validate a tokenized prompt; return the max_tokens to use (filled in when None)."""

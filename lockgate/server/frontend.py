@@ -32,15 +32,19 @@ from lockgate.config import HEARTBEAT_SECONDS, read_chat_template
 from lockgate.ipc.channel import AsyncReceiver, AsyncSender
 from lockgate.ipc.messages import (
     AbortRequest,
+    AdapterCard,
+    AdapterReply,
     AddRequest,
     DetokenizerReady,
     EngineStats,
     Fatal,
     Heartbeat,
+    LoadAdapter,
     Ready,
     TextBatch,
     TextOut,
     ToApi,
+    UnloadAdapter,
 )
 from lockgate.sampling import SamplingParams
 from lockgate.server.metrics import Metrics
@@ -122,6 +126,8 @@ class EngineClient:
         self.heartbeat_timeout = heartbeat_timeout
         self.on_unresponsive = on_unresponsive  # (process, message): the server's way out (launch.serve)
         self.last_heard: dict[str, float] = {}  # process -> monotonic time of its last sign of life
+        self.adapters: dict[str, AdapterCard] = {}  # LoRA adapters loaded in the engine, by name
+        self._adapter_replies: dict[str, asyncio.Future[AdapterReply]] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -176,6 +182,22 @@ class EngineClient:
             del self.streams[rid]  # never sent: it holds no queue place and no engine state
             raise
         return stream
+
+    async def change_adapter(self, msg: LoadAdapter | UnloadAdapter, timeout: float) -> AdapterReply:
+        """Send a LoRA load/unload to the scheduler and wait for its answer (``msg.ticket`` is
+        set here); EngineUnavailable if the engine is down or does not answer within ``timeout``."""
+        if self.failed is not None or self.info is None:
+            raise EngineUnavailable(self.failed or "the model is still loading")
+        msg.ticket = self.new_id("lora")
+        reply: asyncio.Future[AdapterReply] = asyncio.get_running_loop().create_future()
+        self._adapter_replies[msg.ticket] = reply
+        try:
+            self.to_scheduler.send_nowait(msg)
+            return await asyncio.wait_for(reply, timeout)
+        except TimeoutError:
+            raise EngineUnavailable(f"the engine did not answer the adapter change within {timeout:g}s") from None
+        finally:
+            self._adapter_replies.pop(msg.ticket, None)
 
     def _group_done(self, stream: RequestStream) -> None:
         g = stream.group
@@ -238,6 +260,11 @@ class EngineClient:
                     self._deliver(out)
             elif isinstance(msg, DetokenizerReady):
                 await self._on_ready(msg)
+            elif isinstance(msg, AdapterReply):
+                self.adapters = {a.name: a for a in msg.adapters}
+                waiter = self._adapter_replies.get(msg.ticket)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
             elif isinstance(msg, Fatal):
                 log.error("%s process reported a fatal error: %s", msg.process, msg.message)
                 self.fail(f"{msg.process}: {msg.message}")
@@ -248,6 +275,7 @@ class EngineClient:
         template = None if self.chat_template is None else read_chat_template(self.chat_template)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir, template)
         self.info = info
+        self.adapters = {a.name: a for a in info.adapters}
         self.metrics.on_ready(info.max_model_len)
         self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}
         self.ready.set()

@@ -140,7 +140,7 @@ def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list
 async def completions(request: Request) -> Response:
     ctx = ctx_of(request)
     body: CompletionRequest = await parse(request, CompletionRequest)
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     tok = ctx.tokenizer
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
@@ -154,7 +154,7 @@ async def completions(request: Request) -> Response:
     jobs: list[tuple[list[int], SamplingParams]] = []
     for p_ids in ids:  # every prompt checked (ids against the vocabulary too) before any is decoded or sent
         max_tokens = ctx.check_prompt(p_ids, body.max_tokens if body.max_tokens is not None else 16)
-        params = body.sampling_params(max_tokens)
+        params = dataclasses.replace(body.sampling_params(max_tokens), lora=lora)
         jobs += [(p_ids, sp) for sp in per_choice_params(params, body.n)]
     texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if body.echo else []
     streams = ctx.submit("cmpl", jobs)
@@ -207,7 +207,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     ctx = ctx_of(request)
     body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     tok = ctx.tokenizer
     ctx.check_batch(1, body.n)
     mode = body.tool_mode  # none, auto, required, named
@@ -216,7 +216,7 @@ async def chat_completions(request: Request) -> Response:
     conversation, template_tools = render_conversation(body.conversation(), tools, tok.supports_tools)
     ids = await ctx.chat_ids(conversation, body.add_generation_prompt, template_tools)
     max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
-    params, constraint_field = body.sampling_params(max_tokens), body.structured_field
+    params, constraint_field = dataclasses.replace(body.sampling_params(max_tokens), lora=lora), body.structured_field
     if tools and mode in ("required", "named"):  # one call, its arguments following the function's schema
         choice = "required" if mode == "required" else {"function": {"name": body.tool_choice.name}}  # type: ignore[union-attr]
         params = dataclasses.replace(params, structured=tool_grammar(tools, choice))
@@ -291,4 +291,9 @@ async def models(request: Request) -> Response:
                             "owned_by": "lockgate", "root": ctx.client.model_spec}
     if info is not None:
         card["max_model_len"] = info.max_model_len
-    return JSONResponse({"object": "list", "data": [card]})
+    cards = [card]
+    for a in sorted(ctx.client.adapters.values(), key=lambda a: a.name):  # vLLM's shape: root = path, parent = base
+        cards.append({"id": a.name, "object": "model", "created": card["created"], "owned_by": "lockgate",
+                      "root": a.path, "parent": ctx.model_name, "lora_rank": a.rank, "lora_modules": a.modules,
+                      **({"max_model_len": info.max_model_len} if info is not None else {})})
+    return JSONResponse({"object": "list", "data": cards})

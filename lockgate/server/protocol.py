@@ -475,11 +475,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TGIParameters(_Model):
-    """TGI ``parameters``. Refused unless they ask for nothing: adapter_id, watermark,
-    truncate, typical_p < 1, best_of > 1, decoder_input_details (the prompt's own logprobs)."""
+    """TGI ``parameters``. Refused unless they ask for nothing: watermark, truncate,
+    typical_p < 1, best_of > 1, decoder_input_details (the prompt's own logprobs). ``adapter_id``
+    names a LoRA adapter (checked by the app)."""
 
     _refused = {
-        "adapter_id": _empty, "watermark": _empty, "truncate": lambda v: False,
+        "watermark": _empty, "truncate": lambda v: False,
         "typical_p": lambda v: v == 1, "best_of": lambda v: v == 1, "decoder_input_details": _empty,
     }
 
@@ -511,6 +512,7 @@ class TGIParameters(_Model):
         return data
 
     structured: StructuredOutput | None = None  # from grammar
+    adapter_id: str | None = None  # a LoRA adapter's name (TGI / LoRAX); None or "" : the base model
 
     max_new_tokens: Int = 20
     temperature: Float | None = Field(default=None, gt=0)
@@ -557,7 +559,23 @@ class TGIGenerateRequest(_Model):
             repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
             frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
             seed=p.seed, stop=tuple(p.stop), logprobs=logprobs, structured=p.structured,
+            lora=p.adapter_id or None,
         )  # fmt: skip
+
+
+class LoadLoraAdapterRequest(_Model):
+    """POST /v1/load_lora_adapter (vLLM's body): load the PEFT adapter at ``lora_path`` (a
+    directory on the server's machine) as ``lora_name``; ``load_inplace`` replaces a loaded one."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(_Model):
+    """POST /v1/unload_lora_adapter (vLLM's body; its ``lora_int_id`` is ignored: names are unique)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class TokenizeRequest(_Model):

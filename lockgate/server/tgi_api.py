@@ -57,6 +57,7 @@ def _top_tokens(ctx: ServerContext, o: TextOut) -> list[list[dict[str, Any]]] | 
 async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, Any]:
     ctx: ServerContext = request.app.state.ctx
     body = await parse_body(request, TGIGenerateRequest)
+    ctx.check_adapter(body.parameters.adapter_id or None, "adapter_id")
     ids = await ctx.encode(body.inputs)
     ctx.check_prompt(ids, body.parameters.max_new_tokens)
     try:

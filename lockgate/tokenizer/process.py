@@ -32,6 +32,7 @@ from lockgate.ipc.channel import Receiver, Sender
 from lockgate.ipc.child import DetokProcArgs, child_startup
 from lockgate.ipc.messages import (
     AbortRequest,
+    AdapterReply,
     DetokenizerReady,
     Fatal,
     Heartbeat,
@@ -80,7 +81,7 @@ class DetokenizerProcess:
                     self.live[m.rid] = OutputProcessor(self.tokenizer, tuple(m.stop), m.skip_special_tokens)
                 elif isinstance(m, Ready):
                     self.ready(m)
-                elif isinstance(m, Fatal | Heartbeat):
+                elif isinstance(m, Fatal | Heartbeat | AdapterReply):
                     self.api.send(m)
                 elif isinstance(m, Shutdown):
                     return
