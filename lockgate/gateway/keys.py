@@ -11,6 +11,10 @@ answer a bad body with its own 4xx; the gateway never rejects what a replica mig
   tokens, or the chat template applied to the messages then encoded (as the engine's API does),
   so block boundaries fall on the same tokens the replicas' radix trees hold.
 A batch prompt is keyed by its first element (the batch goes to one replica).
+
+``request_model`` reads the model a request names (OpenAI ``model``, TGI ``parameters.adapter_id``):
+the gateway routes a request for a LoRA adapter to replicas that have it loaded and keys its
+prefix blocks by the adapter too (``block_hashes``' ``salt``), since a replica caches KV per adapter.
 """
 
 from __future__ import annotations
@@ -39,6 +43,24 @@ def request_key(path: str, body: bytes, tokenizer: Tokenizer | None) -> Key | No
         return _prompt_key(prompt, tokenizer)
     except Exception:  # noqa: BLE001 - only a routing hint: bad UTF-8, deep nesting, a template error...
         return None  # ...all become "no key"; the replica answers the body with its own 4xx
+
+
+def request_model(path: str, body: bytes) -> str | None:
+    """The model (or LoRA adapter) a generation request names, or None (none, or not readable)."""
+    if path not in GENERATION_PATHS:
+        return None
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if path in ("/generate", "/generate_stream"):
+        params = data.get("parameters")
+        name = params.get("adapter_id") if isinstance(params, dict) else None
+    else:
+        name = data.get("model")
+    return name if isinstance(name, str) and name else None
 
 
 def _prompt_key(prompt: Any, tokenizer: Tokenizer | None) -> Key | None:

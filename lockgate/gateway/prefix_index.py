@@ -20,10 +20,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hashes(keys: Sequence[int] | str, block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks of ``keys`` (a string's characters or token ids)."""
+def block_hashes(keys: Sequence[int] | str, block_size: int, salt: str = "") -> list[bytes]:
+    """Chained hashes of the full blocks of ``keys`` (a string's characters or token ids);
+    ``salt`` (a LoRA adapter's name) starts the chain, so equal prompts under different adapters
+    never share a block."""
     out: list[bytes] = []
-    prev = b""
+    prev = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest() if salt else b""
     for start in range(0, len(keys) - block_size + 1, block_size):
         block = keys[start:start + block_size]
         data = block.encode("utf-8", "surrogatepass") if isinstance(block, str) else _ids_bytes(block)

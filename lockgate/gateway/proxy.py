@@ -49,7 +49,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
-from lockgate.gateway.keys import request_key
+from lockgate.gateway.keys import request_key, request_model
 from lockgate.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import Route, Router
@@ -78,11 +78,17 @@ class Gateway:
     api_key: str | None = None  # required on every route but /health when set
     max_request_bytes: int = 16 * 1024**2
 
-    def hashes(self, path: str, body: bytes) -> list[bytes]:
+    def hashes(self, path: str, body: bytes, adapter: str | None = None) -> list[bytes]:
         if self.router.policy != "prefix-cache":
             return []
         key = request_key(path, body, self.tokenizer)
-        return block_hashes(key, self.block_size) if key is not None else []
+        return block_hashes(key, self.block_size, adapter or "") if key is not None else []
+
+    def adapter_of(self, path: str, body: bytes) -> str | None:
+        """The LoRA adapter a request names, if some replica has it loaded (else the base model:
+        other names are placeholders or the served model's own)."""
+        name = request_model(path, body)
+        return name if name is not None and name in self.fleet.known_adapters() else None
 
 
 def _error(status: int, message: str, path: str) -> JSONResponse:
@@ -159,11 +165,55 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
                 return Response(a.content, status_code=a.status_code, media_type="application/json")
         return JSONResponse({"object": "list", "data": list(data.values())})
 
+    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def lora_change(request: Request) -> Response:
+        return await _broadcast(gw, request)
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def proxy(request: Request, path: str) -> Response:
         return await _proxy(gw, request)
 
     return app
+
+
+async def _broadcast(gw: Gateway, request: Request) -> Response:
+    """A LoRA load or unload goes to every healthy replica (each must serve the adapter for the
+    gateway to route to it): 200 when all took it, else the first refusal's status and a message
+    naming each replica that refused (those that took it keep it: unload there to undo)."""
+    assert gw.http is not None
+    path = request.url.path
+    healthy = [r for r in gw.fleet.replicas.values() if r.healthy]
+    if not healthy:
+        return _error(503, "no healthy replica to load or unload the adapter on", path)
+    body = await request.body()
+    headers = _forward_headers(request)
+    answers = await asyncio.gather(*(gw.http.post(r.url + path, content=body, headers=headers, timeout=180.0)
+                                     for r in healthy), return_exceptions=True)
+    failed: list[tuple[Replica, int, str]] = []
+    for r, a in zip(healthy, answers, strict=True):
+        if isinstance(a, httpx.Response) and a.status_code == 200:
+            continue
+        if isinstance(a, httpx.Response):
+            try:
+                text = str(a.json().get("error", {}).get("message", a.text))
+            except ValueError:
+                text = a.text
+            failed.append((r, a.status_code, text[:300]))
+        else:
+            failed.append((r, 502, f"{type(a).__name__}: {a}"))
+    with contextlib.suppress(httpx.HTTPError):
+        await asyncio.gather(*(gw.fleet.poll(r) for r in healthy))  # their adapter lists, now
+    if not failed:
+        first = answers[0]
+        assert isinstance(first, httpx.Response)
+        return Response(first.content, status_code=200, media_type=first.headers.get("content-type"))
+    status = failed[0][1]
+    detail = "; ".join(f"{r.url}: {text}" for r, _, text in failed)
+    took = len(healthy) - len(failed)
+    return JSONResponse({"error": {"message": f"{len(failed)} of {len(healthy)} replicas refused ({detail})"
+                                   + (f"; {took} took it" if took else ""),
+                                   "type": "gateway_error", "param": None, "code": status}}, status_code=status)
 
 
 def _forward_headers(request: Request) -> list[tuple[bytes, bytes]]:
@@ -178,16 +228,17 @@ async def _proxy(gw: Gateway, request: Request) -> Response:
         body = await request.body()
     except ClientDisconnect:
         return Response(status_code=499)  # the client left mid-body; nothing was routed
+    adapter = gw.adapter_of(path, body)
     if gw.tokenizer is not None and len(body) > INLINE_KEY_BYTES:  # tokenizing a long prompt takes seconds
-        hashes = await asyncio.to_thread(gw.hashes, path, body)
+        hashes = await asyncio.to_thread(gw.hashes, path, body, adapter)
     else:
-        hashes = gw.hashes(path, body)
+        hashes = gw.hashes(path, body, adapter)
     headers = _forward_headers(request)
     target = path + (f"?{request.url.query}" if request.url.query else "")
     tried: list[str] = []
     first_error = ""
     for attempt in range(2):
-        loads = gw.fleet.candidates(exclude=tried)
+        loads = gw.fleet.candidates(exclude=tried, adapter=adapter)
         if not loads:
             break
         route = gw.router.choose(loads, hashes)

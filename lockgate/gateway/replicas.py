@@ -73,6 +73,12 @@ class Replica:
         """What the replica reported at the last poll plus what we opened (or closed) there since."""
         return max(0, self.in_flight + self.external)
 
+    @property
+    def adapters(self) -> set[str]:
+        """The LoRA adapters the replica reported loaded at the last poll (or adapter change)."""
+        names = self.reported.get("adapters")
+        return set(names) if isinstance(names, list) else set()
+
     def view(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "load": self.load, "in_flight": self.in_flight,
                 "external": self.external, "last_error": self.last_error, "reported": self.reported}
@@ -152,10 +158,19 @@ class Fleet:
         self._set_members([*self.static, *urls])
 
     # ---- the view the router uses ---------------------------------------------------------
-    def candidates(self, exclude: Iterable[str] = ()) -> dict[str, int]:
-        """Healthy replicas (minus ``exclude``) -> load."""
+    def candidates(self, exclude: Iterable[str] = (), adapter: str | None = None) -> dict[str, int]:
+        """Healthy replicas (minus ``exclude``) -> load; with ``adapter``, those that have that LoRA
+        adapter loaded when any does (else all: the replica will answer the unknown name)."""
         skip = set(exclude)
-        return {u: r.load for u, r in self.replicas.items() if r.healthy and u not in skip}
+        healthy = {u: r.load for u, r in self.replicas.items() if r.healthy and u not in skip}
+        if adapter is not None:
+            having = {u: n for u, n in healthy.items() if adapter in self.replicas[u].adapters}
+            if having:
+                return having
+        return healthy
+
+    def known_adapters(self) -> set[str]:
+        return {a for r in self.replicas.values() for a in r.adapters}
 
     def set_health(self, replica: Replica, healthy: bool, error: str | None = None) -> None:
         replica.last_error = error
@@ -206,6 +221,10 @@ class Fleet:
                 await asyncio.wait_for(self._health_wakeup.wait(), self.health_interval)
             except TimeoutError:
                 pass
+
+    async def poll(self, r: Replica) -> None:
+        """Read ``r``'s /v1/loads now (its load and LoRA adapters)."""
+        await self._poll_load(r)
 
     async def _poll_load(self, r: Replica) -> None:
         assert self._http is not None

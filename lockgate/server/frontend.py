@@ -262,6 +262,7 @@ class EngineClient:
                 await self._on_ready(msg)
             elif isinstance(msg, AdapterReply):
                 self.adapters = {a.name: a for a in msg.adapters}
+                self.metrics.keep_adapters(set(self.adapters))
                 waiter = self._adapter_replies.get(msg.ticket)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)

@@ -18,6 +18,8 @@ slots, so nothing is ever preempted (exported for the dashboards that plot it).
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -88,6 +90,19 @@ class Metrics:
                                   labels, registry=r)
         self.spec_accepted = Counter("lockgate:spec_decode_num_accepted_tokens",
                                      "Speculative guesses the model agreed with (tokens gained)", labels, registry=r)
+        # LoRA: requests per adapter, slot traffic, and vLLM's info gauge (labels carry the names)
+        self.lora_running = Gauge("lockgate:lora_requests_running", "Running requests per LoRA adapter",
+                                  [*labels, "lora_name"], registry=r)
+        self.lora_waiting = Gauge("lockgate:lora_requests_waiting", "Waiting requests per LoRA adapter",
+                                  [*labels, "lora_name"], registry=r)
+        self.lora_loads = Counter("lockgate:lora_loads", "LoRA adapters put into one of the --max-loras slots",
+                                  labels, registry=r)
+        self.lora_evictions = Counter("lockgate:lora_evictions", "LoRA adapters taken out of a slot for another",
+                                      labels, registry=r)
+        self.lora_info = Gauge("lockgate:lora_requests_info", "vLLM's LoRA info gauge: value = time of the update",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_seen = (0, 0)
+        self._lora_names: set[str] = set()
         # token-count histograms: buckets up to the context length, known once the engine is ready
         self.request_prompt_tokens: Histogram | None = None
         self.request_generation_tokens: Histogram | None = None
@@ -95,7 +110,8 @@ class Metrics:
         self.params_max_tokens: Histogram | None = None
         self._spec_seen = (0, 0)  # the scheduler's running totals at the last update
         for series in (self.spec_draft, self.spec_accepted, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens, self.prefix_queries, self.prefix_hits):
+                       self.generation_tokens, self.prefix_queries, self.prefix_hits, self.lora_loads,
+                       self.lora_evictions):
             series.labels(model_name)  # export zeros from the start
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(model_name, reason)
@@ -153,6 +169,33 @@ class Metrics:
             self.spec_draft.labels(m).inc(s.draft_tokens - drafted)
             self.spec_accepted.labels(m).inc(s.accepted_tokens - accepted)
             self._spec_seen = (s.draft_tokens, s.accepted_tokens)
+        self._update_lora(s)
+
+    def keep_adapters(self, names: set[str]) -> None:
+        """Only these adapters are loaded now: the per-adapter series of the others go."""
+        for gone in self._lora_names - names:
+            self.lora_running.remove(self.model, gone)
+            self.lora_waiting.remove(self.model, gone)
+        self._lora_names &= names
+
+    def _update_lora(self, s: EngineStats) -> None:
+        m = self.model
+        loads, evictions = self._lora_seen
+        if s.lora_loads > loads or s.lora_evictions > evictions:
+            self.lora_loads.labels(m).inc(s.lora_loads - loads)
+            self.lora_evictions.labels(m).inc(s.lora_evictions - evictions)
+            self._lora_seen = (s.lora_loads, s.lora_evictions)
+        names = set(s.lora_running) | set(s.lora_waiting)
+        self.keep_adapters(names)
+        self._lora_names = names
+        for name in names:
+            self.lora_running.labels(m, name).set(s.lora_running.get(name, 0))
+            self.lora_waiting.labels(m, name).set(s.lora_waiting.get(name, 0))
+        if s.max_loras:
+            self.lora_info.clear()
+            running = ",".join(sorted(n for n, k in s.lora_running.items() if k))
+            waiting = ",".join(sorted(n for n, k in s.lora_waiting.items() if k))
+            self.lora_info.labels(str(s.max_loras), running, waiting).set(time.time())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -174,11 +174,11 @@ async def completions(request: Request) -> Response:
                             "logprobs": completion_logprobs(tok, outs, len(prefix)),
                             "finish_reason": outs[-1].finish_reason, "stop_reason": outs[-1].stop_matched})
         cached = [results[k * n][-1].cached_tokens for k in range(len(prompts))]
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name,
                              "choices": choices, "usage": usage(prompt_lens, results, cached)})
 
     def chunk(i: int, text: str, lp: Any = None, o: TextOut | None = None) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name,
                     "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": o and o.finish_reason,
                                  "stop_reason": o and o.stop_matched}]})
 
@@ -195,7 +195,7 @@ async def completions(request: Request) -> Response:
         if not body.include_usage:
             return None
         cached = [by_choice[k * n][-1].cached_tokens if by_choice[k * n] else 0 for k in range(len(prompts))]
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name,
                     "choices": [], "usage": usage(prompt_lens, by_choice, cached)})
 
     opening = [chunk(i, texts[prompt_of(i)]) for i in range(len(streams))] if body.echo else []
@@ -239,12 +239,12 @@ async def chat_completions(request: Request) -> Response:
             choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(tok, outs) if body.logprobs else None,
                             "finish_reason": reason, "stop_reason": outs[-1].stop_matched})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": lora or ctx.model_name,
                              "choices": choices,
                              "usage": usage([len(ids)], results, [results[0][-1].cached_tokens])})
 
     def chunk(i: int, delta: dict[str, Any], reason: str | None = None, lp: Any = None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": lora or ctx.model_name,
                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
 
     parsers = [ToolCallStream(names) for _ in streams] if names else []
@@ -276,7 +276,7 @@ async def chat_completions(request: Request) -> Response:
         if not body.include_usage:
             return None
         cached = by_choice[0][-1].cached_tokens if by_choice[0] else 0
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": lora or ctx.model_name,
                     "choices": [], "usage": usage([len(ids)], by_choice, [cached])})
 
     opening = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(streams))]
