@@ -7,7 +7,9 @@ feed a prompt whole, in chunks, or as decode steps and compare logits with a ref
 
 from __future__ import annotations
 
+import copy
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,9 +29,12 @@ def pytest_sessionstart(session) -> None:
 
 
 class PoolDriver:
-    def __init__(self, model, capacity: int = 512, seed: int = 0, kernels: bool | None = None):
+    def __init__(self, model, capacity: int = 512, seed: int = 0, kernels: bool | None = None,
+                 prefill_kernel: bool = False):
         """``kernels``: run on lockgate's CPU kernels (fused layer ops, decode attention kernel),
-        as the runner does when they build, or on plain torch ops; None: as the model was loaded."""
+        as the runner does when they build, or on plain torch ops; None: as the model was loaded.
+        ``prefill_kernel``: every step's attention in one group on the prefill kernel (the runner's
+        choice where the tuning measures it faster)."""
         from lockgate import kernels as cpu_kernels
         from lockgate.layers.attention import AttentionMetadata
 
@@ -37,6 +42,7 @@ class PoolDriver:
         if kernels:
             assert cpu_kernels.load(), f"lockgate CPU kernels did not build: {cpu_kernels.error()}"
         self.kernels = kernels
+        self.prefill_kernel = prefill_kernel and kernels
         self._meta = AttentionMetadata
         self.model = model
         self.k_cache = torch.full(model.kv_shape(capacity), float("nan"), dtype=model.dtype)
@@ -62,7 +68,8 @@ class PoolDriver:
         i64 = np.int64
         meta = self._meta.build(np.array(qlens, i64), np.array(slens, i64), np.array(kv, i64),
                                 np.concatenate([[0], np.cumsum(slens)]).astype(i64), np.array(out, i64),
-                                self.model.args.num_queries_per_kv, decode_kernel=self.kernels)
+                                self.model.args.num_queries_per_kv, decode_kernel=self.kernels,
+                                prefill_kernel=self.prefill_kernel)
         self.model.use_kernels(self.kernels)
         # every token's row, or the last token of each sequence
         rows = list(range(len(ids))) if all_rows else list(np.cumsum(qlens) - 1)
@@ -114,3 +121,38 @@ def smol_server():
         yield s.wait_ready(timeout=300)
     finally:
         s.stop()
+
+
+# ---- LoRA adapters for the default model, made with peft during the run ----------------------
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (peft LoraConfig keywords, scale applied to the random LoRA weights)
+ADAPTERS = {
+    "all8": ({"r": 8, "lora_alpha": 16, "target_modules": ALL, "use_rslora": True}, 0.5),
+    "qv4": ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 2.0),
+    "mlp16": ({"r": 16, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"],
+               "alpha_pattern": {"down_proj": 32}}, 0.5),
+}
+
+
+def make_adapter(base, where: Path, seed: int, scale: float, **config) -> None:
+    """A random-weight PEFT adapter for ``base`` (a transformers model, copied), saved to ``where``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(scale)
+    model.save_pretrained(str(where))
+
+
+@pytest.fixture(scope="session")
+def adapters(hf_reference, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (name, (config, scale)) in enumerate(ADAPTERS.items()):
+        make_adapter(hf_reference, root / name, seed=100 + i, scale=scale, **config)
+        out[name] = root / name
+    return out

@@ -111,8 +111,8 @@ def test_kernels_round_like_torch_in_bf16(tmp_path, pool_driver, kind: str) -> N
         assert _rel_err(k, ref) < 1.5 * _rel_err(t, ref)  # measured 0.8x to 1.15x
 
 
-def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int,
-                          steps: list[dict[int, list[int]]]) -> tuple[list, list, list[set[int]]]:
+def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int, steps: list[dict[int, list[int]]],
+                          prefill_kernel: bool = False) -> tuple[list, list, list[set[int]]]:
     """The steps' outputs through the per-op path, then through the one-call decode path (same
     pool contents), and the projection kinds of each decode_layers_ call."""
     kinds_seen: list[set[int]] = []
@@ -125,7 +125,7 @@ def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int,
     def run(one_call: bool) -> list[torch.Tensor]:
         # the layer loop on the same fused ops, or the whole-step path where it applies
         monkeypatch.setattr(KernelOps, "whole_step", whole_step if one_call else (lambda *a, **k: None))
-        drv = pool_driver(model, seed=seed, kernels=True)
+        drv = pool_driver(model, seed=seed, kernels=True, prefill_kernel=prefill_kernel)
         return [drv.step(step)[0] for step in steps]
 
     per_op = run(one_call=False)
@@ -133,8 +133,10 @@ def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int,
     return per_op, run(one_call=True), kinds_seen
 
 
+@pytest.mark.parametrize("prefill_kernel", [False, True], ids=["sdpa-prefill", "prefill-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
+def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype,
+                                                          prefill_kernel) -> None:
     # A small all-decode step whose projections all pick quantized forms runs its layers in one
     # call (lockgate::decode_layers_); it must give exactly what the per-op path gives. Two
     # projections of each layer take lockgate's own int8 / int4 kernel so every small kind runs.
@@ -148,7 +150,9 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
                         "o": FormChoice.parse("group-quant:16,dense"), "down": FormChoice.parse("group-quant:16,dense")})
     steps = [{0: PROMPT[:9], 1: OTHER[:4]}]  # prefill: never the one-call path
     steps += [{0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]} for i in range(9, 14)]
-    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 3, steps)
+    # (with the prefill kernel every step is one attention group: the prefill must still not go
+    # through the one-call decode path, which takes one row per sequence)
+    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 3, steps, prefill_kernel)
     assert kinds == [{0, 4, 8}] * 5  # every decode step, not the prefill
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)

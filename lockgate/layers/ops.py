@@ -140,6 +140,8 @@ class KernelOps:
         g = meta.groups[0]
         if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
             return None
+        if g.kernel_offsets.shape[0] - 1 != t:  # a prefill on the prefill kernel's group: not one row per sequence
+            return None
         if t not in self._packs:
             self._packs[t] = self._pack(layers, t, x.dtype)
         packed = self._packs[t]
