@@ -16,42 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ADAPTERS, make_adapter
 
 from lockgate import LLM, SamplingParams
 from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep, LoraUpdate
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> (peft LoraConfig keywords, scale applied to the random LoRA weights)
-ADAPTERS = {
-    "all8": ({"r": 8, "lora_alpha": 16, "target_modules": ALL, "use_rslora": True}, 0.5),
-    "qv4": ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 2.0),
-    "mlp16": ({"r": 16, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"],
-               "alpha_pattern": {"down_proj": 32}}, 0.5),
-}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-
-
-def make_adapter(base, where: Path, seed: int, scale: float, **config) -> None:
-    """A random-weight PEFT adapter for ``base`` (a transformers model, copied), saved to ``where``."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.mul_(scale)
-    model.save_pretrained(str(where))
-
-
-@pytest.fixture(scope="session")
-def adapters(hf_reference, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    out = {}
-    for i, (name, (config, scale)) in enumerate(ADAPTERS.items()):
-        make_adapter(hf_reference, root / name, seed=100 + i, scale=scale, **config)
-        out[name] = root / name
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +48,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprob
 def test_greedy_under_an_adapter_equals_transformers_with_peft(name, lora_llm, adapters, hf_reference) -> None:
     outs = lora_llm.generate(PROMPTS, GREEDY, lora=name)
     base = lora_llm.generate(PROMPTS, GREEDY)
-    for prompt, out, plain in zip(PROMPTS, outs, base, strict=True):
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = out.prompt_token_ids
         want = peft_greedy(hf_reference, adapters[name], ids, GREEDY.max_tokens)
         assert out.outputs[0].token_ids == want, (name, prompt)

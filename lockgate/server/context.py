@@ -206,6 +206,9 @@ class ServerContext:
             return model
         if model is None or model in (self.model_name, self.client.model_spec):
             return None
+        if model in self.client.unloaded:
+            raise APIError(404, f"The model `{model}` does not exist: the LoRA adapter {model!r} was unloaded",
+                           param="model")
         if self.cfg.strict_model_name or adapters:
             served = f"{self.model_name!r}" + (f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
                                               if adapters else "")
@@ -214,8 +217,8 @@ class ServerContext:
 
     def check_adapter(self, name: str | None, param: str) -> None:
         """A LoRA adapter named by a request field other than ``model`` (TGI's ``adapter_id``)."""
-        if name is not None and name not in self.client.adapters and name not in (self.model_name,
-                                                                                 self.client.model_spec):
+        if name is not None and (name in self.client.unloaded or name not in self.client.adapters
+                                 and name not in (self.model_name, self.client.model_spec)):
             loaded = ", ".join(map(repr, sorted(self.client.adapters))) or "none"
             raise APIError(404, f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})", param=param)
 

@@ -127,6 +127,7 @@ class EngineClient:
         self.on_unresponsive = on_unresponsive  # (process, message): the server's way out (launch.serve)
         self.last_heard: dict[str, float] = {}  # process -> monotonic time of its last sign of life
         self.adapters: dict[str, AdapterCard] = {}  # LoRA adapters loaded in the engine, by name
+        self.unloaded: set[str] = set()  # names of adapters unloaded since (a request naming one is a 404)
         self._adapter_replies: dict[str, asyncio.Future[AdapterReply]] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -261,7 +262,9 @@ class EngineClient:
             elif isinstance(msg, DetokenizerReady):
                 await self._on_ready(msg)
             elif isinstance(msg, AdapterReply):
-                self.adapters = {a.name: a for a in msg.adapters}
+                now = {a.name: a for a in msg.adapters}
+                self.unloaded = (self.unloaded | (set(self.adapters) - set(now))) - set(now)
+                self.adapters = now
                 self.metrics.keep_adapters(set(self.adapters))
                 waiter = self._adapter_replies.get(msg.ticket)
                 if waiter is not None and not waiter.done():
