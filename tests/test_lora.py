@@ -104,7 +104,7 @@ def _random_update(k: int, parts: list[tuple[int, int, int]], n: int, dtype: tor
         b[row:row + r, lo:hi] = torch.randn(r, hi - lo, generator=gen)
         spans[row:row + r, 0], spans[row:row + r, 1] = lo, hi
         row += r
-    return LoraUpdate(a.to(dtype).contiguous(), b.to(dtype).contiguous(), spans)
+    return LoraUpdate.padded(a, b, spans, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -214,7 +214,9 @@ def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
     assert ok.status_code == 200, ok.text
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "suffix": "end", "max_tokens": 2})
     assert r.status_code == 400 and "suffix" in r.json()["error"]["message"]
-    for param, value in (("grammar", {"type": "ebnf", "value": "a+"}), ("adapter_id", "my-lora"),
+    r = httpx.post(server.url + "/generate", json={"inputs": "x", "parameters": {"adapter_id": "my-lora"}})
+    assert r.status_code == 404 and "my-lora" in r.json()["error"], r.text  # TGI's adapter_id names a LoRA
+    for param, value in (("grammar", {"type": "ebnf", "value": "a+"}),
                          ("truncate", 10), ("typical_p", 0.5), ("watermark", True), ("decoder_input_details", True)):
         r = httpx.post(server.url + "/generate", json={"inputs": "x", "parameters": {param: value}})
         assert r.status_code == 422 and param in r.json()["error"], (param, r.text)

@@ -147,4 +147,4 @@ def _fuse(parts: list[tuple[ModuleTarget, torch.Tensor, torch.Tensor]], dtype: t
         b_all[row:row + r, tgt.lo:tgt.hi] = b.t()
         spans[row:row + r, 0], spans[row:row + r, 1] = tgt.lo, tgt.hi
         row += r
-    return LoraUpdate(a_all.to(dtype).contiguous(), b_all.to(dtype).contiguous(), spans)
+    return LoraUpdate.padded(a_all, b_all, spans, dtype)
