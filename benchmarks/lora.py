@@ -68,14 +68,15 @@ def main() -> None:
 
     gguf = default_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    tmp = Path(tempfile.mkdtemp(prefix="lockgate-lora-bench-"))
-    modules = []
-    for i in range(top):
-        make_adapter(hf, tmp / f"a{i}", seed=i, scale=0.3, r=args.rank, lora_alpha=2 * args.rank, target_modules=ALL)
-        modules.append(f"a{i}={tmp / f'a{i}'}")
-    del hf
-    llm = LLM("default", max_total_tokens=65536, disable_prefix_cache=True, lora_modules=tuple(modules),
-              max_loras=max(top, 1))
+    with tempfile.TemporaryDirectory(prefix="lockgate-lora-bench-") as d:  # read at load, then kept in memory
+        tmp = Path(d)
+        modules = []
+        for i in range(top):
+            make_adapter(hf, tmp / f"a{i}", seed=i, scale=0.3, r=args.rank, lora_alpha=2 * args.rank, target_modules=ALL)
+            modules.append(f"a{i}={tmp / f'a{i}'}")
+        del hf
+        llm = LLM("default", max_total_tokens=65536, disable_prefix_cache=True, lora_modules=tuple(modules),
+                  max_loras=max(top, 1))
     vocab = llm.engine.runner.vocab_size
     prompts = [[(7 + 31 * i + 17 * j) % (vocab - 10) + 5 for j in range(args.prompt_tokens)]
                for i in range(args.requests)]
