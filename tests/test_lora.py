@@ -102,6 +102,23 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_what_it_gets_alon
         np.testing.assert_allclose(got.outputs[0].logprobs, alone.outputs[0].logprobs, atol=2e-3)
 
 
+def test_deterministic_mode_keeps_its_promise_with_adapters_in_the_batch(adapters) -> None:
+    # --deterministic: a request's tokens and logprobs are bitwise the same alone or among rows of
+    # other adapters and of the base model (the LoRA kernel sums each row on its own), with a
+    # cached prompt prefix too.
+    modules = tuple(f"{n}={adapters[n]}" for n in ("all8", "mlp16"))
+    llm = LLM("default", deterministic=True, max_total_tokens=8192, check_invariants=True, lora_modules=modules)
+    shared = "You are a terse assistant for a gardening shop. "
+    jobs = [(shared + p, n) for p in PROMPTS for n in ("all8", "mlp16", None)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = [llm.generate([p], params, lora=n)[0].outputs[0] for p, n in jobs]
+    together = llm.generate([p for p, _ in jobs], params, lora=[n for _, n in jobs])
+    for job, a, t in zip(jobs, alone, together, strict=True):
+        assert t.outputs[0].token_ids == a.token_ids and t.outputs[0].logprobs == a.logprobs, job
+        assert t.outputs[0].top_logprobs == a.top_logprobs, job
+    assert len({tuple(a.token_ids) for a in alone[:3]}) > 1  # the adapters change the answer
+
+
 def test_the_prefix_cache_never_serves_one_adapters_kv_to_another(lora_llm) -> None:
     prompt = "A long shared system prompt about gardening, soil, water and light. " * 4
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
