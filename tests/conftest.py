@@ -1,6 +1,6 @@
 """Shared test helpers.
 
-``pool_driver``: drives a ``LlamaModel`` through steps over a NaN-initialised KV pool with
+``pool_driver``: drives a ``DecoderModel`` through steps over a NaN-initialised KV pool with
 scattered slots, the way the runner does (one AttentionMetadata per step), so model tests can
 feed a prompt whole, in chunks, or as decode steps and compare logits with a reference.
 """

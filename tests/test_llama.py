@@ -21,7 +21,8 @@ from lockgate import kernels as cpu_kernels
 from lockgate.kernel_choice import FormChoice
 from lockgate.layers.forms import GroupQuantWeight, Int4Weight
 from lockgate.layers.ops import KernelOps
-from lockgate.models.llama import LlamaArgs, LlamaModel
+from lockgate.models.decoder import DecoderModel as LlamaModel
+from lockgate.models.registry import args_from_config
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -185,20 +186,20 @@ def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool
 
 def test_config_parsing_and_errors(tmp_path) -> None:
     base = {**COMMON, "model_type": "llama", "hidden_act": "silu"}
-    a = LlamaArgs.from_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500.0})
+    a = args_from_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500.0})
     assert a.rope_theta == 500.0 and a.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
-    a = LlamaArgs.from_config({**base, "rope_parameters": LLAMA3_ROPE})
+    a = args_from_config({**base, "rope_parameters": LLAMA3_ROPE})
     assert a.rope_scaling["rope_type"] == "llama3" and a.rope_theta == 10000.0
     assert a.head_dim == 16 and a.num_queries_per_kv == 2 and not a.qkv_bias
-    assert LlamaArgs.from_config({**base, "model_type": "qwen2"}).qkv_bias
-    assert LlamaArgs.from_config({**base, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
+    assert args_from_config({**base, "model_type": "qwen2"}).qkv_bias
+    assert args_from_config({**base, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
     for bad, msg in [({"model_type": "gpt2"}, "unsupported model_type"),
                      ({"hidden_act": "gelu"}, "hidden_act"),
                      ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
                      ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e4}}, "missing"),
                      ({"num_key_value_heads": 3}, "multiple")]:
         with pytest.raises(ValueError, match=msg):
-            LlamaArgs.from_config({**base, **bad})
+            args_from_config({**base, **bad})
     # a directory whose weights lack a tensor gives a clear error naming it
     build(tmp_path, "llama", True)
     f = next(tmp_path.glob("*.safetensors"))

@@ -194,7 +194,7 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
     for role in ("qkv", "o", "gate_up", "down", "head"):
         assert f"  {role} " in r2.stdout
     # an engine with the same settings reads that table
-    import lockgate.models.llama as llama
+    import lockgate.models.decoder as llama
     from lockgate.config import CacheConfig, ModelConfig
     from lockgate.runner.model_runner import ModelRunner
 

@@ -48,7 +48,7 @@ the queries are reshaped to [Bg, Hkv, G * Q, D] (the G heads of a kv group becom
 rows) and attend to K/V [Bg, Hkv, L, D] directly. For decode (Q == 1) this reshape is a free
 view; measured on CPU it is several times faster than ``enable_gqa=True`` or repeating K/V.
 
-Called by ``lockgate.models.llama`` (per layer) and ``lockgate.runner.model_runner`` (builds
+Called by ``lockgate.models.decoder`` (per layer) and ``lockgate.runner.model_runner`` (builds
 the metadata once per step).
 """
 
@@ -120,6 +120,13 @@ class AttentionMetadata:
     out_slots: torch.Tensor  # [T] i64: pool slot where each new token's K/V is written
     groups: list[AttentionGroup]  # 1 to 4 groups (decode / prefill x shared prefix or not); disjoint, cover all T
     num_tokens: int  # T
+    # the plan's arrays (query_lens, seq_lens, kv_slots, kv_offsets), for ``masked_attention``
+    layout: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    _masked: dict[int | None, MaskedLayout] = field(default_factory=dict)  # masked_attention's, per window
+
+    @property
+    def longest_context(self) -> int:
+        return int(self.layout[1].max()) if self.layout is not None and len(self.layout[1]) else 0
 
     @staticmethod
     def build(query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray, kv_offsets: np.ndarray,
@@ -152,7 +159,8 @@ class AttentionMetadata:
                 max_q=int(query_lens.max()) if len(query_lens) else 0,
                 kernel_slots=torch.from_numpy(np.ascontiguousarray(kv_slots, dtype=np.int64)).to(dev),
                 kernel_offsets=torch.from_numpy(kv_offsets).to(dev), kernel_q_offsets=torch.from_numpy(q_offsets).to(dev))
-            return AttentionMetadata(out_slots=t, groups=[group], num_tokens=int(q_offsets[-1]))
+            return AttentionMetadata(out_slots=t, groups=[group], num_tokens=int(q_offsets[-1]),
+                                     layout=(query_lens, seq_lens, kv_slots, kv_offsets))
         is_decode = query_lens == 1
         groups = []
         for kind in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
@@ -176,7 +184,8 @@ class AttentionMetadata:
                 whole = sel.size == len(query_lens)  # one group covers the whole step, in order
                 groups.append(_build_group(sel, whole, query_lens, seq_lens, kv_slots, kv_offsets, q_offsets,
                                            num_queries_per_kv, torch.device(device)))
-        return AttentionMetadata(out_slots=t, groups=groups, num_tokens=int(q_offsets[-1]))
+        return AttentionMetadata(out_slots=t, groups=groups, num_tokens=int(q_offsets[-1]),
+                                 layout=(query_lens, seq_lens, kv_slots, kv_offsets))
 
 
 def _on_shared_prefix(sel: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray,
@@ -384,6 +393,80 @@ def _add_prefixes(qf: torch.Tensor, own: torch.Tensor, lse: torch.Tensor, k_cach
         merged = (op * wp + out.index_select(0, p.members).float() * wo) / (wp + wo)
         out.index_copy_(0, p.members, merged.to(out.dtype))
     return out
+
+
+@dataclass
+class MaskedLayout:
+    """The whole step as one padded batch [B, Q] queries x [B, L] keys, for ``masked_attention``."""
+
+    q_rows: torch.Tensor  # [N] i64: rows of T that are real queries, in (sequence, query) order
+    q_pad: torch.Tensor  # [N] i64: where each sits in the flattened [B * Q] padded queries
+    gather: torch.Tensor  # [B, L] i64 pool slots (padding repeats a slot of the same sequence)
+    allowed: torch.Tensor  # [B, 1, Q, L] bool: causal, within the window, real keys only
+    shape: tuple[int, int, int]  # (B, Q, L)
+
+
+def _masked_layout(meta: AttentionMetadata, window: int | None, device: torch.device) -> MaskedLayout:
+    assert meta.layout is not None, "AttentionMetadata.build records the plan's arrays"
+    query_lens, seq_lens, kv_slots, kv_offsets = meta.layout
+    b = len(query_lens)
+    q, l_max = int(query_lens.max()), int(seq_lens.max())
+    gather = np.zeros((b, l_max), dtype=np.int64)
+    qpos = np.full((b, q), -1, dtype=np.int64)
+    rows, pads = [], []
+    t = 0
+    for i in range(b):
+        ql, sl = int(query_lens[i]), int(seq_lens[i])
+        mine = kv_slots[kv_offsets[i]:kv_offsets[i + 1]]
+        gather[i, :sl] = mine
+        gather[i, sl:] = mine[0]
+        qpos[i, :ql] = np.arange(sl - ql, sl)
+        rows.append(np.arange(t, t + ql))
+        pads.append(i * q + np.arange(ql))
+        t += ql
+    keys = np.arange(l_max)[None, None, :]
+    pos = qpos[:, :, None]
+    allowed = (keys <= pos) & (keys < seq_lens[:, None, None])
+    if window is not None:
+        allowed &= keys > pos - window
+    allowed[:, :, 0] |= qpos < 0  # a padding query sees key 0 (no all-masked row; its output is dropped)
+    return MaskedLayout(torch.from_numpy(np.concatenate(rows)).to(device), torch.from_numpy(np.concatenate(pads)).to(device),
+                        torch.from_numpy(gather).to(device), torch.from_numpy(allowed[:, None]).to(device), (b, q, l_max))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """``paged_attention`` for what its paths do not do: a sliding ``window`` (a query at position
+    p sees keys p - window < j <= p, as transformers' sliding-window mask) and logit soft-capping
+    (scores = softcap * tanh(scores / softcap), Gemma 2). The whole step as one padded batch, scores
+    in float32 (eager attention's order: scale, cap, mask, softmax, then V). Correct first; the
+    model takes it only for the layers and steps that need it (a windowed layer whose contexts all
+    fit its window takes ``paged_attention``: the window changes nothing there).
+
+    q [T, H, D], k/v [T, Hkv, D] or None (already in the pool), k_cache/v_cache [capacity, Hkv, D]
+    -> [T, H, D] in q's dtype."""
+    if k is not None and v is not None:
+        write_kv(k_cache, v_cache, meta.out_slots, k, v)
+    lay = meta._masked.get(window)
+    if lay is None:
+        lay = meta._masked[window] = _masked_layout(meta, window, q.device)
+    b, qmax, l_max = lay.shape
+    h, hkv, d = q.shape[1], k_cache.shape[1], q.shape[2]
+    qp = q.new_zeros(b * qmax, h, d)
+    qp.index_copy_(0, lay.q_pad, q.index_select(0, lay.q_rows))
+    qp = qp.view(b, qmax, h, d).transpose(1, 2).float()  # [B, H, Q, D]
+    keys = k_cache[lay.gather].float().repeat_interleave(h // hkv, dim=2).transpose(1, 2)  # [B, H, L, D]
+    vals = v_cache[lay.gather].float().repeat_interleave(h // hkv, dim=2).transpose(1, 2)
+    scores = torch.matmul(qp, keys.transpose(-1, -2)) * scale  # [B, H, Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~lay.allowed, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(q.dtype).float(), vals)  # [B, H, Q, D]
+    out = out.transpose(1, 2).reshape(b * qmax, h, d).to(q.dtype)
+    res = torch.empty_like(q)
+    res.index_copy_(0, lay.q_rows, out.index_select(0, lay.q_pad))
+    return res
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

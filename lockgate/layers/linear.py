@@ -15,7 +15,7 @@ a row's result does not depend on what the other rows are for a given row count.
 ``F.linear`` with its weight (dequantized, the float32 source, ``weight``) up to accumulation
 order and the rounding the form documents.
 
-Called by ``lockgate.models.llama`` (every projection and the LM head).
+Called by ``lockgate.models.decoder`` (every projection and the LM head).
 """
 
 from __future__ import annotations

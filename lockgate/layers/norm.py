@@ -2,7 +2,7 @@
 
 Owns one function. The normalisation itself runs in float32 and is cast back to the input
 dtype before the weight multiply, exactly like Hugging Face's ``LlamaRMSNorm``, so our bf16
-numbers track the reference implementation. Called by ``lockgate.models.llama``.
+numbers track the reference implementation. Called by ``lockgate.models.decoder``.
 """
 
 from __future__ import annotations

@@ -38,6 +38,12 @@ from lockgate.layers.rope import apply_rope
 QKV = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): [T, 2 F] gate|up -> gelu_tanh(gate) * up [T, F] (plain torch on every backend)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class LayerWeights(Protocol):
     """What the whole-step path needs of a decoder layer: its two norms and its projections in
     ``decode_layers_``' order (qkv, o, gate_up, down)."""

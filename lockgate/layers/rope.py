@@ -1,10 +1,15 @@
 """Rotary position embeddings (rotate-half convention, as in Hugging Face Llama).
 
-Owns the inverse-frequency table (plain, ``linear`` and ``llama3`` scaling) and applying the
-rotation. Invariant: weights use Hugging Face's q/k row order (the GGUF loader undoes
+Owns the inverse-frequency table (plain, ``linear``, ``llama3`` and ``longrope`` scaling) and
+applying the rotation. LongRoPE (Phi-3) has two tables: a token at a position below
+``original_max_position_embeddings`` rotates by the short factors, one at or past it by the long
+ones (per token, so a token's rotation never depends on the rest of the batch; transformers picks
+one table per forward call by its longest position, which agrees for every prompt that fits the
+original context and for every token generated past it), and cos/sin are scaled by its
+``attention_factor``. Invariant: weights use Hugging Face's q/k row order (the GGUF loader undoes
 llama.cpp's interleaving permutation before we get here). cos/sin are computed once per
 step in float32 and cast to the activations' dtype, like the reference implementation.
-Called by ``lockgate.models.llama`` (one ``RotaryEmbedding`` per model).
+Called by ``lockgate.models.decoder`` (one ``RotaryEmbedding`` per model).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -30,6 +35,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
     assert scaling is not None
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == "longrope":
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     if rope_type == "llama3":
         return llama3_inv_freq(inv_freq, float(scaling["factor"]), float(scaling["low_freq_factor"]),
                                float(scaling["high_freq_factor"]),
@@ -62,6 +69,17 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device):
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)  # [D/2] f32
+        self.long_inv_freq: torch.Tensor | None = None  # longrope: from this position on
+        self.long_from = 0
+        self.attention_factor = 1.0
+        if rope_type_of(scaling) == "longrope":
+            assert scaling is not None
+            base = rope_inv_freq(head_dim, theta)
+            if len(scaling["short_factor"]) != head_dim // 2 or len(scaling["long_factor"]) != head_dim // 2:
+                raise ValueError(f"longrope short_factor / long_factor must have head_dim / 2 = {head_dim // 2} entries")
+            self.long_inv_freq = (base / torch.tensor(scaling["long_factor"], dtype=torch.float32)).to(device)
+            self.long_from = int(scaling["original_max_position_embeddings"])
+            self.attention_factor = float(scaling["attention_factor"])
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] i64 -> (cos, signed sin), each [T, 1, D] in ``dtype`` (broadcast over heads).
@@ -69,7 +87,12 @@ class RotaryEmbedding:
         The signed sin is (-sin, sin) over the two halves, so ``apply_rope`` needs no negation.
         """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2] f32
+        if self.long_inv_freq is not None:
+            long = positions.float()[:, None] * self.long_inv_freq[None, :]
+            freqs = torch.where((positions >= self.long_from)[:, None], long, freqs)
         cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
                 torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
 

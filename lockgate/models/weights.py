@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -44,18 +45,24 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor in ``dtype`` (default: the run dtype)."""
+    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor in ``dtype`` (default: the run dtype); ``shape``: what config.json implies
+        (a mismatch, or a missing tensor, is a ValueError naming the tensor and that shape)."""
+        want = "" if shape is None else f" (config.json implies shape {list(shape)})"
         if name not in self._where:
-            raise ValueError(f"weights are missing tensor {name!r}")
+            raise ValueError(f"weights are missing tensor {name!r}{want}")
         self._used.add(name)
-        return self._where[name].get_tensor(name).to(device=self.device, dtype=dtype or self.dtype)
+        t = self._where[name].get_tensor(name)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {list(t.shape)}, config.json implies {list(shape)}")
+        return t.to(device=self.device, dtype=dtype or self.dtype)
 
     def skip(self, name: str) -> None:
         self._used.add(name)
 
-    def cat(self, names: list[str], dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.cat([self.get(n, dtype) for n in names], dim=0)
+    def cat(self, names: list[str], dtype: torch.dtype | None = None,
+            shapes: Sequence[tuple[int, ...]] | None = None) -> torch.Tensor:
+        return torch.cat([self.get(n, dtype, None if shapes is None else shapes[i]) for i, n in enumerate(names)], dim=0)
 
     def unused(self) -> set[str]:
         return {k for k in self._where if k not in self._used and not k.endswith("rotary_emb.inv_freq")}

@@ -1,6 +1,6 @@
 """ModelRunner: owns the weights and the KV pool; turns a ForwardPlan into a ForwardResult.
 
-Owns: the model (``LlamaModel``), the KV pool tensors ``k_cache`` / ``v_cache`` of shape
+Owns: the model (``DecoderModel``), the KV pool tensors ``k_cache`` / ``v_cache`` of shape
 [num_layers, capacity, Hkv, D] (slot s = one token's K/V in every layer), the run dtype and
 device, and the torch.Generator used for unseeded sampling (seeded from ``--seed``).
 
@@ -39,8 +39,10 @@ from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
 from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
-from lockgate.models.llama import PROJECTION_ROLES, LlamaArgs, LlamaModel
+from lockgate.models.args import ModelArgs
+from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
 from lockgate.models.lora import load_adapter
+from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import tuning
 from lockgate.runner.sampler import sample
@@ -88,7 +90,7 @@ class ModelRunner:
         torch.manual_seed(model_cfg.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_cfg.seed)
-        args = LlamaArgs.from_config(json.loads((self.model_dir / "config.json").read_text()))
+        args = args_from_config(json.loads((self.model_dir / "config.json").read_text()))
         # lockgate's CPU kernels: decode attention read from the pool by slot, the layers' fused
         # element-wise ops, groupwise int4/int8 matmuls; plain torch where they cannot build (or
         # dtype float16, which they lack).
@@ -110,7 +112,7 @@ class ModelRunner:
             "checkpoint": checkpoint_fingerprint(self.model_dir), "quantization": self.quantization, "fp32": fp32})
         self._stored_table = tuning.peek(self._forms_key) \
             if model_cfg.tuning == "auto" and model_cfg.matmul_forms == "auto" else None
-        self.model = LlamaModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
+        self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
                                                 fp32, self.cpu_kernels, self._wanted_forms(model_cfg)).eval()
         # decode attention on lockgate's kernel (else gathers + SDPA), and prefill attention on it
         # too (else SDPA): measured with the forms
@@ -182,6 +184,10 @@ class ModelRunner:
         if not self.cpu_kernels:
             raise ValueError(f"--deterministic needs lockgate's CPU kernels ({kernels.error() or 'not loaded'}; "
                              f"dtype {self.dtype})")
+        a = self.model.args
+        if a.attn_softcap is not None or any(a.layer_windows) or a.moe is not None:
+            raise ValueError(f"--deterministic does not cover {a.model_type} yet: its sliding-window or soft-capped "
+                             "attention, or its experts, do not run on batch-invariant paths")
         self.decode_kernel = True
         lacking = sorted(role for role, lins in self.model.projections().items()
                          if any(lin.choice.names() != {DETERMINISTIC_FORM} for lin in lins))
@@ -211,7 +217,7 @@ class ModelRunner:
             want = {role: names | {"fp32"} for role, names in want.items()}
         return want
 
-    def _key(self, kind: str, args: LlamaArgs, dtype: str, weights: dict[str, Any] | None = None) -> tuning.TuningKey:
+    def _key(self, kind: str, args: ModelArgs, dtype: str, weights: dict[str, Any] | None = None) -> tuning.TuningKey:
         cpu = tuning.cpu_description()
         shape = {"layers": args.num_layers, "hidden": args.hidden_size, "intermediate": args.intermediate_size,
                  "heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
@@ -220,7 +226,7 @@ class ModelRunner:
         return tuning.TuningKey(kind=kind, cpu=cpu["cpu"], flags=cpu["flags"], threads=torch.get_num_threads(),
                                 torch=torch.__version__, kernels=built, shape=shape, dtype=dtype, weights=weights or {})
 
-    def _auto_dtype(self, args: LlamaArgs, kernels_built: bool) -> torch.dtype:
+    def _auto_dtype(self, args: ModelArgs, kernels_built: bool) -> torch.dtype:
         """``--dtype auto`` on a CPU: float32 unless bf16's matmuls measure faster (``tuning``)."""
         if self.cfg.tuning == "off":
             self.dtype_info = {"how": "--dtype auto with --tuning off: float32 without measuring"}
@@ -311,13 +317,6 @@ class ModelRunner:
         n = args.max_position_embeddings
         if cfg.max_model_len is not None:
             n = min(n, cfg.max_model_len)
-        if args.sliding_window is not None and n > args.sliding_window:
-            # Inside the window sliding-window attention equals full attention; beyond it we
-            # would be wrong, so cap the context instead of silently computing something else.
-            log.warning("%s uses sliding-window attention (window %d), which lockgate does not implement; "
-                        "capping max_model_len from %d to %d", self.model_dir, args.sliding_window, n,
-                        args.sliding_window)
-            n = args.sliding_window
         return n
 
     def execute(self, plan: ForwardPlan) -> ForwardResult:

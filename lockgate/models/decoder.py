@@ -1,0 +1,364 @@
+"""The shared decoder: every supported family's layers, weights and forward over one step of flat tokens.
+
+Owns ``DecoderLayer`` (one block's weights and its ``Linear`` projections) and ``DecoderModel``
+(embedding, layers, final norm, LM head, rope tables, the forward). What differs between
+families is data, in ``ModelArgs`` (``models/args.py``): the activation (SwiGLU or GeGLU), q/k
+norms, Gemma's extra norms around attention and the MLP, embedding scaling, the attention scale
+and soft-capping, sliding-window layers and their own rope, a mixture-of-experts MLP. Which
+tensors of a checkpoint fill a layer is the family's (``models/registry.py`` -> ``read_layer``).
+
+Invariants:
+
+* Weights are fused at load: one QKV matmul ([(H + 2 Hkv) D, hidden]) and one gate/up matmul
+  ([2 F, hidden]) per layer, each a ``lockgate.layers.linear.Linear`` with its forms
+  (``lockgate.layers.forms.make_forms``: dense always; with ``quantization`` auto/int4 the
+  quantized forms, made from the checkpoint's full-precision values read as float32 one layer
+  at a time, before rounding to the run dtype, auto only where nothing is lost; with ``fp32`` a
+  float32 copy for 16-bit runs), for every family. The LM head gets quantized forms only where
+  nothing is lost. Which form serves which call is each projection's ``FormChoice``, by role
+  (``projections``, ``choose_forms``), measured by ``lockgate.runner.tuning``; MoE experts follow
+  their static choice.
+* The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
+  ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
+  ``out_slots`` and returns float32 logits only for ``logits_rows`` (the last token of each
+  sampled sequence), skipping the final norm and LM head for everything else.
+* The one-call fused decode step (``LayerOps.whole_step``) runs only for the plain Llama layout
+  (``ModelArgs.plain``) and steps without LoRA adapters; a windowed layer whose step has a context
+  longer than its window, or a soft-capped one, attends with ``masked_attention``.
+* Unsupported architectures or features raise ``ValueError`` at load naming the key, and a
+  missing or misshapen tensor names the tensor and the shape config.json implies.
+
+Called by ``lockgate.runner.model_runner`` (load + one forward per step) and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import typing
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockgate.kernel_choice import FormChoice
+from lockgate.layers.attention import AttentionMetadata, masked_attention, paged_attention
+from lockgate.layers.forms import INT4_MODES, make_forms
+from lockgate.layers.linear import Linear
+from lockgate.layers.lora import LoraStep
+from lockgate.layers.moe import MoeBlock
+from lockgate.layers.norm import rms_norm
+from lockgate.layers.ops import KernelOps, LayerOps, TorchOps, gelu_tanh_mul
+from lockgate.layers.rope import RotaryEmbedding
+from lockgate.models.args import ModelArgs
+from lockgate.models.layout import LayerTensors
+from lockgate.models.registry import family_for
+from lockgate.models.weights import CheckpointReader, log_quantization
+
+log = logging.getLogger("lockgate.models")
+
+PROJECTION_ROLES = ("qkv", "o", "gate_up", "down", "head")  # ``DecoderModel.projections``' keys
+
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one transformer block (fused QKV and gate/up, or a MoE block) and their projections."""
+
+    attn_norm: nn.Parameter
+    qkv_weight: nn.Parameter
+    qkv_bias: nn.Parameter | None
+    o_weight: nn.Parameter
+    o_bias: nn.Parameter | None
+    mlp_norm: nn.Parameter
+    gate_up_weight: nn.Parameter | None
+    gate_up_bias: nn.Parameter | None
+    down_weight: nn.Parameter | None
+    down_bias: nn.Parameter | None
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
+    post_attn_norm: nn.Parameter | None
+    post_mlp_norm: nn.Parameter | None
+
+    def __init__(self, w: LayerTensors, dtype: torch.dtype, quantization: str = "none",
+                 fp32: bool = False, cpu_kernels: bool = False, want: dict[str, set[str]] | None = None):
+        """``w``: this layer's tensors at full precision (any float dtype), cast here to ``dtype``:
+        attn_norm, qkv_weight, qkv_bias, o_weight, o_bias, mlp_norm (the norm before the MLP),
+        gate_up_weight/bias and down_weight/bias (a dense MLP), optional q_norm/k_norm ([D], per
+        head), post_attn_norm/post_mlp_norm (Gemma), and for a MoE block router [E, hidden] and
+        experts (per expert (gate_up [2 F, hidden], down [hidden, F])) with top_k / norm_topk.
+        ``quantization``, ``fp32`` (make float32 copies) and ``cpu_kernels`` (lockgate's kernels
+        are loaded) decide the projections' forms (``make_forms``); ``want``: per projection
+        (qkv, o, gate_up, down) the forms to make, None for every one it can have."""
+        super().__init__()
+
+        def need(name: str) -> nn.Parameter:
+            t = w[name]
+            assert t is not None, name
+            return _frozen(t.to(dtype))
+
+        def opt(name: str) -> nn.Parameter | None:
+            t = w.get(name)
+            return None if t is None else _frozen(t.to(dtype))
+
+        self.attn_norm = need("attn_norm")  # [hidden]
+        self.qkv_weight = need("qkv_weight")  # [(H + 2 Hkv) D, hidden]
+        self.qkv_bias = opt("qkv_bias")  # [(H + 2 Hkv) D] or None
+        self.o_weight = need("o_weight")  # [hidden, H D]
+        self.o_bias = opt("o_bias")  # [hidden] or None
+        self.mlp_norm = need("mlp_norm")  # [hidden]
+        self.gate_up_weight = opt("gate_up_weight")  # [2 F, hidden] (None in a MoE block)
+        self.gate_up_bias = opt("gate_up_bias")  # [2 F] or None
+        self.down_weight = opt("down_weight")  # [hidden, F]
+        self.down_bias = opt("down_bias")  # [hidden] or None
+        self.q_norm = opt("q_norm")  # [D] or None
+        self.k_norm = opt("k_norm")  # [D] or None
+        self.post_attn_norm = opt("post_attn_norm")  # [hidden] or None (Gemma)
+        self.post_mlp_norm = opt("post_mlp_norm")  # [hidden] or None (Gemma)
+
+        def forms(source: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> dict[str, typing.Any]:
+            return make_forms(source, dtype, quantization, cpu_kernels, fp32=fp32, source_bias=bias,
+                              want=None if want is None else want.get(name, set()))
+
+        def linear(name: str) -> Linear:
+            weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
+            return Linear(weight, bias, forms(w[f"{name}_weight"], name, w.get(f"{name}_bias")))
+
+        self.qkv = linear("qkv")
+        self.o = linear("o")
+        self.gate_up: Linear | None = linear("gate_up") if self.gate_up_weight is not None else None
+        self.down: Linear | None = linear("down") if self.down_weight is not None else None
+        self.moe: MoeBlock | None = None
+        if w.get("experts") is not None:
+            experts = []
+            for gu, dn in w["experts"]:
+                gu_w, dn_w = gu.to(dtype), dn.to(dtype)
+                experts.append((Linear(gu_w, None, forms(gu, "gate_up")), Linear(dn_w, None, forms(dn, "down"))))
+            self.moe = MoeBlock(w["router"].to(dtype), experts, int(w["top_k"]), bool(w["norm_topk"]))
+
+    def projections(self) -> dict[str, Linear]:
+        """The dense projections (a MoE block's experts are not among them)."""
+        out = {"qkv": self.qkv, "o": self.o}
+        if self.gate_up is not None and self.down is not None:
+            out.update(gate_up=self.gate_up, down=self.down)
+        return out
+
+
+class DecoderModel(nn.Module):
+    """A decoder-only model of any supported family over the slot-indexed KV pool."""
+
+    def __init__(self, args: ModelArgs, embed: torch.Tensor, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: torch.Tensor | None, dtype: torch.dtype | None = None,
+                 fp32: bool = False, quantization: str = "none", cpu_kernels: bool = False,
+                 head_want: set[str] | None = None):
+        """embed/norm/lm_head at full precision, cast to ``dtype`` (default: embed's). The LM head
+        gets quantized forms only where they lose nothing (``quantization`` other than none): a
+        head is a poor place to lose precision. ``head_want``: the head's forms to make (None: all)."""
+        super().__init__()
+        dtype = dtype or embed.dtype
+        self.args = args
+        self.embed = _frozen(embed.to(dtype))  # [V, hidden]
+        self.layers = nn.ModuleList(layers)
+        self.norm = _frozen(norm.to(dtype))  # [hidden]
+        self.lm_head = self.embed if lm_head is None else _frozen(lm_head.to(dtype))  # [V, hidden] (tied: same)
+        head_source = embed if lm_head is None else lm_head
+        head_forms = make_forms(head_source, dtype, "none" if quantization == "none" else "auto", cpu_kernels,
+                                fp32=fp32, want=head_want)
+        self.head = Linear(self.lm_head, None, head_forms)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
+        # Gemma 3: the sliding layers rotate with their own table
+        self.local_rope = None if args.local_rope is None else \
+            RotaryEmbedding(args.head_dim, args.local_rope[0], args.local_rope[1], embed.device)
+        self.scale = args.scale
+        # The layers' ops backend: lockgate's fused CPU ops when ``lockgate.kernels`` is loaded
+        # (with a whole-step fast path for decode steps), else plain torch.
+        self.ops: LayerOps = KernelOps() if cpu_kernels else TorchOps()
+
+    def use_kernels(self, on: bool) -> None:
+        """Run the layers on lockgate's fused CPU ops (``on``; they must be loaded) or on plain torch."""
+        if on != self.fused_ops:
+            self.ops = KernelOps() if on else TorchOps()
+
+    @property
+    def fused_ops(self) -> bool:
+        return self.ops.name == "kernels"
+
+    def projections(self) -> dict[str, list[Linear]]:
+        """Every dense projection by role (qkv, o, gate_up, down: one per layer, a role only when
+        every layer has it; head: the LM head)."""
+        roles: dict[str, list[Linear]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
+        for layer in typing.cast(list[DecoderLayer], self.layers):
+            for role, lin in layer.projections().items():
+                roles[role].append(lin)
+        roles = {r: lins for r, lins in roles.items() if len(lins) == len(self.layers)}
+        roles["head"] = [self.head]
+        return roles
+
+    def all_linears(self) -> list[Linear]:
+        """Every projection with forms: the dense ones, the LM head and every MoE expert's."""
+        out = [lin for layer in typing.cast(list[DecoderLayer], self.layers) for lin in layer.projections().values()]
+        out += [lin for layer in typing.cast(list[DecoderLayer], self.layers) if layer.moe for lin in layer.moe.linears()]
+        return [*out, self.head]
+
+    def choose_forms(self, choices: dict[str, FormChoice], drop: bool = False) -> None:
+        """Give each role's projections their choice (``Linear.choose``); roles not named keep
+        theirs. ``drop``: free the forms no choice calls (a measured table is final)."""
+        for role, lins in self.projections().items():
+            for lin in lins:
+                if role in choices:
+                    lin.choose(choices[role])
+                if drop:
+                    lin.drop_unchosen()
+        self.ops.forget()  # the whole-step path packed the old choices' weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def kv_shape(self, capacity: int) -> tuple[int, int, int, int]:
+        """Shape of each KV pool tensor: [num_layers, capacity, Hkv, D]."""
+        a = self.args
+        return (a.num_layers, capacity, a.num_kv_heads, a.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                logits_rows: torch.Tensor | None, lora: LoraStep | None = None) -> torch.Tensor | None:
+        """input_ids/positions [T] i64, k_cache/v_cache [layers, capacity, Hkv, D],
+        logits_rows [S] i64 (rows of T) -> logits [S, V] f32, or None when logits_rows is None.
+        ``lora``: the step's adapters (rows' low-rank updates of every projection), None for none.
+        """
+        a = self.args
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        if a.embed_scale is not None:
+            x = x * torch.tensor(a.embed_scale, dtype=x.dtype)  # Gemma: the normaliser rounded to the run dtype
+        cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
+        layers = typing.cast(list[DecoderLayer], self.layers)
+        whole = None if lora is not None or not a.plain else self.ops.whole_step(
+            x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads, a.rms_norm_eps, self.scale)
+        if whole is not None:
+            x = whole
+        else:
+            local = None if self.local_rope is None else self.local_rope.cos_sin(positions, x.dtype)
+            x = self._layers(x, (cos, sin), local, meta, k_cache, v_cache, lora)
+        if logits_rows is None:
+            return None
+        x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
+        logits = self.head(x).float()  # [S, V]
+        if a.final_softcap is not None:
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
+
+    def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                local_rope: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        """The decoder layers on ``self.ops`` (torch, or lockgate's fused kernels): x [T, hidden] ->
+        [T, hidden], the residual stream, updated in place. Each layer's MLP output is added at the
+        start of the next (``add_norm``), where the kernel backend fuses the add into the norm.
+        ``rope``: (cos, sin) [T, 1, D]; ``local_rope``: the sliding layers' own (Gemma 3), else None.
+        ``lora``: each projection's output gets its rows' adapter updates (``LoraStep.add``)."""
+        a, ops = self.args, self.ops
+        t = x.shape[0]
+        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        act_mul = ops.silu_mul if a.act == "silu" else gelu_tanh_mul
+        longest = meta.longest_context
+        pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added to x
+
+        def project(lin: Linear, inp: torch.Tensor, i: int, role: str) -> torch.Tensor:
+            out = lin(inp)
+            return out if lora is None else lora.add(out, inp, i, role)
+
+        for i, layer in enumerate(typing.cast(list[DecoderLayer], self.layers)):
+            window = a.layer_windows[i]
+            cos, sin = local_rope if window is not None and local_rope is not None else rope
+            y = ops.add_norm(x, pending, layer.attn_norm, a.rms_norm_eps)  # x += pending; [T, hidden]
+            qkv = project(layer.qkv, y, i, "qkv")
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qkv = _qk_norm(qkv, layer.q_norm, layer.k_norm, h, hkv, d, a.rms_norm_eps)
+            q, k, v = ops.rope_qkv(qkv, cos, sin, h, hkv, k_cache[i], v_cache[i], meta.out_slots)
+            if a.attn_softcap is not None or (window is not None and longest > window):
+                o = masked_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, window, a.attn_softcap)
+            else:
+                o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
+            o = project(layer.o, o.reshape(t, h * d), i, "o")
+            if layer.post_attn_norm is not None:
+                o = rms_norm(o, layer.post_attn_norm, a.rms_norm_eps)
+            y = ops.add_norm(x, o, layer.mlp_norm, a.rms_norm_eps)
+            if layer.moe is not None:
+                m = layer.moe(y, act_mul)
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                m = project(layer.down, act_mul(project(layer.gate_up, y, i, "gate_up")), i, "down")
+            pending = m if layer.post_mlp_norm is None else rms_norm(m, layer.post_mlp_norm, a.rms_norm_eps)
+        if pending is not None:
+            x += pending
+        return x
+
+    @staticmethod
+    def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu", quantization: str = "none",
+                        fp32: bool = False, cpu_kernels: bool = False,
+                        want: dict[str, set[str]] | None = None) -> DecoderModel:
+        """Load config.json + safetensors (all shards) from a Hugging Face model directory of any
+        supported family (``models/registry.py``).
+
+        ``fp32``: 16-bit runs also keep float32 copies of every projection and the LM head, made
+        from the checkpoint's values (the ``fp32`` form).
+        ``quantization`` (``lockgate.layers.forms.INT4_MODES``): none, int4 (every projection the
+        kernel fits), auto (only projections already on a 4- or 8-bit grid: nothing lost).
+        ``cpu_kernels``: lockgate's CPU kernels are loaded (``lockgate.kernels.load``): the model
+        runs its fused ops and may have lockgate's quantized forms (``make_forms``).
+        ``want``: per role (qkv, o, gate_up, down, head) the forms to make; None: every form a
+        projection can have (what a measurement needs). Projections follow their static choice
+        (``FormChoice.static``) until ``choose_forms``.
+        """
+        if quantization not in INT4_MODES:
+            raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
+        # quantized and float32 forms are made from the unrounded values (read one layer at a time)
+        source = dtype if quantization == "none" and not fp32 else torch.float32
+        model_dir = Path(model_dir)
+        cfg_path = model_dir / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"{model_dir}: no config.json")
+        cfg = json.loads(cfg_path.read_text())
+        family = family_for(cfg)
+        args = family.parse(cfg)
+        with CheckpointReader(model_dir, dtype, torch.device(device)) as w:
+            layers = [DecoderLayer(family.read_layer(w, args, i, source), dtype, quantization, fp32, cpu_kernels, want)
+                      for i in range(args.num_layers)]
+            embed = w.get("model.embed_tokens.weight", source, shape=(args.vocab_size, args.hidden_size))
+            lm_head = None
+            if args.tie_word_embeddings:
+                w.skip("lm_head.weight")  # some checkpoints store the tied copy too
+            else:
+                if not w.has("lm_head.weight"):
+                    raise ValueError(f"{model_dir}: tie_word_embeddings is false but lm_head.weight is missing")
+                lm_head = w.get("lm_head.weight", source, shape=(args.vocab_size, args.hidden_size))
+            norm = w.get("model.norm.weight", torch.float32, shape=(args.hidden_size,))
+            if args.norm_offset:
+                norm = norm + 1.0
+            unused = w.unused()
+        if unused:
+            log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])
+        model = DecoderModel(args, embed, layers, norm, lm_head, dtype, fp32, quantization, cpu_kernels,
+                             None if want is None else want.get("head", set()))
+        del embed, lm_head  # the float32 copies (if any) live on only in the Linear forms
+        if quantization != "none":
+            log_quantization([lin for lin in model.all_linears() if lin is not model.head], model.head, quantization)
+        return model
+
+
+def _qk_norm(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, h: int, hkv: int, d: int,
+             eps: float) -> torch.Tensor:
+    """RMSNorm over each head of q and k in qkv [T, (H + 2 Hkv) D] (Qwen3, Gemma 3); v untouched."""
+    t = qkv.shape[0]
+    q = rms_norm(qkv[:, :h * d].reshape(t, h, d), q_norm, eps).reshape(t, h * d)
+    k = rms_norm(qkv[:, h * d:(h + hkv) * d].reshape(t, hkv, d), k_norm, eps).reshape(t, hkv * d)
+    return torch.cat([q, k, qkv[:, (h + hkv) * d:]], dim=1)
