@@ -43,6 +43,13 @@ With lockgate's kernels (``decode_kernel``), all decoding sequences form one gro
 no gather, no padding, and no cascade (the shared prefix is read per member but from cache;
 measured faster than the cascade's extra call and merge). Prefill chunks keep the paths above.
 
+Sliding windows and soft-capping (``masked_attention``): the paths above attend over a sequence's
+whole context with plain scores. A layer with a sliding window (Mistral, Gemma's local layers,
+Qwen's upper layers when configured) whose step has a context longer than its window, or a layer
+with soft-capped scores (Gemma 2), attends with ``masked_attention`` instead: the step as one padded
+batch with an explicit mask (causal, inside the window) and float32 scores. Windowed layers keep
+every key in the pool (the window decides what is read, not what is kept).
+
 GQA without expanding K/V: query heads h = kv * G + g (G = H // Hkv) share kv head ``kv``, so
 the queries are reshaped to [Bg, Hkv, G * Q, D] (the G heads of a kv group become extra query
 rows) and attend to K/V [Bg, Hkv, L, D] directly. For decode (Q == 1) this reshape is a free
