@@ -43,11 +43,13 @@ With lockgate's kernels (``decode_kernel``), all decoding sequences form one gro
 no gather, no padding, and no cascade (the shared prefix is read per member but from cache;
 measured faster than the cascade's extra call and merge). Prefill chunks keep the paths above.
 
-Sliding windows and soft-capping (``masked_attention``): the paths above attend over a sequence's
-whole context with plain scores. A layer with a sliding window (Mistral, Gemma's local layers,
-Qwen's upper layers when configured) whose step has a context longer than its window, or a layer
-with soft-capped scores (Gemma 2), attends with ``masked_attention`` instead: the step as one padded
-batch with an explicit mask (causal, inside the window) and float32 scores. Windowed layers keep
+Sliding windows and soft-capping (``windowed_attention``): the paths above attend over a
+sequence's whole context with plain scores. A layer with a sliding window (Mistral, Gemma's local
+layers, Qwen's upper layers when configured) whose step has a context longer than its window, or
+a layer with soft-capped scores (Gemma 2), attends with ``windowed_attention`` instead: a step of
+decodes on the decode kernel over each sequence's last ``window`` keys, anything else with
+``masked_attention`` (the step as one padded batch with an explicit mask, causal and inside the
+window, and float32 scores). Windowed layers keep
 every key in the pool (the window decides what is read, not what is kept).
 
 GQA without expanding K/V: query heads h = kv * G + g (G = H // Hkv) share kv head ``kv``, so
@@ -129,7 +131,9 @@ class AttentionMetadata:
     num_tokens: int  # T
     # the plan's arrays (query_lens, seq_lens, kv_slots, kv_offsets), for ``masked_attention``
     layout: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    decode_kernel: bool = False  # decoding sequences may attend on lockgate's decode kernel
     _masked: dict[int | None, MaskedLayout] = field(default_factory=dict)  # masked_attention's, per window
+    _windowed: dict[int, AttentionGroup] = field(default_factory=dict)  # windowed_attention's decode groups
 
     @property
     def longest_context(self) -> int:
@@ -167,7 +171,7 @@ class AttentionMetadata:
                 kernel_slots=torch.from_numpy(np.ascontiguousarray(kv_slots, dtype=np.int64)).to(dev),
                 kernel_offsets=torch.from_numpy(kv_offsets).to(dev), kernel_q_offsets=torch.from_numpy(q_offsets).to(dev))
             return AttentionMetadata(out_slots=t, groups=[group], num_tokens=int(q_offsets[-1]),
-                                     layout=(query_lens, seq_lens, kv_slots, kv_offsets))
+                                     layout=(query_lens, seq_lens, kv_slots, kv_offsets), decode_kernel=True)
         is_decode = query_lens == 1
         groups = []
         for kind in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
@@ -192,7 +196,7 @@ class AttentionMetadata:
                 groups.append(_build_group(sel, whole, query_lens, seq_lens, kv_slots, kv_offsets, q_offsets,
                                            num_queries_per_kv, torch.device(device)))
         return AttentionMetadata(out_slots=t, groups=groups, num_tokens=int(q_offsets[-1]),
-                                 layout=(query_lens, seq_lens, kv_slots, kv_offsets))
+                                 layout=(query_lens, seq_lens, kv_slots, kv_offsets), decode_kernel=decode_kernel)
 
 
 def _on_shared_prefix(sel: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, kv_slots: np.ndarray,
@@ -400,6 +404,39 @@ def _add_prefixes(qf: torch.Tensor, own: torch.Tensor, lse: torch.Tensor, k_cach
         merged = (op * wp + out.index_select(0, p.members).float() * wo) / (wp + wo)
         out.index_copy_(0, p.members, merged.to(out.dtype))
     return out
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
+                       softcap: float | None = None) -> torch.Tensor:
+    """A layer with a sliding ``window`` and/or soft-capped scores (shapes as ``paged_attention``).
+
+    A step of decoding sequences only, without soft-capping, on lockgate's decode kernel: each
+    sequence's last ``window`` keys as its CSR, read in place (a decode token at position p sees
+    keys p - window < j <= p, so the window is a suffix of its context). Anything else:
+    ``masked_attention``."""
+    if (softcap is None and window is not None and meta.decode_kernel and meta.layout is not None
+            and bool((meta.layout[0] == 1).all())):
+        g = meta._windowed.get(window)
+        if g is None:
+            g = meta._windowed[window] = _window_group(meta, window, q.device)
+        if k is not None and v is not None:
+            write_kv(k_cache, v_cache, meta.out_slots, k, v)
+        return _attend_group(q, k_cache, v_cache, g, scale)
+    return masked_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+
+
+def _window_group(meta: AttentionMetadata, window: int, device: torch.device) -> AttentionGroup:
+    assert meta.layout is not None
+    _, seq_lens, kv_slots, kv_offsets = meta.layout
+    lens = np.minimum(seq_lens, window)
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    first = kv_offsets[:-1] + seq_lens - lens  # each sequence's first key inside the window, in kv_slots
+    slots = kv_slots[np.repeat(first - offsets[:-1], lens) + np.arange(int(offsets[-1]))]
+    return AttentionGroup(token_idx=None, num_seqs=len(lens), gather=None, mask=None, q_index=None, max_q=1,
+                          kernel_slots=torch.from_numpy(np.ascontiguousarray(slots)).to(device),
+                          kernel_offsets=torch.from_numpy(offsets).to(device))
 
 
 @dataclass

@@ -24,7 +24,7 @@ Invariants:
   sampled sequence), skipping the final norm and LM head for everything else.
 * The one-call fused decode step (``LayerOps.whole_step``) runs only for the plain Llama layout
   (``ModelArgs.plain``) and steps without LoRA adapters; a windowed layer whose step has a context
-  longer than its window, or a soft-capped one, attends with ``masked_attention``.
+  longer than its window, or a soft-capped one, attends with ``windowed_attention``.
 * Unsupported architectures or features raise ``ValueError`` at load naming the key, and a
   missing or misshapen tensor names the tensor and the shape config.json implies.
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockgate.kernel_choice import FormChoice
-from lockgate.layers.attention import AttentionMetadata, masked_attention, paged_attention
+from lockgate.layers.attention import AttentionMetadata, paged_attention, windowed_attention
 from lockgate.layers.forms import INT4_MODES, make_forms
 from lockgate.layers.linear import Linear
 from lockgate.layers.lora import LoraStep
@@ -284,7 +284,7 @@ class DecoderModel(nn.Module):
                 qkv = _qk_norm(qkv, layer.q_norm, layer.k_norm, h, hkv, d, a.rms_norm_eps)
             q, k, v = ops.rope_qkv(qkv, cos, sin, h, hkv, k_cache[i], v_cache[i], meta.out_slots)
             if a.attn_softcap is not None or (window is not None and longest > window):
-                o = masked_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, window, a.attn_softcap)
+                o = windowed_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, window, a.attn_softcap)
             else:
                 o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
             o = project(layer.o, o.reshape(t, h * d), i, "o")
