@@ -192,6 +192,10 @@ def _serve(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
+    if server.ray:
+        from lockgate.fleet.serve import serve_ray
+
+        return serve_ray(engine, server, routing, ns.log_level)
     if server.dp > 1:
         return serve_dp(engine, server, routing, ns.log_level)
     return serve(engine, server, ns.log_level)

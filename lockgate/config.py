@@ -390,6 +390,13 @@ class ServerConfig:
                      "--port (routing flags below)")
     grammar_compile_timeout: float = option(10.0, "seconds a request's JSON schema, regex or grammar may take to "
                                             "compile before the request is refused (400)")
+    ray: bool = option(False, "place the engine replicas on a Ray cluster (pip install 'lockgate[ray]'): "
+                       "--replicas of them as Ray actors, behind a gateway on --host/--port that finds them through Ray")
+    ray_address: str | None = option(None, "with --ray: the cluster to join (host:port of its head, or 'auto'); "
+                                     "default: start a local one")
+    replicas: int = option(1, "with --ray: how many engine replicas (changed at run time by POST /admin/replicas)")
+    replica_cpus: float = option(1.0, "with --ray: CPUs each replica reserves on its node (and its torch threads, "
+                                 "rounded up)")
     listen_fd: int | None = option(None, "serve on this inherited listening socket's file descriptor instead of "
                                    "binding --host/--port (how serve --dp hands each replica the port it reserved)")
 
@@ -410,6 +417,12 @@ class ServerConfig:
             raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         if self.dp < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
+        if self.replicas < 0:
+            raise ValueError(f"--replicas must be >= 0, got {self.replicas}")
+        if not (math.isfinite(self.replica_cpus) and self.replica_cpus > 0):
+            raise ValueError(f"--replica-cpus must be > 0, got {self.replica_cpus}")
+        if self.ray and self.dp > 1:
+            raise ValueError("--ray and --dp are two ways to run replicas: give one (--ray uses --replicas)")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if not (math.isfinite(self.heartbeat_timeout) and self.heartbeat_timeout >= 2 * HEARTBEAT_SECONDS):

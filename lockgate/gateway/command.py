@@ -33,12 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 
 from lockgate.config import EngineConfig, ServerConfig, config_to_args, option, parse_size
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import POLICIES, Router
 from lockgate.gateway.proxy import Gateway, create_gateway_app
-from lockgate.gateway.replicas import Fleet, Replica, file_path
+from lockgate.gateway.replicas import Fleet, MembershipSource, Replica, file_path
 
 log = logging.getLogger("lockgate.gateway")
 
@@ -115,8 +116,10 @@ def _load_tokenizer(model: str):  # type: ignore[no-untyped-def]
 
 
 def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingConfig, model: str,
-                  api_key: str | None = None, max_request_bytes: str = "16MiB") -> Gateway:
-    """Validate everything and build the gateway (raises ValueError naming the bad flag)."""
+                  api_key: str | None = None, max_request_bytes: str = "16MiB",
+                  source: MembershipSource | None = None) -> Gateway:
+    """Validate everything and build the gateway (raises ValueError naming the bad flag); ``source``:
+    where more replicas come from (``serve --ray``)."""
     try:
         body_limit = parse_size(max_request_bytes)
     except ValueError as e:
@@ -138,7 +141,7 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
         metrics.forget(url)
 
     fleet = Fleet(urls, file_path(replicas_file), health_interval=routing.health_interval, on_health=on_health,
-                  on_removed=on_removed, api_key=api_key)
+                  on_removed=on_removed, api_key=api_key, source=source)
     tokenizer = None
     if routing.policy == "prefix-cache" and routing.prefix_tokenizer == "model":
         t0 = time.perf_counter()
@@ -149,13 +152,15 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
 
 
 def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float = 10.0,
-                on_stop: Callable[[], None] | None = None) -> int:
+                on_stop: Callable[[], None] | None = None, on_app: Callable[[FastAPI], None] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if uvicorn could not start. On the signal,
     ``on_stop`` runs at once (``serve --dp`` stops its replicas then, so their own shutdown grace and
     its final events reach the clients through the gateway), and open responses get ``grace``
     seconds to end before uvicorn cancels them."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
     app = create_gateway_app(gw)
+    if on_app is not None:  # e.g. serve --ray's admin routes
+        on_app(app)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                             lifespan="on", timeout_graceful_shutdown=math.ceil(grace))
     server = uvicorn.Server(config)

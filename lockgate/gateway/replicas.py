@@ -12,8 +12,10 @@ Owns one ``Replica`` per URL and two background loops:
   is exact and immediate; the poll corrects it once a second.
 
 Membership is the ``--replica`` URLs plus, if given, the lines of ``--replicas-file`` (one URL per
-line, ``#`` comments), re-read every poll and applied once a changed text reads the same twice. A removed replica takes
-no new requests; those already running there finish.
+line, ``#`` comments), re-read every poll and applied once a changed text reads the same twice, plus,
+if given, what a ``MembershipSource`` answers every poll (``serve --ray``: the live Ray replicas; an
+answer of None keeps the last one). A removed replica takes no new requests; those already running
+there finish.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -87,11 +89,21 @@ class Replica:
 HealthHook = Callable[[Replica, bool], None]
 
 
+class MembershipSource(Protocol):
+    """Where replicas come from beyond the flags and the file (``lockgate.fleet.ray_fleet.RayFleet``)."""
+
+    async def urls(self) -> list[str] | None: ...
+
+
 class Fleet:
     def __init__(self, urls: Iterable[str], replicas_file: Path | None = None, *, health_interval: float = 2.0,
                  load_interval: float = 1.0, on_health: HealthHook | None = None,
-                 on_removed: Callable[[str], None] | None = None, api_key: str | None = None) -> None:
+                 on_removed: Callable[[str], None] | None = None, api_key: str | None = None,
+                 source: MembershipSource | None = None) -> None:
         self.static = [normalize_url(u) for u in urls]
+        self.source = source
+        self._file_urls: list[str] = []
+        self._source_urls: list[str] = []
         self.replicas_file = replicas_file
         self.health_interval = health_interval
         self.load_interval = load_interval
@@ -105,17 +117,16 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
         self._health_wakeup = asyncio.Event()
-        file_urls: list[str] = []
         if replicas_file is not None:
             self._file_applied = self._file_seen = replicas_file.read_text()
-            file_urls = parse_replicas(self._file_applied, replicas_file)
-        self._set_members([*self.static, *file_urls])
-        if not self.replicas:
+            self._file_urls = parse_replicas(self._file_applied, replicas_file)
+        self._set_members()
+        if not self.replicas and source is None:
             raise ValueError("no replica: give --replica URL (repeatable) or a --replicas-file listing some")
 
     # ---- membership -----------------------------------------------------------------------
-    def _set_members(self, urls: list[str]) -> None:
-        wanted = list(dict.fromkeys(urls))
+    def _set_members(self) -> None:
+        wanted = list(dict.fromkeys([*self.static, *self._file_urls, *self._source_urls]))
         for url in wanted:
             if url not in self.replicas:
                 self.replicas[url] = Replica(url)
@@ -155,7 +166,23 @@ class Fleet:
             return
         self._file_applied, self._file_error = text, None
         log.info("replicas file %s changed: %d replicas listed", path, len(urls))
-        self._set_members([*self.static, *urls])
+        self._file_urls = urls
+        self._set_members()
+
+    async def _ask_source(self) -> None:
+        if self.source is None:
+            return
+        try:
+            urls = await self.source.urls()
+        except Exception as e:  # noqa: BLE001 (a source that fails keeps the fleet as it is)
+            log.warning("replica membership source failed (keeping the current fleet): %s", e)
+            return
+        if urls is None:
+            return
+        urls = [normalize_url(u) for u in urls]
+        if urls != self._source_urls:
+            self._source_urls = urls
+            self._set_members()
 
     # ---- the view the router uses ---------------------------------------------------------
     def candidates(self, exclude: Iterable[str] = (), adapter: str | None = None) -> dict[str, int]:
@@ -258,6 +285,7 @@ class Fleet:
     async def _load_loop(self) -> None:
         while True:
             self._reload_file()
+            await self._ask_source()
             await asyncio.gather(*(self._poll_load(r) for r in list(self.replicas.values()) if r.healthy))
             await asyncio.sleep(self.load_interval)
 
