@@ -21,7 +21,7 @@ from lockgate import kernels as cpu_kernels
 from lockgate.kernel_choice import FormChoice
 from lockgate.layers.forms import GroupQuantWeight, Int4Weight
 from lockgate.layers.ops import KernelOps
-from lockgate.models.decoder import DecoderModel as LlamaModel
+from lockgate.models.decoder import DecoderModel
 from lockgate.models.registry import args_from_config
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -52,7 +52,7 @@ def build(tmp_path, kind: str, tie: bool):
                 p.copy_(0.15 * torch.randn_like(p))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     assert list(tmp_path.glob("*.safetensors"))
-    return hf, LlamaModel.from_pretrained(tmp_path, torch.float32)
+    return hf, DecoderModel.from_pretrained(tmp_path, torch.float32)
 
 
 PROMPT = [5, 17, 3, 88, 42, 42, 7, 1, 60, 33, 91, 2, 14, 70, 29, 50]
@@ -99,8 +99,8 @@ def test_kernels_round_like_torch_in_bf16(tmp_path, pool_driver, kind: str) -> N
     # slightly: the decode attention kernel keeps its probabilities in float32 where SDPA rounds
     # them to bf16; there both paths must be as close to the float32 model as each other.
     build(tmp_path, kind, tie=False)
-    model = LlamaModel.from_pretrained(tmp_path, torch.bfloat16)
-    exact = LlamaModel.from_pretrained(tmp_path, torch.float32)
+    model = DecoderModel.from_pretrained(tmp_path, torch.bfloat16)
+    exact = DecoderModel.from_pretrained(tmp_path, torch.float32)
     runs = {}
     for name, m, kernels in (("torch", model, False), ("kernels", model, True), ("fp32", exact, False)):
         drv = pool_driver(m, seed=2, kernels=kernels)
@@ -143,7 +143,7 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
     # projections of each layer take lockgate's own int8 / int4 kernel so every small kind runs.
     build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
     assert cpu_kernels.load(), cpu_kernels.error()
-    model = LlamaModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
+    model = DecoderModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
     for layer in model.layers:
         layer.o.forms["group-quant"] = GroupQuantWeight.from_weight(layer.o_weight.float(), 8)
         layer.down.forms["group-quant"] = GroupQuantWeight.from_weight(layer.down_weight.float(), 4)
@@ -170,7 +170,7 @@ def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool
     assert cpu_kernels.load(), cpu_kernels.error()
     if not int_gemm_available():
         pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
-    model = LlamaModel.from_pretrained(tmp_path, torch.float32, quantization="int4", cpu_kernels=True)
+    model = DecoderModel.from_pretrained(tmp_path, torch.float32, quantization="int4", cpu_kernels=True)
     assert all("int-gemm" in lin.forms for layer in model.layers for lin in layer.projections().values())
     model.choose_forms({role: FormChoice.parse("int-gemm:3,dense") for role in ("qkv", "o", "gate_up", "down")})
     seqs = 5
@@ -208,11 +208,11 @@ def test_config_parsing_and_errors(tmp_path) -> None:
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
     with pytest.raises(ValueError, match="lm_head.weight is missing"):
-        LlamaModel.from_pretrained(tmp_path)
+        DecoderModel.from_pretrained(tmp_path)
     del sd["model.layers.1.mlp.up_proj.weight"]
     save_file(sd, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
-        LlamaModel.from_pretrained(tmp_path)
+        DecoderModel.from_pretrained(tmp_path)
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -229,8 +229,8 @@ def test_int4_and_fp32_forms_match_transformers(tmp_path, pool_driver, kind: str
     hf, _ = build(tmp_path, kind, tie=False)
     want = hf_logits(hf, PROMPT)
     if kernels:
-        pool_driver(LlamaModel.from_pretrained(tmp_path, torch.bfloat16), kernels=True)  # builds them if need be
-    q4 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="int4", cpu_kernels=kernels)
+        pool_driver(DecoderModel.from_pretrained(tmp_path, torch.bfloat16), kernels=True)  # builds them if need be
+    q4 = DecoderModel.from_pretrained(tmp_path, torch.bfloat16, quantization="int4", cpu_kernels=kernels)
     q4.choose_forms({role: FormChoice.parse("torch-int4:16,dense") for role in ("qkv", "o", "gate_up", "down")})
     assert all(isinstance(lin.forms["torch-int4"], Int4Weight) for layer in q4.layers
                for lin in layer.projections().values())
@@ -252,9 +252,9 @@ def test_int4_and_fp32_forms_match_transformers(tmp_path, pool_driver, kind: str
     got4 = pool_driver(q4).step({0: PROMPT}, all_rows=True)[0]
     assert _rel_err(got4, want4) < 0.05 < _rel_err(got4, want)  # int4 ran, and ran right (measured 0.018 vs 0.3)
 
-    f32 = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none", fp32=True)
+    f32 = DecoderModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none", fp32=True)
     f32.choose_forms({role: FormChoice.single("fp32") for role in ("qkv", "o", "gate_up", "down", "head")})
-    dense = LlamaModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none")
+    dense = DecoderModel.from_pretrained(tmp_path, torch.bfloat16, quantization="none")
     got32 = pool_driver(f32).step({0: PROMPT}, all_rows=True)[0]
     gotb = pool_driver(dense).step({0: PROMPT}, all_rows=True)[0]
     assert _rel_err(got32, want) < 0.05 and _rel_err(gotb, want) < 0.05  # bf16 activations: measured ~0.017
