@@ -26,7 +26,8 @@ LAYERS: dict[str, int] = {
     "runner": 5,
     "engine": 6,
     "offline": 7, "server": 7, "gateway": 7, "bench": 7,
-    "cli": 8, "__init__": 8,
+    "fleet": 8,
+    "cli": 9, "__init__": 9,
 }
 # Units whose modules must import without torch (torch is for the model: layers, models' architectures,
 # runner, kernels). The entries are modules to import in a fresh interpreter.
@@ -36,7 +37,7 @@ TORCH_FREE = ["lockgate.config", "lockgate.sampling", "lockgate.plan", "lockgate
               "lockgate.tokenizer.process", "lockgate.scheduler.scheduler", "lockgate.scheduler.policy",
               "lockgate.scheduler.speculate", "lockgate.engine.core", "lockgate.engine.process",
               "lockgate.checkpoint.loader", "lockgate.grammar", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
-              "lockgate.gateway.command", "lockgate.bench.command", "lockgate.cli"]
+              "lockgate.gateway.command", "lockgate.bench.command", "lockgate.fleet.serve", "lockgate.fleet.ray_fleet", "lockgate.cli"]
 
 
 def unit_of(module: str) -> str | None:
