@@ -12,7 +12,10 @@ scheduler puts them into the runner's ``--max-loras`` slots. An unloaded adapter
 requests; its weights go once no request that named it is left.
 
 Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
-#queue-req; decode: #running-req, #token, gen throughput) are kept here.
+#queue-req; decode: #running-req, #token, gen throughput) are kept here, and so is the queue
+forecast (``forecast()``: the step rates measured on every step, engine/forecast.py, applied to the
+scheduler's backlog; recomputed when a request arrived or left since, else at most every
+``FORECAST_EVERY`` seconds, so a step of a deep queue does not pay for it each time).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import EngineConfig
+from lockgate.engine.forecast import Forecast, StepRates, estimate
 from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
@@ -36,6 +40,8 @@ from lockgate.scheduler.scheduler import RequestRejected, Scheduler, SchedulerSt
 from lockgate.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("lockgate.engine")
+
+FORECAST_EVERY = 0.05  # seconds a forecast is reused while no request arrives or leaves
 
 
 @dataclass
@@ -73,6 +79,8 @@ class EngineCore:
         self.grammar_seconds = 0.0
         self.last_step: StepInfo | None = None
         self.num_steps = 0
+        self.rates = StepRates()
+        self._forecast: tuple[float, Forecast] | None = None  # (time.monotonic() made, forecast)
         sc = cfg.scheduler
         log.info("engine ready: KV capacity %d tokens, context %d, max running %d, prefill budget %d, "
                  "admission %s, policy %s, prefix cache %s", self.runner.capacity, self.runner.max_model_len,
@@ -93,6 +101,7 @@ class EngineCore:
             except GrammarError as e:
                 raise RequestRejected(str(e)) from None
         self.scheduler.submit(req)
+        self._forecast = None
         return req
 
     # ---- LoRA adapters -------------------------------------------------------------------
@@ -153,7 +162,20 @@ class EngineCore:
         self.scheduler.validate(np.asarray(prompt_ids, dtype=np.int64), max_tokens)
 
     def abort(self, rid: str) -> Request | None:
+        self._forecast = None
         return self.scheduler.abort(rid)
+
+    def forecast(self) -> Forecast:
+        """How long the queue here will take (engine/forecast.py), made at most every ``FORECAST_EVERY``
+        seconds unless a request arrived or was aborted since."""
+        now = time.monotonic()
+        if self._forecast is not None and now - self._forecast[0] < FORECAST_EVERY:
+            return self._forecast[1]
+        sched, sc = self.scheduler, self.cfg.scheduler
+        fc = estimate(sched.backlog(), self.rates, max_prefill_tokens=sc.max_prefill_tokens,
+                      max_running=sc.max_running_requests, blocked=bool(sched.waiting) and sched.admission_blocked)
+        self._forecast = (now, fc)
+        return fc
 
     @property
     def has_work(self) -> bool:
@@ -195,6 +217,9 @@ class EngineCore:
             self.grammar_seconds += sb.allowed_seconds
         self.last_step = StepInfo(len(step.rows), step.num_new_seqs, step.num_prefill_tokens, step.num_decode,
                                   time.perf_counter() - t0, step.num_cached_tokens, step.num_generated)
+        self.rates.observe(step.num_prefill_tokens, step.num_decode, self.last_step.seconds)
+        if any(o.finish_reason is not None for o in outs):
+            self._forecast = None
         self._reap_adapters()
         if self.check:
             self.scheduler.check_invariants()

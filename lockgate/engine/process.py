@@ -5,7 +5,9 @@ warms it up, announces ``Ready``, then loops over
 
     receive  AddRequest / AbortRequest / Shutdown from the API and the detokenizer
     step     one engine step (schedule -> execute -> update) while there is work
-    send     one StepBatch per step (every request's new tokens + the engine's load figures)
+    send     one StepBatch per step (every request's new tokens + the engine's load figures and queue
+             forecast), and one more, before the step, when requests arrived (so the forecast
+             counts them even while a long step runs)
 
 It blocks on its socket when idle (no polling sleeps) and wakes once a second to check that
 its parent is alive, so it never outlives the server.
@@ -149,6 +151,8 @@ class SchedulerProcess:
             if not self.handle(msgs):
                 self.out.send(Shutdown())  # the detokenizer goes too
                 return
+            if any(isinstance(m, AddRequest) for m in msgs):
+                self.send([])  # the forecast with the new arrivals, before a step that may take long
             if self.engine.has_work:
                 self.step()
             if self.pending:
@@ -228,10 +232,16 @@ class SchedulerProcess:
 
     def send(self, events: list[StepOutput]) -> None:
         st = self.engine.stats()
+        fc = self.engine.forecast()
         stats = EngineStats(running=st.running, waiting=st.waiting, slots_used=st.slots_used,
                             slots_free=st.slots_free, slots_evictable=st.slots_evictable, capacity=st.capacity,
                             headroom=st.headroom, num_steps=self.engine.num_steps,
-                            draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens)
+                            draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens,
+                            queue_eta_s=fc.queue_eta_s, drain_eta_s=fc.drain_eta_s,
+                            prefill_backlog_tokens=fc.prefill_backlog_tokens,
+                            decode_backlog_tokens=fc.decode_backlog_tokens,
+                            prefill_tokens_per_s=fc.prefill_tokens_per_s, decode_step_s=fc.decode_step_s,
+                            queue_blocked=fc.blocked, forecast_time=time.monotonic())
         lora = self.engine.scheduler.lora
         if lora is not None:
             load = self.engine.adapter_load()

@@ -126,6 +126,15 @@ class EngineStats(_Msg):
     lora_loads: int = 0  # adapters put into a runner slot since start
     lora_evictions: int = 0  # adapters taken out of a slot for another
     max_loras: int = 0
+    # the queue forecast (engine/forecast.py) and when it was made (time.monotonic(), one clock per host)
+    queue_eta_s: float | None = None  # before a request sent now starts its prefill
+    drain_eta_s: float | None = None  # until everything there now is done
+    prefill_backlog_tokens: int = 0
+    decode_backlog_tokens: int = 0
+    prefill_tokens_per_s: float | None = None
+    decode_step_s: float | None = None
+    queue_blocked: bool = False
+    forecast_time: float = 0.0
 
 
 class StepBatch(_Msg):

@@ -12,6 +12,8 @@ Operations (n = tokens in the call, d = nodes on the path, N = nodes in the tree
 * ``match_prefix`` walks the path comparing each edge with one numpy comparison, O(n + d).
   If the match ends inside an edge the edge is *split*, so the returned node ends exactly
   at the matched length and can be locked. Touches ``last_access`` on the path.
+* ``peek_prefix`` is the same walk read-only: the matched length, no split, no touch (the
+  engine's queue forecast asks it about waiting prompts without changing the LRU order).
 * ``insert`` walks the same way and hangs the unmatched tail under the last node as one
   new leaf; it splits only where the sequence diverges inside an edge. It returns how
   many leading tokens were cached already: the tree keeps its own slots for those, and
@@ -178,6 +180,23 @@ class RadixCache:
         self._touched(node)
         slots = np.concatenate(parts) if parts else _EMPTY.copy()  # i64 [pos]
         return MatchResult(length=pos, slots=slots, node=node)
+
+    def peek_prefix(self, tokens: np.ndarray | Sequence[int], ns: int = 0) -> int:
+        """Length of the longest cached prefix of ``tokens`` in namespace ``ns``, changing nothing."""
+        toks = _as_i64(tokens, "tokens")
+        n = toks.shape[0]
+        node = self._roots.get(ns)
+        pos = 0
+        while node is not None and pos < n:
+            child = node.children.get(int(toks[pos]))
+            if child is None:
+                break
+            k = _common_len(child.key, toks[pos:])
+            pos += k
+            if k < child.key.shape[0]:
+                break
+            node = child
+        return pos
 
     def insert(self, tokens: np.ndarray | Sequence[int], slots: np.ndarray | Sequence[int], ns: int = 0) -> int:
         """Cache ``tokens -> slots`` in namespace ``ns``; returns how many leading tokens were cached already.

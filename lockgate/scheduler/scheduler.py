@@ -65,6 +65,7 @@ import numpy as np
 from lockgate.config import SchedulerConfig
 from lockgate.plan import ForwardResult
 from lockgate.scheduler.admission import Charges, make_admission
+from lockgate.scheduler.backlog import Backlog, measure
 from lockgate.scheduler.ledger import SlotLedger
 from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.plan_builder import ScheduledStep, build_step
@@ -134,6 +135,9 @@ class Scheduler:
         self.num_steps = 0
         self.num_retractions = 0
         self._step_cached = 0  # prompt tokens new requests took from the cache in the step being built
+        # the last admission left requests waiting for room (the KV estimate or --max-running-requests),
+        # not for prefill budget: the queue moves only when a running request finishes
+        self.admission_blocked = False
         self.lora: AdapterSlots | None = None  # the runner's adapter slots (set by the engine when LoRA is on)
 
     # ---- intake ----------------------------------------------------------------------
@@ -191,6 +195,10 @@ class Scheduler:
                               slots_evictable=evictable, capacity=self.capacity,
                               headroom=self.capacity - self.usage_estimate(), retractions=self.num_retractions,
                               draft_tokens=spec.num_draft_tokens, accepted_tokens=spec.num_accepted_tokens)
+
+    def backlog(self) -> Backlog:
+        """The work queued and running here not done yet (backlog.py), for the engine's queue forecast."""
+        return measure(self.waiting, self.running, self.tree)
 
     def usage_estimate(self) -> int:
         """The admission mode's estimate of the running batch's future KV need (cache slots
@@ -301,6 +309,7 @@ class Scheduler:
         not fit. Appends the admitted requests' prefill chunks to ``prefill``; returns the
         budget left.
         """
+        self.admission_blocked = bool(self.waiting) and len(self.running) >= self.cfg.max_running_requests
         if not self.waiting or budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
             return budget
         if len(self.waiting) > 1:
@@ -328,6 +337,7 @@ class Scheduler:
             if trial.estimate(self.admission) > self.capacity:
                 if node is not None:
                     self.ledger.unlock(node)
+                self.admission_blocked = True
                 break
             if cand.adapter:
                 slot = self.lora.acquire(cand.adapter) if self.lora is not None else None
@@ -350,6 +360,8 @@ class Scheduler:
             prefill.append((cand, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+        if self.waiting and len(self.running) >= self.cfg.max_running_requests:
+            self.admission_blocked = True
         return budget
 
     SHARE_MIN_TOKENS = 64

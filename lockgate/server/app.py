@@ -6,6 +6,18 @@ turning ``APIError`` into OpenAI's error body (TGI's on TGI routes); and the lif
 starts the engine client and, on shutdown, aborts what is still running and tells the
 scheduler to stop.
 
+``/v1/loads`` is what a gateway routes on: requests in flight (``in_flight``, ``queued_in_api``), the
+engine's running / waiting counts, KV slots and admission ``headroom`` (tokens it could admit now),
+and the queue forecast (engine/forecast.py, carried by every step batch): ``queue_eta_s`` (seconds
+before a request sent now would start its prefill: the prompt tokens queued ahead of it, shared spans
+and cached prefixes counted once, at the measured prefill rate, plus the decode steps riding along
+and, when the queue is blocked on KV or on --max-running-requests, the shortest running decode),
+``drain_eta_s`` (until all work here now is done), the backlog they come from
+(``prefill_backlog_tokens``, ``decode_backlog_tokens``, ``queue_blocked``) and the rates used
+(``prefill_tokens_per_s``, ``decode_step_s``: moving averages over recent steps; null until measured,
+and an ETA that needs an unmeasured rate is null too). ETAs are reported less the time since the
+engine made them (``forecast_age_s``).
+
 Invariant: no route answers 500 for bad input. Every outside input is parsed by
 ``protocol`` models; what they reject becomes a 4xx naming the field and the limit.
 """
@@ -13,6 +25,7 @@ Invariant: no route answers 500 for bad input. Every outside input is parsed by
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,7 +42,7 @@ from starlette.types import Scope
 
 from lockgate.config import ServerConfig
 from lockgate.httpguard import BearerAuth, BodyLimit
-from lockgate.ipc.messages import Shutdown
+from lockgate.ipc.messages import EngineStats, Shutdown
 from lockgate.server import lora_api, openai_api, tgi_api
 from lockgate.server.context import APIError, ClientGone, ServerContext, parse_body
 from lockgate.server.frontend import EngineClient
@@ -201,11 +214,29 @@ async def loads(request: Request) -> Response:
     if s is not None:
         body.update(running=s.running, waiting=s.waiting, slots_used=s.slots_used, slots_free=s.slots_free,
                     slots_evictable=s.slots_evictable, capacity=s.capacity, headroom=s.headroom, num_steps=s.num_steps)
+        body.update(forecast(s))
     elif c.info is not None:
         body.update(running=0, waiting=0, slots_used=0, slots_free=c.info.capacity, slots_evictable=0,
-                    capacity=c.info.capacity, headroom=c.info.capacity, num_steps=0)
+                    capacity=c.info.capacity, headroom=c.info.capacity, num_steps=0, queue_eta_s=0.0, drain_eta_s=0.0,
+                    prefill_backlog_tokens=0, decode_backlog_tokens=0, prefill_tokens_per_s=None, decode_step_s=None,
+                    queue_blocked=False, forecast_age_s=0.0)
     body["adapters"] = sorted(c.adapters)  # LoRA adapters loaded (the gateway prefers a replica that has one)
     return JSONResponse(body)
+
+
+def forecast(s: EngineStats) -> dict[str, object]:
+    """The engine's queue forecast as ``/v1/loads`` reports it: its ETAs less the time since it was
+    made (the queue has been worked on meanwhile), rounded."""
+    age = max(0.0, time.monotonic() - s.forecast_time) if s.forecast_time else 0.0
+
+    def aged(eta: float | None) -> float | None:
+        return None if eta is None else round(max(0.0, eta - age), 4)
+
+    return {"queue_eta_s": aged(s.queue_eta_s), "drain_eta_s": aged(s.drain_eta_s),
+            "prefill_backlog_tokens": s.prefill_backlog_tokens, "decode_backlog_tokens": s.decode_backlog_tokens,
+            "prefill_tokens_per_s": None if s.prefill_tokens_per_s is None else round(s.prefill_tokens_per_s, 1),
+            "decode_step_s": None if s.decode_step_s is None else round(s.decode_step_s, 5),
+            "queue_blocked": s.queue_blocked, "forecast_age_s": round(age, 4)}
 
 
 @_misc.post("/tokenize")

@@ -16,6 +16,8 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,6 +35,30 @@ from lockgate.server.protocol import error_message
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
+
+
+# ---- cached-token attribution (the gateway joins it with its own prediction) ---------------------
+# Whole responses carry the prompt's real token count and the tokens reused from the prefix cache as
+# headers. A stream's headers leave before anything is known, so a stream whose request asked for it
+# (``USAGE_COMMENT_REQUEST: 1``, which the gateway sends) ends with one SSE comment line before its
+# ``[DONE]`` (or after its last event, TGI): ``: x-lockgate-usage prompt_tokens=N cached_tokens=M``.
+# SSE parsers skip comment lines by the spec; the gateway also strips it before relaying.
+PROMPT_TOKENS_HEADER = "x-lockgate-prompt-tokens"
+CACHED_TOKENS_HEADER = "x-lockgate-cached-tokens"
+USAGE_COMMENT_REQUEST = "x-lockgate-usage-comment"
+USAGE_COMMENT_PREFIX = ": x-lockgate-usage "
+
+
+def usage_headers(prompt_tokens: int, cached_tokens: int) -> dict[str, str]:
+    return {PROMPT_TOKENS_HEADER: str(prompt_tokens), CACHED_TOKENS_HEADER: str(cached_tokens)}
+
+
+def usage_comment(prompt_tokens: int, cached_tokens: int) -> str:
+    return f"{USAGE_COMMENT_PREFIX}prompt_tokens={prompt_tokens} cached_tokens={cached_tokens}\n\n"
+
+
+def wants_usage_comment(request: Request) -> bool:
+    return request.headers.get(USAGE_COMMENT_REQUEST) == "1"
 
 
 class APIError(Exception):
@@ -261,7 +287,16 @@ class ServerContext:
         if queued + n_new > limit:
             raise APIError(429, f"too many requests waiting: {queued} are queued and the limit is "
                            f"--max-queued-requests {limit}; retry later",
-                           headers={"Retry-After": "1"})
+                           headers={"Retry-After": str(self.retry_after())})
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the engine's queue ETA (less its age), rounded up,
+        at least 1 (1 while no forecast is known)."""
+        s = self.client.stats
+        if s is None or s.queue_eta_s is None:
+            return 1
+        age = max(0.0, time.monotonic() - s.forecast_time) if s.forecast_time else 0.0
+        return max(1, math.ceil(s.queue_eta_s - age))
 
     # ---- submission ----------------------------------------------------------------------
     def submit(self, kind: str, jobs: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:

@@ -8,6 +8,10 @@ Conventions: choice index = prompt index * n + choice; ``usage.prompt_tokens`` c
 prompt once; ``completion_tokens`` counts every choice's tokens; ``prompt_tokens_details.
 cached_tokens`` is what the engine reused from its prefix cache. Finish reasons are the
 engine's (stop, length, abort); an engine error ends a stream with an ``error`` event.
+Whole responses also carry the prompt and cached token counts as ``x-lockgate-prompt-tokens`` /
+``x-lockgate-cached-tokens`` headers, and a stream asked with ``x-lockgate-usage-comment: 1`` (the
+gateway does) ends with one SSE comment line carrying them (context.py), for the gateway's hit
+attribution.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lockgate.ipc.messages import TextOut
 from lockgate.sampling import SamplingParams
-from lockgate.server.context import APIError, ServerContext
+from lockgate.server.context import APIError, ServerContext, usage_comment, usage_headers, wants_usage_comment
 from lockgate.server.context import parse_body as parse
 from lockgate.server.frontend import RequestStream
 from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
@@ -108,10 +112,12 @@ def error_event(o: TextOut) -> str:
 
 def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list[str],
                  render: Callable[[int, TextOut], str | None],
-                 closing: Callable[[list[list[TextOut]]], str | None]) -> StreamingResponse:
+                 closing: Callable[[list[list[TextOut]]], str | None],
+                 attribution: Callable[[list[list[TextOut]]], str] | None = None) -> StreamingResponse:
     """The SSE body shared by both endpoints: opening events, one event per output (``render``
-    may skip one), an error event for an engine failure, an optional closing (usage) event,
-    then ``[DONE]``. However it ends (client gone included), unfinished choices are aborted."""
+    may skip one), an error event for an engine failure, an optional closing (usage) event, the
+    gateway's usage comment when asked (``attribution``), then ``[DONE]``. However it ends (client
+    gone included), unfinished choices are aborted."""
 
     async def events() -> AsyncIterator[str]:
         by_choice: list[list[TextOut]] = [[] for _ in streams]
@@ -128,6 +134,8 @@ def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list
             last = closing(by_choice)
             if last is not None:
                 yield last
+            if attribution is not None:
+                yield attribution(by_choice)
             yield "data: [DONE]\n\n"
         finally:
             ctx.abort(streams)  # no-op for finished ones
@@ -175,7 +183,8 @@ async def completions(request: Request) -> Response:
                             "finish_reason": outs[-1].finish_reason, "stop_reason": outs[-1].stop_matched})
         cached = [results[k * n][-1].cached_tokens for k in range(len(prompts))]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name,
-                             "choices": choices, "usage": usage(prompt_lens, results, cached)})
+                             "choices": choices, "usage": usage(prompt_lens, results, cached)},
+                            headers=usage_headers(sum(prompt_lens), sum(cached)))
 
     def chunk(i: int, text: str, lp: Any = None, o: TextOut | None = None) -> str:
         return sse({"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name,
@@ -191,15 +200,21 @@ async def completions(request: Request) -> Response:
         offsets[i] += len(o.text)
         return chunk(i, o.text, lp, o)
 
+    def cached_of(by_choice: list[list[TextOut]]) -> list[int]:
+        return [by_choice[k * n][-1].cached_tokens if by_choice[k * n] else 0 for k in range(len(prompts))]
+
     def closing(by_choice: list[list[TextOut]]) -> str | None:
         if not body.include_usage:
             return None
-        cached = [by_choice[k * n][-1].cached_tokens if by_choice[k * n] else 0 for k in range(len(prompts))]
         return sse({"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name,
-                    "choices": [], "usage": usage(prompt_lens, by_choice, cached)})
+                    "choices": [], "usage": usage(prompt_lens, by_choice, cached_of(by_choice))})
+
+    def attribution(by_choice: list[list[TextOut]]) -> str:
+        return usage_comment(sum(prompt_lens), sum(cached_of(by_choice)))
 
     opening = [chunk(i, texts[prompt_of(i)]) for i in range(len(streams))] if body.echo else []
-    return sse_response(ctx, streams, opening, render, closing)
+    return sse_response(ctx, streams, opening, render, closing,
+                        attribution if wants_usage_comment(request) else None)
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
@@ -241,7 +256,8 @@ async def chat_completions(request: Request) -> Response:
                             "finish_reason": reason, "stop_reason": outs[-1].stop_matched})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": lora or ctx.model_name,
                              "choices": choices,
-                             "usage": usage([len(ids)], results, [results[0][-1].cached_tokens])})
+                             "usage": usage([len(ids)], results, [results[0][-1].cached_tokens])},
+                            headers=usage_headers(len(ids), results[0][-1].cached_tokens))
 
     def chunk(i: int, delta: dict[str, Any], reason: str | None = None, lp: Any = None) -> str:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": lora or ctx.model_name,
@@ -279,8 +295,12 @@ async def chat_completions(request: Request) -> Response:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": lora or ctx.model_name,
                     "choices": [], "usage": usage([len(ids)], by_choice, [cached])})
 
+    def attribution(by_choice: list[list[TextOut]]) -> str:
+        return usage_comment(len(ids), by_choice[0][-1].cached_tokens if by_choice[0] else 0)
+
     opening = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(streams))]
-    return sse_response(ctx, streams, opening, render, closing)
+    return sse_response(ctx, streams, opening, render, closing,
+                        attribution if wants_usage_comment(request) else None)
 
 
 @router.get("/v1/models")

@@ -9,7 +9,8 @@ the engine's outputs back onto TGI's response shapes:
 * /generate_stream -> SSE, one event per token ``{"index", "token", "generated_text": null,
   "details": null}``; the last event carries the full ``generated_text`` and ``details``.
 
-Errors use TGI's body ``{"error", "error_type"}`` (the app renders APIError that way on these
+The prompt and cached token counts travel as in openai_api (headers on /generate, an SSE comment
+on a stream that asked for it). Errors use TGI's body ``{"error", "error_type"}`` (the app renders APIError that way on these
 routes); validation errors are 422 as in TGI.
 """
 
@@ -24,7 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lockgate.ipc.messages import TextOut
-from lockgate.server.context import APIError, ServerContext, parse_body
+from lockgate.server.context import (
+    APIError,
+    ServerContext,
+    parse_body,
+    usage_comment,
+    usage_headers,
+    wants_usage_comment,
+)
 from lockgate.server.protocol import TGIGenerateRequest
 
 router = APIRouter()
@@ -89,13 +97,13 @@ async def _whole(request: Request, ctx: ServerContext, body: TGIGenerateRequest,
                              "tokens": [t for o in outs for t in _tokens(ctx, o)]}
         if body.parameters.top_n_tokens:
             result["details"]["top_tokens"] = [alts for o in outs for alts in (_top_tokens(ctx, o) or [])]
-    return JSONResponse(result)
+    return JSONResponse(result, headers=usage_headers(last.num_prompt_tokens, last.cached_tokens))
 
 
 @router.post("/generate_stream")
 async def generate_stream(request: Request) -> Response:
     ctx, body, streams = await _start(request)
-    return _stream(ctx, body, streams)
+    return _stream(ctx, body, streams, wants_usage_comment(request))
 
 
 @router.post("/")
@@ -104,9 +112,10 @@ async def compat(request: Request) -> Response:
     one-element list (what TGI answers there, and what its Python client indexes)."""
     ctx, body, streams = await _start(request)
     if body.stream:
-        return _stream(ctx, body, streams)
+        return _stream(ctx, body, streams, wants_usage_comment(request))
     whole = await _whole(request, ctx, body, streams)
-    return Response(b"[" + bytes(whole.body) + b"]", media_type="application/json")
+    return Response(b"[" + bytes(whole.body) + b"]", media_type="application/json",
+                    headers={k: v for k, v in whole.headers.items() if k.startswith("x-lockgate-")})
 
 
 @router.get("/info")
@@ -126,7 +135,7 @@ async def info(request: Request) -> Response:
     })
 
 
-def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Response:
+def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any, attribution: bool = False) -> Response:
     async def events() -> AsyncIterator[str]:
         text, n = [], 0
         try:
@@ -151,6 +160,8 @@ def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any) -> Respo
                         event["details"] = {"finish_reason": _reason(o), "generated_tokens": n,
                                             "seed": body.parameters.seed, "input_length": o.num_prompt_tokens}
                     yield f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
+                if o.finish_reason is not None and attribution:
+                    yield usage_comment(o.num_prompt_tokens, o.cached_tokens)
         finally:
             ctx.abort(streams)
 
