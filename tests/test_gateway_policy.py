@@ -1,4 +1,5 @@
-"""The gateway's pure parts: prefix block hashing and index, routing keys, the routing policies.
+"""The gateway's pure parts: prefix block hashing and index, routing keys, the routing policies
+(prefix-cache and forecast with made-up loads, matches and forecasts).
 
 Loads and matches here are made up; the live behaviour (real replicas, real HTTP) is in
 test_gateway.py.
@@ -24,7 +25,14 @@ from lockgate.config import (
     server_config_from_args,
 )
 from lockgate.gateway.keys import request_key
-from lockgate.gateway.policy import Router, acceptable_load, prefix_cache_route
+from lockgate.gateway.policy import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    ReplicaForecast,
+    Router,
+    acceptable_load,
+    forecast_route,
+    prefix_cache_route,
+)
 from lockgate.gateway.prefix_index import PrefixIndex, block_hashes
 from lockgate.tokenizer.tokenizer import SimTokenizer
 
@@ -147,6 +155,132 @@ def test_prefix_cache_route_properties(loads, raw_matches, abs_count, k) -> None
         assert r.reason == "match" and (matched[r.replica], loads[r.replica]) == (matched[best], loads[best])
     else:
         assert r.reason in ("no-match", "overloaded") and loads[r.replica] == low
+
+
+# ---- forecast policy with made-up loads and forecasts ---------------------------------------------
+def fc_route(loads, matched, forecasts, prompt=1000.0, block=100.0, total=10, abs_count=16, k=2.0, w=1.0, seed=0):
+    return forecast_route(loads, matched, total, forecasts=forecasts, prompt_tokens=prompt, block_tokens=block,
+                          imbalance_abs_count=abs_count, std_dev_factor=k, work_weight=w, rng=random.Random(seed))
+
+
+def test_forecast_prefers_the_cached_replica_while_its_queue_is_shorter_than_the_prefill_saved() -> None:
+    loads = {"a": 1, "b": 1}
+    matched = {"a": 9}  # a holds 900 of 1000 tokens; b would prefill all 1000 (1 s at 1000 tok/s)
+    rate = ReplicaForecast(0.0, 1000.0)
+    r = fc_route(loads, matched, {"a": rate, "b": rate})
+    assert (r.replica, r.reason, r.matched_blocks) == ("a", "match", 9)
+    assert r.est_ttft_s == pytest.approx(0.1) and r.est_prefill_s == pytest.approx(0.1)
+    # a's queue takes 1.5 s: its TTFT (1.6 s) is worse than b's (1.0 s), but b would also add 0.9 s of
+    # prefill the fleet need not do; score a 1.6 vs b 1.0 + 0.9 = 1.9: a still wins
+    r = fc_route(loads, matched, {"a": ReplicaForecast(1.5, 1000.0), "b": rate})
+    assert (r.replica, r.reason) == ("a", "match")
+    # past the saved prefill twice over (work weight 1): b wins on time
+    r = fc_route(loads, matched, {"a": ReplicaForecast(2.0, 1000.0), "b": rate})
+    assert (r.replica, r.reason, r.matched_blocks) == ("b", "forecast", 0)
+    assert r.est_ttft_s == pytest.approx(1.0)
+    # work weight 0: the request's own TTFT alone decides (a at 1.1 s > b at 1.0 s)
+    r = fc_route(loads, matched, {"a": ReplicaForecast(1.0, 1000.0), "b": rate}, w=0.0)
+    assert r.replica == "b"
+
+
+def test_forecast_weighs_each_replica_at_its_own_prefill_rate() -> None:
+    # no match anywhere: the whole prompt everywhere; a prefills 4x faster, so its queue may be longer
+    loads = {"a": 2, "b": 0}
+    r = fc_route(loads, {}, {"a": ReplicaForecast(0.5, 4000.0), "b": ReplicaForecast(0.0, 1000.0)})
+    assert (r.replica, r.reason) == ("a", "no-match")  # 0.5 + 0.25 < 0 + 1.0
+    r = fc_route(loads, {}, {"a": ReplicaForecast(0.9, 4000.0), "b": ReplicaForecast(0.0, 1000.0)})
+    assert r.replica == "b"  # 0.9 + 0.25 > 1.0
+    # a replica without a reported rate is priced at the others' median; none reported: the default
+    r = fc_route({"a": 0, "b": 0, "c": 0}, {"c": 5}, {"a": ReplicaForecast(0.0, 2000.0),
+                                                       "b": ReplicaForecast(0.0, 4000.0)})
+    assert r.replica == "c" and r.est_ttft_s == pytest.approx(500 / 3000)
+    r = fc_route({"a": 0, "b": 0}, {"b": 5}, {})
+    assert r.replica == "b" and r.est_ttft_s == pytest.approx(500 / DEFAULT_PREFILL_TOKENS_PER_S)
+
+
+def test_forecast_keeps_the_imbalance_and_stddev_guards() -> None:
+    fast = ReplicaForecast(0.0, 1000.0)
+    # spread 20 > 16: least-request whatever the forecasts say (c has the prefix and an empty queue)
+    r = fc_route({"a": 1, "b": 2, "c": 21}, {"c": 10, "a": 3}, {"a": ReplicaForecast(30.0, 1000.0), "c": fast})
+    assert (r.replica, r.reason, r.matched_blocks) == ("a", "imbalance", 3)
+    # mean + 1 x stddev = 3.63: a (4) is out however good its forecast; c (2) holds less: overloaded
+    loads = {"a": 4, "b": 0, "c": 2}
+    r = fc_route(loads, {"a": 10, "c": 5}, {"a": fast, "b": fast, "c": fast}, k=1.0)
+    assert (r.replica, r.reason, r.matched_blocks) == ("c", "overloaded", 5)
+    r = fc_route(loads, {"a": 10, "c": 5}, {"a": fast, "b": fast, "c": fast}, k=2.0)
+    assert (r.replica, r.reason) == ("a", "match")
+
+
+def test_forecast_ties_go_to_the_least_loaded_then_at_random() -> None:
+    seen = {fc_route({"a": 1, "b": 0, "c": 0}, {}, {}, seed=s).replica for s in range(20)}
+    assert seen == {"b", "c"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads=st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 30), min_size=1),
+       raw_matches=st.dictionaries(st.sampled_from("abcdefg"), st.integers(1, 10)),
+       etas=st.dictionaries(st.sampled_from("abcdef"), st.floats(0, 20)),
+       rates=st.dictionaries(st.sampled_from("abcdef"), st.floats(100, 10000)),
+       abs_count=st.integers(0, 20), k=st.floats(0, 3), w=st.floats(0, 3))
+def test_forecast_route_properties(loads, raw_matches, etas, rates, abs_count, k, w) -> None:
+    forecasts = {x: ReplicaForecast(etas.get(x, 0.0), rates.get(x)) for x in set(etas) | set(rates)}
+    r = fc_route(loads, raw_matches, forecasts, abs_count=abs_count, k=k, w=w)
+    assert r.replica in loads and r.matched_blocks == raw_matches.get(r.replica, 0)
+    low = min(loads.values())
+    if max(loads.values()) - low > abs_count:
+        assert r.reason == "imbalance" and loads[r.replica] == low
+        return
+    limit = acceptable_load(loads, k)
+    assert loads[r.replica] <= limit
+    ok = [x for x in loads if loads[x] <= limit]
+    known = sorted(forecasts[x].prefill_tokens_per_s for x in ok if x in forecasts and forecasts[x].prefill_tokens_per_s)
+    median = (known[(len(known) - 1) // 2] + known[len(known) // 2]) / 2 if known else DEFAULT_PREFILL_TOKENS_PER_S
+
+    def parts(x):
+        f = forecasts.get(x, ReplicaForecast())
+        rate = f.prefill_tokens_per_s or median
+        u = max(0.0, 1000.0 - raw_matches.get(x, 0) * 100.0)
+        return f.queue_eta_s, u, rate
+
+    least = min(parts(x)[1] for x in ok)
+
+    def score(x):
+        eta, u, rate = parts(x)
+        return eta + u / rate + w * (u - least) / rate
+
+    assert score(r.replica) <= min(score(x) for x in ok) + 1e-5  # no acceptable replica is forecast faster
+    top = max((raw_matches.get(x, 0) for x in loads), default=0)
+    if top == 0:
+        assert r.reason == "no-match"
+    elif raw_matches.get(r.replica, 0) == top:
+        assert r.reason == "match"
+    else:
+        assert r.reason in ("forecast", "overloaded")
+
+
+def test_router_forecast_records_blocks_and_learns_the_text_token_ratio() -> None:
+    router = Router("forecast")
+    h = block_hashes("p" * 40, 8)
+    first = router.choose({"a": 0, "b": 0}, h, prompt_tokens=40, block_tokens=8)
+    assert first.reason == "no-match" and first.header().startswith("policy=forecast; reason=no-match")
+    again = router.choose({"a": 0, "b": 0}, h, prompt_tokens=40, block_tokens=8,
+                          forecasts={first.replica: ReplicaForecast(0.001, 1000.0)})
+    assert (again.replica, again.reason, again.matched_blocks) == (first.replica, "match", 5)
+    assert "est_ttft_s=" in again.header()
+    assert router.tokens_per_key(text=False) == 1.0
+    assert router.tokens_per_key(text=True) == Router.TEXT_TOKENS_PER_KEY  # a guess until a count is seen
+    router.learn_tokens(400, 100)
+    assert router.tokens_per_key(text=True) == pytest.approx(0.25)
+    router.learn_tokens(400, 400)
+    assert router.tokens_per_key(text=True) == pytest.approx(0.25 + Router.RATIO_WEIGHT * 0.75)
+
+
+def test_prefix_cache_fallback_reports_the_blocks_its_replica_holds() -> None:
+    router = Router("prefix-cache", imbalance_abs_count=0)
+    h = block_hashes("q" * 24, 8)
+    router.index.record(h, "a")
+    r = router.choose({"a": 0, "b": 3}, h)  # imbalanced: least-request picks a, which holds all 3 blocks
+    assert (r.replica, r.reason, r.matched_blocks) == ("a", "imbalance", 3)
 
 
 # ---- the other policies ------------------------------------------------------------------------

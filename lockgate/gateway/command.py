@@ -37,7 +37,7 @@ from fastapi import FastAPI
 
 from lockgate.config import EngineConfig, ServerConfig, config_to_args, option, parse_size
 from lockgate.gateway.metrics import GatewayMetrics
-from lockgate.gateway.policy import POLICIES, Router
+from lockgate.gateway.policy import POLICIES, PREFIX_POLICIES, Router
 from lockgate.gateway.proxy import Gateway, create_gateway_app
 from lockgate.gateway.replicas import Fleet, MembershipSource, Replica, file_path
 
@@ -60,6 +60,10 @@ class RoutingConfig:
     imbalance_abs_count: int = option(16, "max - min replica load above which the least loaded replica wins "
                                       "over cache affinity")
     std_dev_factor: float = option(2.0, "a matching replica is acceptable while its load <= mean + factor x stddev")
+    forecast_work_weight: float = option(1.0, "forecast: weight of the prefill a choice adds beyond the best cached "
+                                         "replica's, on top of the request's own estimated time to first token")
+    max_attempts: int = option(3, "replicas a request is tried on at most (a refused connection, a dropped one "
+                               "before any answer, a 503 or a 429 moves it to the next)")
     health_interval: float = option(2.0, "seconds between replica health checks")
     routing_seed: int = option(0, "seed of random / power-of-two choices and tie breaks")
 
@@ -72,6 +76,10 @@ class RoutingConfig:
             raise ValueError(f"--imbalance-abs-count must be >= 0, got {self.imbalance_abs_count}")
         if not (math.isfinite(self.std_dev_factor) and self.std_dev_factor >= 0):
             raise ValueError(f"--std-dev-factor must be a finite number >= 0, got {self.std_dev_factor}")
+        if not (math.isfinite(self.forecast_work_weight) and self.forecast_work_weight >= 0):
+            raise ValueError(f"--forecast-work-weight must be a finite number >= 0, got {self.forecast_work_weight}")
+        if self.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
         if not (math.isfinite(self.health_interval) and self.health_interval > 0):
             raise ValueError(f"--health-interval must be a finite number of seconds > 0, got {self.health_interval}")
 
@@ -130,7 +138,7 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
     metrics = GatewayMetrics()
     router = Router(routing.policy, block_number=routing.prefix_block_number,
                     imbalance_abs_count=routing.imbalance_abs_count, std_dev_factor=routing.std_dev_factor,
-                    seed=routing.routing_seed)
+                    seed=routing.routing_seed, work_weight=routing.forecast_work_weight)
     def on_health(replica: Replica, healthy: bool) -> None:
         metrics.health(replica.url, healthy)
         if not healthy:
@@ -143,12 +151,12 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
     fleet = Fleet(urls, file_path(replicas_file), health_interval=routing.health_interval, on_health=on_health,
                   on_removed=on_removed, api_key=api_key, source=source)
     tokenizer = None
-    if routing.policy == "prefix-cache" and routing.prefix_tokenizer == "model":
+    if routing.policy in PREFIX_POLICIES and routing.prefix_tokenizer == "model":
         t0 = time.perf_counter()
         tokenizer = _load_tokenizer(model)
         log.info("prefix keys: %s tokenizer loaded in %.1fs", model, time.perf_counter() - t0)
     return Gateway(fleet=fleet, router=router, metrics=metrics, block_size=routing.block_size, tokenizer=tokenizer,
-                   api_key=api_key, max_request_bytes=body_limit)
+                   api_key=api_key, max_request_bytes=body_limit, max_attempts=routing.max_attempts)
 
 
 def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float = 10.0,

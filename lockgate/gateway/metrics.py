@@ -3,7 +3,16 @@
 One private registry per gateway. Counters: requests by replica, policy and route reason; prefix
 blocks looked up and matched (their ratio is the gateway's expected hit rate; the replicas' own
 ``lockgate:prefix_cache_*`` counters say what really hit); retries by cause; replica health
-changes; replica restarts (``serve --dp``); proxy errors by kind. Gauges: each replica's health and load.
+changes; replica restarts (``serve --dp``); proxy errors by kind. Gauges: each replica's health and
+load, and its queue ETA as the gateway estimates it (``gateway_replica_queue_eta_seconds``).
+
+Hit attribution, by replica and policy, over the answered generation requests whose replica reported
+its counts (a header on whole responses, a comment line at the end of streams): the prompt tokens
+(``gateway_prompt_tokens``), the tokens the replica really served from its prefix cache
+(``gateway_real_cached_tokens``) and the tokens the gateway predicted it would (its matched blocks'
+share of the prompt, ``gateway_predicted_cached_tokens``). real / prompt is the hit rate a policy
+earns; real / predicted says how right the gateway's picture of the caches is (below 1: replicas
+evicted what the index still lists; above 1: they shared more than whole blocks, or than the index knew).
 
 Fleet series: every scrape of the gateway's ``/metrics`` also scrapes its healthy replicas and
 re-exports their ``lockgate:`` series with a ``replica`` label added (``FleetCollector``), so one
@@ -70,7 +79,17 @@ class GatewayMetrics:
                              registry=r)
         self.load = Gauge("lockgate:gateway_replica_load", "Requests in flight on the replica, as routed on",
                           ["replica"], registry=r)
-        for kind in ("no_replica", "upstream", "midstream"):
+        self.queue_eta = Gauge("lockgate:gateway_replica_queue_eta_seconds", "The replica's queue ETA as the "
+                               "gateway estimates it (its last report, aged, plus what was sent there since)",
+                               ["replica"], registry=r)
+        self.predicted_cached = Counter("lockgate:gateway_predicted_cached_tokens", "Prompt tokens the gateway "
+                                        "expected the replica to serve from its prefix cache (matched blocks)",
+                                        ["replica", "policy"], registry=r)
+        self.real_cached = Counter("lockgate:gateway_real_cached_tokens", "Prompt tokens the replica reported "
+                                   "it served from its prefix cache", ["replica", "policy"], registry=r)
+        self.prompt_tokens = Counter("lockgate:gateway_prompt_tokens", "Prompt tokens of the requests whose "
+                                     "replica reported its counts", ["replica", "policy"], registry=r)
+        for kind in ("no_replica", "upstream", "midstream", "refused"):
             self.errors.labels(kind)
         self.fleet = FleetCollector()
         r.register(self.fleet)
@@ -81,22 +100,30 @@ class GatewayMetrics:
             self.blocks_queried.inc(route.total_blocks)
             self.blocks_matched.inc(route.matched_blocks)
 
+    def attributed(self, replica: str, policy: str, predicted: int, real: int, prompt: int) -> None:
+        self.predicted_cached.labels(replica, policy).inc(predicted)
+        self.real_cached.labels(replica, policy).inc(real)
+        self.prompt_tokens.labels(replica, policy).inc(prompt)
+
     def health(self, replica: str, healthy: bool) -> None:
         self.health_changes.labels(replica, "healthy" if healthy else "unhealthy").inc()
         self.healthy.labels(replica).set(1 if healthy else 0)
 
     def forget(self, replica: str) -> None:
         """The replica left the fleet: drop its gauges (its counters stay, they are history)."""
-        for gauge in (self.healthy, self.load):
+        for gauge in (self.healthy, self.load, self.queue_eta):
             try:
                 gauge.remove(replica)
             except KeyError:
                 pass
 
-    def render(self, loads: dict[str, int], replica_texts: dict[str, str] | None = None) -> bytes:
+    def render(self, loads: dict[str, int], replica_texts: dict[str, str] | None = None,
+               etas: dict[str, float] | None = None) -> bytes:
         """The gateway's series, and the replicas' (``replica_texts``: URL -> their /metrics text)."""
         for replica, n in loads.items():
             self.load.labels(replica).set(n)
+        for replica, eta in (etas or {}).items():
+            self.queue_eta.labels(replica).set(eta)
         self.fleet.texts = replica_texts or {}
         try:
             return generate_latest(self.registry)

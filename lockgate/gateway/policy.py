@@ -1,8 +1,10 @@
 """Routing policies: pick one replica for a request from the replicas' loads (pure decisions).
 
 A policy sees ``loads`` (replica -> requests it is running or queueing, as the gateway counts them;
-only healthy candidates are passed) and, for ``prefix-cache``, the request's prefix block hashes. It
-returns a ``Route``: the replica plus why, which the proxy reports in ``x-lockgate-route``.
+only healthy candidates are passed) and, for ``prefix-cache`` and ``forecast``, the request's prefix
+block hashes; ``forecast`` also sees each replica's ``ReplicaForecast`` (its queue ETA and prefill
+rate, as the gateway estimates them now). It returns a ``Route``: the replica plus why, which the
+proxy reports in ``x-lockgate-route``.
 
 ``prefix-cache`` is the cache-aware rule (after AIBrix; docs/design.md, Gateway):
 
@@ -14,20 +16,47 @@ returns a ``Route``: the replica plus why, which the proxy reports in ``x-lockga
 3. else least-request (reason ``no-match``, or ``overloaded`` when matches existed but all were
    too loaded).
 
-The chosen replica is then recorded as holding the prompt's blocks. Ties in least-request are
-broken at random (seeded), so equal replicas share cold traffic.
+``forecast`` keeps both guards and replaces the match ordering by an estimate of time:
+
+1. imbalanced: least-request (reason ``imbalance``), as above;
+2. the candidates are the replicas whose load is ``<= mean + std_dev_factor * stddev``; each is
+   scored ``eta + u / rate + work_weight * (u - u_min) / rate``, where ``eta`` is its queue ETA,
+   ``u`` the prompt tokens it would have to prefill (the prompt's tokens minus its matched blocks'
+   tokens), ``u_min`` the least ``u`` among the candidates and ``rate`` its prefill tokens/s (the
+   candidates' median when it has not reported one, ``DEFAULT_PREFILL_TOKENS_PER_S`` when none has).
+   The first two terms are the request's estimated time to first token there; the third is the
+   prefill the choice adds to the fleet beyond the best cached option, which every request queued
+   after it there waits for too (without it, a replica that is a few tokens' prefill quicker wins
+   every tie, and each group's prefix ends up computed and cached on every replica). The least score
+   wins, ties by load, then at random (seeded). Reasons: ``match`` (the winner holds the longest
+   prefix any replica holds), ``forecast`` (a less cached replica won on time), ``overloaded`` (the
+   best-cached replicas were above the load limit), ``no-match`` (no replica holds a prefix).
+
+Both record the chosen replica as holding the prompt's blocks. Ties in least-request are broken at
+random (seeded), so equal replicas share cold traffic.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lockgate.gateway.prefix_index import PrefixIndex
 
-POLICIES = ("prefix-cache", "round-robin", "random", "least-request", "power-of-two")
+POLICIES = ("prefix-cache", "forecast", "round-robin", "random", "least-request", "power-of-two")
+PREFIX_POLICIES = ("prefix-cache", "forecast")  # the policies that hash prompts and keep the prefix index
+DEFAULT_PREFILL_TOKENS_PER_S = 1000.0  # when no candidate has reported a measured prefill rate yet
+
+
+@dataclass(frozen=True)
+class ReplicaForecast:
+    """What the gateway expects of one replica now (replicas.Replica.forecast)."""
+
+    queue_eta_s: float = 0.0  # before a request sent now would start its prefill there
+    prefill_tokens_per_s: float | None = None  # measured by the replica; None: not reported yet
 
 
 @dataclass(frozen=True)
@@ -37,11 +66,15 @@ class Route:
     reason: str
     matched_blocks: int = 0
     total_blocks: int = 0
+    est_ttft_s: float | None = None  # forecast: the winner's queue ETA + its own uncached prefill
+    est_prefill_s: float | None = None  # forecast: that uncached prefill alone (the work it adds there)
 
     def header(self) -> str:
         text = f"policy={self.policy}; reason={self.reason}"
-        if self.policy == "prefix-cache":
+        if self.policy in PREFIX_POLICIES:
             text += f"; matched_blocks={self.matched_blocks}; total_blocks={self.total_blocks}"
+        if self.est_ttft_s is not None:
+            text += f"; est_ttft_s={self.est_ttft_s:.3f}"
         return text
 
 
@@ -80,22 +113,85 @@ def prefix_cache_route(loads: Mapping[str, int], matched: Mapping[str, int], tot
     return fallback("overloaded")
 
 
+def forecast_route(loads: Mapping[str, int], matched: Mapping[str, int], total_blocks: int, *,
+                   forecasts: Mapping[str, ReplicaForecast], prompt_tokens: float, block_tokens: float,
+                   imbalance_abs_count: int, std_dev_factor: float, work_weight: float,
+                   rng: random.Random) -> Route:
+    """The forecast decision for one request (see the module docstring); ``loads`` is non-empty.
+    ``prompt_tokens``: the prompt's length in the replicas' tokens (estimated); ``block_tokens``:
+    tokens per prefix block; a replica missing from ``forecasts`` has an empty queue and no rate."""
+    if is_imbalanced(loads, imbalance_abs_count):
+        chosen = least_loaded(loads, rng)
+        return Route(chosen, "forecast", "imbalance", matched.get(chosen, 0), total_blocks)
+    limit = acceptable_load(loads, std_dev_factor)
+    names = sorted(r for r in loads if loads[r] <= limit)  # never empty: the least loaded is <= mean
+    known = [f.prefill_tokens_per_s for r in names if (f := forecasts.get(r)) and f.prefill_tokens_per_s]
+    fallback_rate = statistics.median(known) if known else DEFAULT_PREFILL_TOKENS_PER_S
+    uncached = {r: max(0.0, prompt_tokens - matched.get(r, 0) * block_tokens) for r in names}
+    least = min(uncached.values())
+    scores: dict[str, tuple[float, float, float]] = {}  # replica -> (score, ttft, own prefill seconds)
+    for r in names:
+        f = forecasts.get(r, ReplicaForecast())
+        rate = f.prefill_tokens_per_s or fallback_rate
+        prefill = uncached[r] / rate
+        ttft = max(0.0, f.queue_eta_s) + prefill
+        scores[r] = (ttft + work_weight * (uncached[r] - least) / rate, ttft, prefill)
+    best = min((round(scores[r][0], 6), loads[r]) for r in names)
+    winner = rng.choice([r for r in names if (round(scores[r][0], 6), loads[r]) == best])
+    top_all = max((matched.get(r, 0) for r in loads), default=0)
+    top_ok = max(matched.get(r, 0) for r in names)
+    got = matched.get(winner, 0)
+    if top_all == 0:
+        reason = "no-match"
+    elif got == top_all:
+        reason = "match"
+    elif top_ok < top_all:
+        reason = "overloaded"
+    else:
+        reason = "forecast"
+    return Route(winner, "forecast", reason, got, total_blocks, est_ttft_s=scores[winner][1],
+                 est_prefill_s=scores[winner][2])
+
+
 class Router:
-    """One routing policy with its state (round-robin cursor, rng, prefix index)."""
+    """One routing policy with its state (round-robin cursor, rng, prefix index, and for ``forecast``
+    the characters-per-token ratio of text keys, learned from the replicas' token counts)."""
+
+    TEXT_TOKENS_PER_KEY = 0.25  # a text key's tokens per character until a replica's count is seen
+    RATIO_WEIGHT = 0.1  # weight of the newest request in that moving average
 
     def __init__(self, policy: str, *, block_number: int = 200_000, imbalance_abs_count: int = 16,
-                 std_dev_factor: float = 2.0, seed: int = 0) -> None:
+                 std_dev_factor: float = 2.0, seed: int = 0, work_weight: float = 1.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
         self.index = PrefixIndex(block_number)
         self.imbalance_abs_count = imbalance_abs_count
         self.std_dev_factor = std_dev_factor
+        self.work_weight = work_weight
         self.rng = random.Random(seed)
         self._next = 0
+        self.text_tokens_per_key: float | None = None  # learned: replica tokens per character of a text key
 
-    def choose(self, loads: Mapping[str, int], hashes: Sequence[bytes] = ()) -> Route:
-        """Pick a replica among ``loads``' keys (non-empty) and, for prefix-cache, record the blocks there."""
+    def tokens_per_key(self, text: bool) -> float:
+        """Replica tokens per routing-key element: 1 for token-id keys, learned (or a guess) for text."""
+        if not text:
+            return 1.0
+        return self.text_tokens_per_key if self.text_tokens_per_key is not None else self.TEXT_TOKENS_PER_KEY
+
+    def learn_tokens(self, key_len: int, prompt_tokens: int) -> None:
+        """A replica counted ``prompt_tokens`` for a text key of ``key_len`` characters."""
+        if key_len <= 0 or prompt_tokens <= 0:
+            return
+        sample = min(4.0, prompt_tokens / key_len)
+        old = self.text_tokens_per_key
+        self.text_tokens_per_key = sample if old is None else old + self.RATIO_WEIGHT * (sample - old)
+
+    def choose(self, loads: Mapping[str, int], hashes: Sequence[bytes] = (), *,
+               forecasts: Mapping[str, ReplicaForecast] | None = None, prompt_tokens: float = 0.0,
+               block_tokens: float = 1.0) -> Route:
+        """Pick a replica among ``loads``' keys (non-empty) and, for the prefix policies, record the
+        blocks there. ``forecasts``, ``prompt_tokens`` and ``block_tokens`` serve ``forecast``."""
         if not loads:
             raise ValueError("no replica to route to")
         names = sorted(loads)
@@ -110,10 +206,19 @@ class Router:
         elif p == "power-of-two":
             pair = self.rng.sample(names, min(2, len(names)))
             route = Route(min(pair, key=lambda r: (loads[r], r)), p, "power-of-two")
+        elif p == "forecast":
+            matched = self.index.match(hashes, names)
+            route = forecast_route(loads, matched, len(hashes), forecasts=forecasts or {},
+                                   prompt_tokens=prompt_tokens, block_tokens=block_tokens,
+                                   imbalance_abs_count=self.imbalance_abs_count, std_dev_factor=self.std_dev_factor,
+                                   work_weight=self.work_weight, rng=self.rng)
+            self.index.record(hashes, route.replica)
         else:
             matched = self.index.match(hashes, names)
             route = prefix_cache_route(loads, matched, len(hashes), imbalance_abs_count=self.imbalance_abs_count,
                                        std_dev_factor=self.std_dev_factor, rng=self.rng)
+            # a fallback may still land where a prefix is: report (and count as predicted) what is there
+            route = replace(route, matched_blocks=matched.get(route.replica, 0))
             self.index.record(hashes, route.replica)
         return route
 

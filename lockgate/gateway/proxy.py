@@ -1,28 +1,41 @@
-"""The gateway's HTTP app: route each request to a replica, retry once, stream the answer through.
+"""The gateway's HTTP app: route each request to a replica, retry elsewhere, stream the answer through.
 
 Owns the request path through the gateway:
 
 1. read the body, compute the routing key and its block hashes (``keys``, ``prefix_index``);
-2. ask the ``Router`` for a replica among the healthy ones (``Fleet.candidates``);
-3. forward method, path, query, headers (minus hop-by-hop ones) and body; relay status, headers
-   and body bytes as they arrive (no buffering, so SSE streams keep their pace), adding
-   ``x-lockgate-replica`` and ``x-lockgate-route``.
+2. ask the ``Router`` for a replica among the healthy ones (``Fleet.candidates``; for ``forecast``
+   with each one's ``Fleet.forecasts`` and the prompt's estimated token count), and, for
+   ``forecast``, note the request's estimated prefill there (``Replica.note_sent``);
+3. forward method, path, query, headers (minus hop-by-hop ones, plus ``x-lockgate-usage-comment: 1``)
+   and body; relay status, headers and body bytes as they arrive (no buffering, so SSE streams keep
+   their pace), adding ``x-lockgate-replica`` and ``x-lockgate-route``;
+4. hit attribution: read the replica's prompt and cached token counts (``x-lockgate-prompt-tokens`` /
+   ``x-lockgate-cached-tokens`` on a whole response; on a stream the ``: x-lockgate-usage ...``
+   comment line it ends with, taken out of the relayed bytes, ``UsageComment``) and count them with
+   the tokens the route predicted cached (``GatewayMetrics.attributed``); text keys also teach the
+   router its tokens-per-character ratio.
 
 Failure rules:
 
 * Before the first response byte, a transport error (refused connection, connection dropped
-  without an answer: the replica died while the request queued or ran) or a 503 from the replica
-  is retried once on another healthy replica (route reason ``retry``); a refused connection or a
-  503 also marks the replica unhealthy until its next good check.
+  without an answer: the replica died while the request queued or ran), a 503 or a 429 from the
+  replica is retried on another healthy replica not tried yet (route reason ``retry``), up to
+  ``max_attempts`` attempts in all; a refused connection or a 503 also marks the replica unhealthy
+  until its next good check (a 429 does not: the replica is busy, not broken).
   Generation has no side effects, so a retried request loses nothing.
 * After the first byte, a replica dying ends that response: an SSE stream gets a final
   ``data: {"error": ...}`` event naming the replica; any other body is cut by aborting the
   connection (so it cannot look complete); other requests are untouched.
-* No healthy replica: 503 with a message; the retry failing too: 502 naming both errors.
+* No healthy replica: 503 with a message. Every attempt failing: 429 if some replica answered 429
+  (the fleet is full, not broken), with ``Retry-After`` from the fleet's forecast
+  (``Fleet.retry_after``: the smallest queue ETA, rounded up, at least 1 s); else 502 naming the
+  first error.
 * A client that goes away closes the upstream request, so the replica aborts it and frees its KV.
 
-Invariant: ``Replica.in_flight`` is incremented exactly once per forwarded attempt and
-decremented exactly once when that attempt's response ends, however it ends.
+Invariants: ``Replica.in_flight`` is incremented exactly once per forwarded attempt and
+decremented exactly once when that attempt's response ends, however it ends; a request makes at
+most ``max_attempts`` attempts, each on a different replica; what the client receives is byte for
+byte what the replica sent, but for the usage comment line.
 
 The gateway's own routes: ``/health`` (200 while any replica is healthy, status ``degraded``
 while some are not), ``/v1/models`` (the union of the healthy replicas' models), ``/metrics``
@@ -37,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -52,7 +66,7 @@ from starlette.types import Scope
 from lockgate.gateway.keys import request_key, request_model
 from lockgate.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lockgate.gateway.metrics import GatewayMetrics
-from lockgate.gateway.policy import Route, Router
+from lockgate.gateway.policy import PREFIX_POLICIES, Route, Router
 from lockgate.gateway.prefix_index import block_hashes
 from lockgate.gateway.replicas import Fleet, Replica
 from lockgate.httpguard import BearerAuth, BodyLimit, has_key
@@ -65,6 +79,19 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriz
 _RESPONSE_DROP = (_HOP_BY_HOP - {"content-length"}) | {"date", "server"}  # uvicorn adds its own
 _TGI_PATHS = ("/generate", "/generate_stream")
 INLINE_KEY_BYTES = 8192  # bodies larger than this get their model-token routing key in a worker thread
+USAGE_COMMENT = b": x-lockgate-usage "  # server/context.py: the stream's last line before [DONE]
+USAGE_REQUEST_HEADER = (b"x-lockgate-usage-comment", b"1")
+_USAGE_FIELDS = re.compile(rb"prompt_tokens=(\d+) cached_tokens=(\d+)")
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """A request's routing key as the router uses it: its block hashes, and its length in key
+    elements (characters of a text key, token ids of a model key; 0: no key)."""
+
+    hashes: list[bytes]
+    length: int = 0
+    text: bool = False
 
 
 @dataclass
@@ -77,12 +104,36 @@ class Gateway:
     http: httpx.AsyncClient | None = None
     api_key: str | None = None  # required on every route but /health when set
     max_request_bytes: int = 16 * 1024**2
+    max_attempts: int = 3  # per request, each on a different replica
 
     def hashes(self, path: str, body: bytes, adapter: str | None = None) -> list[bytes]:
-        if self.router.policy != "prefix-cache":
-            return []
+        return self.keyed(path, body, adapter).hashes
+
+    def keyed(self, path: str, body: bytes, adapter: str | None = None) -> Keyed:
+        if self.router.policy not in PREFIX_POLICIES:
+            return Keyed([])
         key = request_key(path, body, self.tokenizer)
-        return block_hashes(key, self.block_size, adapter or "") if key is not None else []
+        if key is None:
+            return Keyed([])
+        return Keyed(block_hashes(key, self.block_size, adapter or ""), len(key), isinstance(key, str))
+
+    def choose(self, loads: dict[str, int], keyed: Keyed) -> Route:
+        if self.router.policy != "forecast":
+            return self.router.choose(loads, keyed.hashes)
+        per_key = self.router.tokens_per_key(keyed.text)
+        return self.router.choose(loads, keyed.hashes, forecasts=self.fleet.forecasts(loads),
+                                  prompt_tokens=keyed.length * per_key, block_tokens=self.block_size * per_key)
+
+    def attribute(self, route: Route, keyed: Keyed, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a replica's reported token counts with what ``route`` predicted (its matched blocks'
+        share of the prompt, in the replica's tokens; the last prompt token is always computed)."""
+        predicted = 0
+        if keyed.length and route.matched_blocks:
+            share = min(keyed.length, route.matched_blocks * self.block_size) / keyed.length
+            predicted = max(0, min(prompt_tokens - 1, round(share * prompt_tokens)))
+        self.metrics.attributed(route.replica, self.router.policy, predicted, cached_tokens, prompt_tokens)
+        if keyed.text:
+            self.router.learn_tokens(keyed.length, prompt_tokens)
 
     def adapter_of(self, path: str, body: bytes) -> str | None:
         """The LoRA adapter a request names, if some replica has it loaded (else the base model:
@@ -140,8 +191,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         loads = {u: r.load for u, r in gw.fleet.replicas.items()}
+        etas = {u: f.queue_eta_s for u, f in gw.fleet.forecasts(loads).items()}
         texts = await gw.fleet.scrape_metrics()
-        return Response(gw.metrics.render(loads, texts), media_type=METRICS_CONTENT_TYPE)
+        return Response(gw.metrics.render(loads, texts, etas), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/loads")
     async def loads() -> Response:
@@ -221,6 +273,12 @@ def _forward_headers(request: Request) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP_BY_HOP]
 
 
+def _generation_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    """The forwarded headers of a proxied request: asking streams for their usage comment."""
+    name = USAGE_REQUEST_HEADER[0]
+    return [*((k, v) for k, v in _forward_headers(request) if k.lower() != name), USAGE_REQUEST_HEADER]
+
+
 async def _proxy(gw: Gateway, request: Request) -> Response:
     assert gw.http is not None
     path = request.url.path
@@ -230,50 +288,70 @@ async def _proxy(gw: Gateway, request: Request) -> Response:
         return Response(status_code=499)  # the client left mid-body; nothing was routed
     adapter = gw.adapter_of(path, body)
     if gw.tokenizer is not None and len(body) > INLINE_KEY_BYTES:  # tokenizing a long prompt takes seconds
-        hashes = await asyncio.to_thread(gw.hashes, path, body, adapter)
+        keyed = await asyncio.to_thread(gw.keyed, path, body, adapter)
     else:
-        hashes = gw.hashes(path, body, adapter)
-    headers = _forward_headers(request)
+        keyed = gw.keyed(path, body, adapter)
+    headers = _generation_headers(request)
     target = path + (f"?{request.url.query}" if request.url.query else "")
     tried: list[str] = []
     first_error = ""
-    for attempt in range(2):
+    refused = 0  # attempts a replica answered 429
+    for attempt in range(max(1, gw.max_attempts)):
         loads = gw.fleet.candidates(exclude=tried, adapter=adapter)
         if not loads:
             break
-        route = gw.router.choose(loads, hashes)
+        route = gw.choose(loads, keyed)
         if attempt:
             route = replace(route, reason="retry")
         gw.metrics.routed(route)
         replica = gw.fleet.replicas[route.replica]
+        sent = replica.note_sent(route.est_prefill_s) if route.est_prefill_s is not None else None
         try:
             upstream = await _forward(gw.http, request, replica, replica.url + target, headers, body)
         except ClientLeft:
+            replica.done_sent(sent)
             return Response(status_code=499)  # nobody is listening; the replica saw its request closed
         except httpx.TransportError as e:
+            replica.done_sent(sent)
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if isinstance(e, httpx.ConnectError):
                 gw.fleet.set_health(replica, False, f"connection failed: {why}")
             first_error = first_error or f"replica {replica.url} failed before answering ({why})"
+            tried.append(replica.url)
+            more = attempt + 1 < gw.max_attempts and bool(gw.fleet.candidates(exclude=tried, adapter=adapter))
             log.warning("%s %s on %s failed before the response (%s); %s", request.method, path, replica.url,
-                        why, "retrying on another replica" if attempt == 0 else "giving up")
+                        why, "retrying on another replica" if more else "giving up")
             gw.metrics.retries.labels(replica.url, type(e).__name__).inc()
-            tried.append(replica.url)
             continue
-        if upstream.status_code == 503 and attempt == 0 and gw.fleet.candidates(exclude=[replica.url]):
-            replica.in_flight -= 1
-            text = ""
-            with contextlib.suppress(httpx.HTTPError):
-                text = (await upstream.aread())[:200].decode(errors="replace")
-            await upstream.aclose()
-            gw.fleet.set_health(replica, False, f"answered 503: {text}")
-            first_error = f"replica {replica.url} answered 503"
-            gw.metrics.retries.labels(replica.url, "503").inc()
-            log.warning("%s %s: replica %s answered 503; retrying on another replica", request.method, path,
-                        replica.url)
+        status = upstream.status_code
+        if status in (429, 503):
             tried.append(replica.url)
-            continue
-        return _relay(gw, upstream, replica, route, path)
+            more = attempt + 1 < gw.max_attempts and bool(gw.fleet.candidates(exclude=tried, adapter=adapter))
+            if status == 429:
+                refused += 1
+            if more or status == 429:  # a last 429 is answered from the fleet's forecast, below
+                replica.done_sent(sent)
+                replica.in_flight -= 1
+                text = ""
+                with contextlib.suppress(httpx.HTTPError):
+                    text = (await upstream.aread())[:200].decode(errors="replace")
+                await upstream.aclose()
+                if status == 503:
+                    gw.fleet.set_health(replica, False, f"answered 503: {text}")
+                first_error = first_error or f"replica {replica.url} answered {status}"
+                if more:
+                    gw.metrics.retries.labels(replica.url, str(status)).inc()
+                    log.warning("%s %s: replica %s answered %d; retrying on another replica", request.method,
+                                path, replica.url, status)
+                    continue
+                break
+        return _relay(gw, upstream, replica, route, path, keyed, sent)
+    if refused:
+        gw.metrics.errors.labels("refused").inc()
+        wait = gw.fleet.retry_after()
+        resp = _error(429, f"every replica tried ({len(tried)}) is full (429); retry after {wait}s", path)
+        resp.headers["Retry-After"] = str(wait)
+        return resp
     if not tried:
         gw.metrics.errors.labels("no_replica").inc()
         return _error(503, f"no healthy replica among {len(gw.fleet.replicas)}: see the gateway's /health", path)
@@ -333,23 +411,95 @@ class _Relayed(StreamingResponse):
             await self.on_close()
 
 
-def _relay(gw: Gateway, upstream: httpx.Response, replica: Replica, route: Route, path: str) -> Response:
+class UsageComment:
+    """Takes the replica's usage comment (``: x-lockgate-usage prompt_tokens=N cached_tokens=M``) out
+    of a relayed SSE body and keeps its counts (``found``).
+
+    The replica writes the comment as a body chunk of its own, and a read from the replica never
+    spans two chunks, so the comment starts a piece; it may be cut across pieces, so a piece that
+    could be its beginning is held until it is known (at most ``HOLD`` bytes). Anything else passes
+    at once and unchanged."""
+
+    HOLD = 256
+
+    def __init__(self) -> None:
+        self.held = b""
+        self.found: tuple[int, int] | None = None  # (prompt tokens, cached tokens)
+
+    def feed(self, piece: bytes) -> bytes:
+        """The bytes to relay now, given the next piece read from the replica."""
+        data = self.held + piece if self.held else piece
+        self.held = b""
+        if self.found is not None or not data:
+            return data
+        if data.startswith(USAGE_COMMENT):
+            end = data.find(b"\n\n")
+            if end < 0:
+                if len(data) <= self.HOLD:
+                    self.held = data
+                    return b""
+                return data  # not ours after all: too long
+            m = _USAGE_FIELDS.search(data, 0, end)
+            if m is None:
+                return data
+            self.found = (int(m.group(1)), int(m.group(2)))
+            return data[end + 2:]
+        if len(data) < len(USAGE_COMMENT) and USAGE_COMMENT.startswith(data):
+            self.held = data
+            return b""
+        return data
+
+    def flush(self) -> bytes:
+        out, self.held = self.held, b""
+        return out
+
+
+def _header_counts(headers: httpx.Headers) -> tuple[int, int] | None:
+    try:
+        return int(headers["x-lockgate-prompt-tokens"]), int(headers["x-lockgate-cached-tokens"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _relay(gw: Gateway, upstream: httpx.Response, replica: Replica, route: Route, path: str,
+           keyed: Keyed = Keyed([]), sent: tuple[float, float] | None = None) -> Response:
     sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
     headers["x-lockgate-replica"] = replica.url
     headers["x-lockgate-route"] = route.header()
     done = False
+    comment = UsageComment() if sse and upstream.status_code == 200 else None
+    if upstream.status_code == 200 and not sse and (counts := _header_counts(upstream.headers)) is not None:
+        gw.attribute(route, keyed, *counts)
+
+    def comment_done() -> None:  # the counts are in: pass the rest through untouched
+        nonlocal comment
+        comment = None
 
     def finish() -> None:  # exactly once, whether the body ended, failed or the client left
         nonlocal done
         if not done:
             done = True
             replica.in_flight -= 1
+            replica.done_sent(sent)
 
     async def body() -> AsyncIterator[bytes]:
+        began = False
         try:
             async for chunk in upstream.aiter_raw():
+                if not began:  # the answer has begun: its prefill is no longer ahead there
+                    began = True
+                    replica.done_sent(sent)
+                if comment is not None:
+                    chunk = comment.feed(chunk)
+                    if comment.found is not None:
+                        gw.attribute(route, keyed, *comment.found)
+                        comment_done()
+                    if not chunk:
+                        continue
                 yield chunk
+            if comment is not None and (rest := comment.flush()):
+                yield rest
         except httpx.TransportError as e:
             gw.metrics.errors.labels("midstream").inc()
             message = f"replica {replica.url} failed mid-response: {type(e).__name__}"

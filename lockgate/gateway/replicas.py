@@ -10,6 +10,12 @@ Owns one ``Replica`` per URL and two background loops:
   is the gateway's own count of requests it has in flight there, plus ``external``: what the
   replica reports beyond that (traffic that does not come through this gateway). The own count
   is exact and immediate; the poll corrects it once a second.
+* forecast (``Replica.forecast``): the replica's reported ``queue_eta_s`` less the time since the
+  poll that read it, plus the estimated prefill seconds of every request the gateway sent there
+  after that poll was sent and whose answer has not begun (``note_sent`` / ``done_sent``; the
+  replica's next report counts them itself), and its reported ``prefill_tokens_per_s``. A replica that reports no forecast has an ETA of just what the
+  gateway sent there since its last poll. ``Fleet.retry_after`` is the smallest such ETA over the
+  healthy replicas, rounded up, at least 1 s: the ``Retry-After`` of a request every replica refused.
 
 Membership is the ``--replica`` URLs plus, if given, the lines of ``--replicas-file`` (one URL per
 line, ``#`` comments), re-read every poll and applied once a changed text reads the same twice, plus,
@@ -22,13 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+
+from lockgate.gateway.policy import ReplicaForecast
 
 log = logging.getLogger("lockgate.gateway")
 
@@ -69,6 +79,8 @@ class Replica:
     external: int = 0  # the replica's reported in-flight count minus ours, at the last poll (may be < 0)
     last_error: str | None = None
     reported: dict[str, Any] = field(default_factory=dict)  # last /v1/loads body
+    reported_at: float | None = None  # time.monotonic() when that body was read
+    sent: list[tuple[float, float]] = field(default_factory=list)  # (when, est. prefill s) routed here since
 
     @property
     def load(self) -> int:
@@ -81,9 +93,40 @@ class Replica:
         names = self.reported.get("adapters")
         return set(names) if isinstance(names, list) else set()
 
+    def note_sent(self, prefill_s: float, now: float | None = None) -> tuple[float, float]:
+        """The gateway sent a request here whose own prefill should take ``prefill_s`` seconds; the
+        entry to give ``done_sent`` once its answer begins (its prefill is then behind it)."""
+        entry = (time.monotonic() if now is None else now, max(0.0, prefill_s))
+        self.sent.append(entry)
+        if len(self.sent) > 4096:  # polls failing for long: keep the newest
+            del self.sent[:2048]
+        return entry
+
+    def done_sent(self, entry: tuple[float, float] | None) -> None:
+        if entry is None:
+            return
+        for i in range(len(self.sent) - 1, -1, -1):  # by identity: equal entries are separate requests
+            if self.sent[i] is entry:
+                del self.sent[i]
+                return
+
+    def forecast(self, now: float | None = None) -> ReplicaForecast:
+        """The queue ETA and prefill rate the gateway expects here now (module docstring)."""
+        now = time.monotonic() if now is None else now
+        eta = self.reported.get("queue_eta_s")
+        left = 0.0
+        if isinstance(eta, (int, float)) and self.reported_at is not None:
+            left = max(0.0, float(eta) - (now - self.reported_at))
+        rate = self.reported.get("prefill_tokens_per_s")
+        return ReplicaForecast(queue_eta_s=left + sum(s for _, s in self.sent),
+                               prefill_tokens_per_s=float(rate) if isinstance(rate, (int, float)) and rate > 0 else None)
+
     def view(self) -> dict[str, Any]:
+        fc = self.forecast()
         return {"url": self.url, "healthy": self.healthy, "load": self.load, "in_flight": self.in_flight,
-                "external": self.external, "last_error": self.last_error, "reported": self.reported}
+                "external": self.external, "last_error": self.last_error,
+                "forecast": {"queue_eta_s": round(fc.queue_eta_s, 4), "prefill_tokens_per_s": fc.prefill_tokens_per_s},
+                "reported": self.reported}
 
 
 HealthHook = Callable[[Replica, bool], None]
@@ -196,6 +239,16 @@ class Fleet:
                 return having
         return healthy
 
+    def forecasts(self, names: Iterable[str]) -> dict[str, ReplicaForecast]:
+        now = time.monotonic()
+        return {u: self.replicas[u].forecast(now) for u in names if u in self.replicas}
+
+    def retry_after(self) -> int:
+        """Seconds a client refused by every replica should wait: the smallest queue ETA among the
+        healthy replicas (as ``forecast`` estimates it), rounded up, at least 1."""
+        etas = [f.queue_eta_s for f in self.forecasts(u for u, r in self.replicas.items() if r.healthy).values()]
+        return max(1, math.ceil(min(etas))) if etas else 1
+
     def known_adapters(self) -> set[str]:
         return {a for r in self.replicas.values() for a in r.adapters}
 
@@ -209,6 +262,7 @@ class Fleet:
         else:
             log.warning("replica %s is unhealthy: %s", replica.url, error)
             replica.external = 0
+            replica.sent.clear()
         if self.on_health is not None:
             self.on_health(replica, healthy)
 
@@ -255,6 +309,7 @@ class Fleet:
 
     async def _poll_load(self, r: Replica) -> None:
         assert self._http is not None
+        asked = time.monotonic()
         try:
             resp = await self._http.get(r.url + "/v1/loads")
             body = resp.json() if resp.status_code == 200 else None
@@ -262,6 +317,8 @@ class Fleet:
             return  # the health loop decides about health; a missed poll keeps the last correction
         if isinstance(body, dict):
             r.reported = body
+            r.reported_at = time.monotonic()
+            r.sent = [(t, s) for t, s in r.sent if t >= asked]  # the older ones are in the report
             theirs = body.get("in_flight")
             if isinstance(theirs, int):
                 r.external = theirs - r.in_flight  # others' traffic (> 0), or our count running ahead (< 0)
