@@ -174,11 +174,12 @@ def _check_model_spec(spec: str) -> None:
     """Fail fast (before any process starts) on a --model that cannot exist."""
     from pathlib import Path
 
-    from lockgate.checkpoint.loader import DEFAULT_NAMES
+    from lockgate.checkpoint.loader import DEFAULT_NAMES, PACKAGED_MODELS
 
-    if spec == "sim" or spec in DEFAULT_NAMES or Path(spec).expanduser().exists():
+    if spec == "sim" or spec in DEFAULT_NAMES or spec in PACKAGED_MODELS or Path(spec).expanduser().exists():
         return
-    raise ValueError(f"--model {spec!r}: not 'default', 'sim', an existing .gguf file or a model directory")
+    raise ValueError(f"--model {spec!r}: not 'default', 'sim', {', '.join(map(repr, PACKAGED_MODELS))}, "
+                     "an existing .gguf file or a model directory")
 
 
 def _serve(ns: argparse.Namespace) -> int:

@@ -310,7 +310,7 @@ def _dense_decode(q, k_cache, v_cache, slots, offsets, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-@pytest.mark.parametrize("d", [16, 32, 64, 128, 80])  # 64 and 128 (and 32 on AVX2) take a vector path where there is one
+@pytest.mark.parametrize("d", [16, 32, 64, 96, 128, 256, 80])  # 32, 64, 96 (AVX-512), 128, 256: vector paths
 @pytest.mark.parametrize("h,hkv", [(9, 3), (8, 1), (10, 2), (4, 4)])  # G = 3, 8 (two passes of 4), 5, 1
 def test_decode_kernel_matches_float64(d: int, h: int, hkv: int) -> None:
     load_kernels()
@@ -433,7 +433,7 @@ def test_row_invariant_attention_gives_each_token_its_decode_result_bitwise(case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("d", [64, 128, 16])  # the AVX-512 / AVX2 vector paths, and the plain loops
+@pytest.mark.parametrize("d", [64, 128, 256, 16])  # the AVX-512 / AVX2 vector paths, and the plain loops
 def test_prefill_kernel_matches_the_reference(case: str, d: int) -> None:
     """``prefill_kernel``: the whole step (decodes and prefill chunks on cached contexts) in one
     ``prefill_attention`` call, each token causal over its own keys: the dense reference's result."""

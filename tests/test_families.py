@@ -82,6 +82,7 @@ def build(where, family: str, tokenizer_files) -> torch.nn.Module:
             else:
                 p.copy_(0.15 * torch.randn_like(p))
     hf.config._attn_implementation = "eager"
+    where.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(where, safe_serialization=True)
     for f in tokenizer_files:
         shutil.copy(f, where / f.name)
@@ -199,3 +200,25 @@ def test_integer_forms_serve_every_family(family, tmp_path, tokenizer_files) -> 
             if t in got:
                 worst = max(worst, abs(got[t] - float(want[t])))
     assert worst < 0.75
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharded_16_bit_checkpoint_with_an_index(dtype, tmp_path, tokenizer_files) -> None:
+    """A checkpoint saved in bf16 / fp16 across several shards (model.safetensors.index.json) serves
+    exactly what transformers computes from those 16-bit weights."""
+    hf = build(tmp_path / "src", "qwen3", tokenizer_files).to(dtype)
+    where = tmp_path / "sharded"
+    hf.save_pretrained(where, safe_serialization=True, max_shard_size="150KB")
+    for f in (tmp_path / "src").iterdir():
+        if not f.name.endswith(".safetensors") and not f.name.startswith(("config", "model.safetensors")):
+            shutil.copy(f, where / f.name)
+    assert (where / "model.safetensors.index.json").is_file() and len(list(where.glob("*.safetensors"))) >= 2
+    hf = tf.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()  # its own reading of the shards
+    hf.config._attn_implementation = "eager"
+    want = [hf_greedy(hf, p) for p in PROMPTS]
+    llm = LLM(str(where), dtype="float32", max_total_tokens=2048)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
+        max_tokens=N_NEW, temperature=0.0, ignore_eos=True, logprobs=0))
+    for out, (ids, lps) in zip(outs, want, strict=True):
+        assert out.outputs[0].token_ids == ids
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, lps, strict=True)) < 1e-4

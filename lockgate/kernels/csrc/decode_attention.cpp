@@ -26,9 +26,9 @@
 // (max, sum, weighted V sum) in float32. Every sequence is split into chunks of kChunkKeys keys,
 // whose partials are then merged by their maxima in key order: the result does not depend on the
 // batch or the thread count. Math is float32 whatever the storage dtype; bf16 is
-// widened by a shift, so no AVX512-BF16 instruction is needed. Vector paths for head sizes 64 and
-// 128 on AVX-512 (zmm) and, on CPUs without it, for 32, 64 and 128 on AVX2 + FMA (ymm); other
-// head sizes and CPUs take plain loops. Paths differ in summation order (last-bit differences
+// widened by a shift, so no AVX512-BF16 instruction is needed. Vector paths for head sizes 32, 64,
+// 96, 128 and 256 on AVX-512 (zmm) and, on CPUs without it, for 32, 64, 128 and 256 on AVX2 + FMA
+// (ymm); other head sizes and CPUs take plain loops. Paths differ in summation order (last-bit differences
 // between CPU types), never within one build.
 
 #include <ATen/ATen.h>
@@ -306,9 +306,13 @@ void attend_item(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, const 
 #if defined(__AVX512F__)
   if (d == 64) return attend_avx512<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
   if (d == 128) return attend_avx512<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+  if (d == 256) return attend_avx512<16>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);  // Gemma
+  if (d == 96) return attend_avx512<6>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);    // Phi-3
+  if (d == 32) return attend_avx512<2>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
 #elif defined(LOCKGATE_ATTN_256)
   if (d == 64) return attend_avx2<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
   if (d == 128) return attend_avx2<16>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+  if (d == 256) return attend_avx2<32>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
   if (d == 32) return attend_avx2<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
 #endif
   attend_generic(qf, kc, vc, sl, n, hkv, it.kv, g, d, sc, row, part);
