@@ -131,6 +131,33 @@ def test_grid_bits_finds_the_smallest_lossless_grid() -> None:
         grid_bits(grid4, "int3", kernels=True)
 
 
+def _gguf_blocks(qtype_name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A [rows, cols] weight de-quantized from random ``qtype`` blocks (random codes, sane scales)."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in {"Q4_K": (0, 2), "Q5_0": (0,), "Q4_0": (0,), "Q6_K": (208,)}[qtype_name]:  # the float16 scales
+        raw[..., off:off + 2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4), ("Q4_0", 4), ("Q5_0", 8), ("Q6_K", None)])
+def test_grid_bits_finds_gguf_grids_whose_codes_do_not_reach_both_ends(qtype: str, bits: int | None) -> None:
+    """Q4_K's fitted minimum sits below its lowest code, Q5_0's codes span 32 of the 255 an 8-bit grid
+    has: the range-based step misses both; the values still lie on a grid the kernels run exactly.
+    Q6_K's two scales per 32 columns do not (it stays dense)."""
+    w = _gguf_blocks(qtype, 64, 256, seed=3)
+    found = grid_bits(w, "auto", kernels=True)
+    assert (found[0] if found else None) == bits
+    if bits is not None:
+        form = GroupQuantWeight.from_weight(w, bits)
+        assert form.error <= LOSSLESS_TOLERANCE
+        torch.testing.assert_close(form.dequantize(64, 256), w, atol=1e-6, rtol=1e-6)
+
+
 def test_int4_unfit_shapes_are_named() -> None:
     cpu = torch.device("cpu")
     assert int4_unfit_reason((64, 96), torch.bfloat16, cpu) is None

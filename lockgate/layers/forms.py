@@ -27,7 +27,8 @@ give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and
 
 What a weight gets (``make_forms``): ``quantization`` none gives no quantized form; auto gives
 them only on the smallest grid (4, then 8 bits) the checkpoint's values already lie on, so
-nothing is lost (a Q4_1 GGUF's projections, a Q8_0 head); int4 forces 4 bits. The three
+nothing is lost (a Q4_1 or Q4_K GGUF's projections, Q5_0 ones on 8 bits, a Q8_0 head); int4
+forces 4 bits. The three
 quantized forms of one weight are made from the same codes; torch's int4 form rounds its scales
 and offsets to bf16, the integer GEMM's float16 scales are exact for GGUF grids (else it is not
 made). ``want`` restricts what is made to the forms a measured table will call.
@@ -141,16 +142,51 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     """Groupwise asymmetric min/max 4-bit quantization of weight [N, K] (computed in float32).
 
     Returns codes [N, K] int32 in 0..15, step [N, K/group] and low [N, K/group] float32 with
-    ``weight ~= codes * step + low``. A weight that already lies on such a grid (a Q4_1 block:
-    its smallest value has code 0 and its largest code 15) comes back exactly.
+    ``weight ~= codes * step + low``. A weight that already lies on such a grid comes back
+    exactly: a Q4_1 block (its smallest value has code 0 and its largest 15) and a Q4_K sub-block
+    (fitted scale and minimum: its codes may not reach both ends, ``native_steps``).
     """
     n, k = weight.shape
     w = weight.float().view(n, k // group, group)
     low, high = w.amin(-1), w.amax(-1)  # [N, K/g]
-    step = (high - low) / 15
+    step = native_steps(w, low, (high - low) / 15, 0, 15)
     inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
     codes = ((w - low[..., None]) * inv[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
     return codes, step, low
+
+
+def native_steps(w: torch.Tensor, base: torch.Tensor, step: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The step of each group of ``w`` [N, G, g] on a grid ``base + code * step`` with codes in
+    ``lo..hi``: ``step`` [N, G] (from the group's range) where that grid holds the values exactly,
+    else the grid the values already lie on when their codes do not reach both ends (a K-quant
+    block's fitted scale and minimum, a 5-bit block read on an 8-bit grid): the smallest gap between
+    the group's distinct values. Groups on neither keep ``step``; so do all of them when a sample of
+    the failing groups shows the weight is not on such a grid (the common case, kept cheap)."""
+    flat_w, flat_base = w.reshape(-1, w.shape[-1]), base.reshape(-1)
+    steps = step.reshape(-1).clone()
+
+    def exact(rows: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:
+        off = (flat_w - flat_base[:, None]) if rows is None else (flat_w[rows] - flat_base[rows, None])
+        inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+        codes = (off * inv[:, None]).round_()
+        err = (codes * s[:, None] - off).abs_().amax(-1) * inv
+        return (codes.amin(-1) >= lo) & (codes.amax(-1) <= hi) & (err <= LOSSLESS_TOLERANCE)
+
+    def smallest_gap(rows: torch.Tensor) -> torch.Tensor:
+        gaps = flat_w[rows].sort(-1).values.diff(dim=-1)
+        gap = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1)
+        return torch.where(torch.isfinite(gap), gap, steps[rows])
+
+    failing = (~exact(None, steps)).nonzero().view(-1)
+    if len(failing) == 0:
+        return step
+    sample = failing[:: max(1, len(failing) // 256)]
+    if not bool(exact(sample, smallest_gap(sample)).all()):
+        return step
+    cand = smallest_gap(failing)
+    good = exact(failing, cand)
+    steps[failing[good]] = cand[good]
+    return steps.view(step.shape)
 
 @dataclass(frozen=True)
 class Int4Weight:
@@ -202,10 +238,11 @@ class Int4Weight:
 def quantize_int8(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Groupwise symmetric absmax 8-bit quantization of weight [N, K] (float32): codes [N, K] int8
     in -127..127 and step [N, K/group] with ``weight ~= codes * step``. A GGUF Q8_0 block (its
-    largest magnitude has code +-127) comes back exactly."""
+    largest magnitude has code +-127) comes back exactly, and so do Q4_0 / Q5_0 blocks (``d * (q -
+    8)`` / ``d * (q - 16)``: small codes on the same step, ``native_steps``)."""
     n, k = weight.shape
     w = weight.float().view(n, k // group, group)
-    step = w.abs().amax(-1) / 127  # [N, K/g]
+    step = native_steps(w, torch.zeros(w.shape[:2]), w.abs().amax(-1) / 127, -127, 127)  # [N, K/g]
     inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
     codes = (w * inv[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(n, k)
     return codes, step
