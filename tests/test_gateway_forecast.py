@@ -66,29 +66,45 @@ def test_backlog_counts_shared_spans_once_and_skips_what_the_cache_holds() -> No
     assert many.prefill_tokens == 40 * 100
 
 
-def test_step_rates_and_the_eta_formula() -> None:
-    rates = StepRates(alpha=0.5)
+def test_step_costs_are_fitted_and_the_eta_formula() -> None:
+    rates = StepRates()
     assert estimate(Backlog(), rates, max_prefill_tokens=256, max_running=8, blocked=False).queue_eta_s == 0.0
     unknown = estimate(Backlog(prefill_tokens=10), rates, max_prefill_tokens=256, max_running=8, blocked=False)
     assert unknown.queue_eta_s is None and unknown.prefill_tokens_per_s is None  # nothing measured yet
-    rates.observe(0, 4, 0.010)  # a decode-only step: 10 ms
-    rates.observe(1000, 0, 1.0)  # a prefill-only step: 1 ms a token
-    assert rates.decode_step_s == pytest.approx(0.010) and rates.prefill_tokens_per_s == pytest.approx(1000)
-    rates.observe(500, 4, 0.510)  # mixed: the decode share is taken out first
-    assert rates.prefill_s_per_token == pytest.approx(0.001)
-    rates.observe(0, 4, 0.020)
-    assert rates.decode_step_s == pytest.approx(0.015)  # the moving average moves halfway
-    # 600 tokens to prefill while 2 requests decode: 0.6 s + 3 steps of 256 with a decode row each
+    rates.observe(500, 0, 0.27)  # one step: all of it reads as prefill cost (the least-norm fit)
+    assert rates.prefill_tokens_per_s == pytest.approx(500 / 0.27, rel=1e-3)
+    # steps costing 5 ms + 1 ms a prefill token + 0.5 ms a decode row: the fit finds the three costs
+    rates = StepRates()
+    for p, r in [(0, 4), (1000, 0), (500, 4), (0, 12), (256, 8), (64, 2), (0, 1), (700, 16)] * 3:
+        rates.observe(p, r, 0.005 + 0.001 * p + 0.0005 * r)
+    overhead, per_token, per_row = rates.costs()
+    # (the overhead's small ridge leaves it within a fraction of a percent)
+    assert (overhead, per_token, per_row) == pytest.approx((0.005, 0.001, 0.0005), rel=5e-3)
+    assert rates.decode_step_s(10) == pytest.approx(0.010, rel=5e-3)
+    # 600 tokens to prefill while 2 requests decode: 0.6 s + 3 steps of 256, each with its overhead and rows
     b = Backlog(prefill_tokens=600, decode_tokens=90, longest_decode=50, shortest_running_decode=20, decoding=2,
                 waiting=3)
     f = estimate(b, rates, max_prefill_tokens=256, max_running=8, blocked=False)
-    assert f.queue_eta_s == pytest.approx(0.6 + 3 * 0.015)
-    assert f.drain_eta_s == pytest.approx(0.6 + 50 * 0.015)
+    assert f.queue_eta_s == pytest.approx(0.6 + 3 * 0.006, rel=5e-3)
+    assert f.drain_eta_s == pytest.approx(0.6 + 3 * 0.006 + 50 * 0.006, rel=5e-3)
+    assert f.decode_step_s == pytest.approx(0.006, rel=5e-3) and f.prefill_tokens_per_s == pytest.approx(1000, rel=5e-3)
     blocked = estimate(b, rates, max_prefill_tokens=256, max_running=8, blocked=True)
-    assert blocked.queue_eta_s == pytest.approx(0.6 + 3 * 0.015 + 20 * 0.015)  # the first finish frees room
+    # the first finish frees room
+    assert blocked.queue_eta_s == pytest.approx(0.6 + 3 * 0.006 + 20 * 0.006, rel=5e-3)
     wide = estimate(Backlog(decode_tokens=800, longest_decode=50, decoding=8), rates, max_prefill_tokens=256,
                     max_running=8, blocked=False)
-    assert wide.queue_eta_s == 0.0 and wide.drain_eta_s == pytest.approx(100 * 0.015)  # 800 / 8 steps > 50
+    assert wide.queue_eta_s == 0.0  # 800 tokens over 8 rows: 100 steps > the longest 50
+    assert wide.drain_eta_s == pytest.approx(100 * 0.009, rel=5e-3)
+    # the fit follows the steps: the same steps now 4x as slow per token take over within ~100 steps
+    for _ in range(5):
+        for p, r in [(0, 4), (1000, 0), (500, 4), (256, 8)] * 5:
+            rates.observe(p, r, 0.005 + 0.004 * p + 0.0005 * r)
+    assert rates.prefill_tokens_per_s == pytest.approx(250, rel=0.02)
+    # noise that would make a cost negative drops it instead
+    flat = StepRates()
+    for p, t in ((100, 0.06), (200, 0.055), (300, 0.05), (400, 0.045)):
+        flat.observe(p, 0, t)  # bigger steps ran faster (noise): no token cost, all overhead
+    assert flat.costs()[1] == pytest.approx(0, abs=1e-9) and flat.costs()[0] > 0 and flat.prefill_tokens_per_s is None
 
 
 def test_usage_comment_is_taken_out_of_a_stream_whatever_the_pieces() -> None:
@@ -220,10 +236,10 @@ def test_forecast_routing_eta_and_hit_attribution() -> None:
         r2 = route_of(second)
         assert (r2["replica"], r2["reason"], r2["matched_blocks"]) == (home, "match", "6"), r2
         assert float(r2["est_ttft_s"]) < 0.2
-        # ... unless the queue there outweighs the prefill saved (~0.4 s, twice: 0.8 s): ~4,800 tokens
-        # (~2.5 s) queued at home
-        threads = occupy(home, [f"busy {i} " + chr(75 + i) * 1200 for i in range(4)])
-        wait_until(lambda: gateway_view(gw)[home]["forecast"]["queue_eta_s"] > 1.5, 5, gw)
+        # ... unless the queue there clearly outweighs the prefill saved (~0.4 s, counted twice, plus the
+        # policy's margin: ~1.3 s in all): ~6,000 tokens (~3 s) queued at home
+        threads = occupy(home, [f"busy {i} " + chr(75 + i) * 1500 for i in range(4)])
+        wait_until(lambda: gateway_view(gw)[home]["forecast"]["queue_eta_s"] > 2.0, 5, gw)
         third = complete(gw.url, group + "Q2")
         r3 = route_of(third)
         assert (r3["replica"], r3["reason"], r3["matched_blocks"]) == (other, "forecast", "0"), r3

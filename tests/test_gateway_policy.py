@@ -26,7 +26,11 @@ from lockgate.config import (
 )
 from lockgate.gateway.keys import request_key
 from lockgate.gateway.policy import (
+    DECODE_HORIZON,
+    DEFAULT_OUTPUT_TOKENS,
     DEFAULT_PREFILL_TOKENS_PER_S,
+    TIE_FRACTION,
+    TIE_S,
     ReplicaForecast,
     Router,
     acceptable_load,
@@ -158,9 +162,11 @@ def test_prefix_cache_route_properties(loads, raw_matches, abs_count, k) -> None
 
 
 # ---- forecast policy with made-up loads and forecasts ---------------------------------------------
-def fc_route(loads, matched, forecasts, prompt=1000.0, block=100.0, total=10, abs_count=16, k=2.0, w=1.0, seed=0):
+def fc_route(loads, matched, forecasts, prompt=1000.0, block=100.0, total=10, abs_count=16, k=2.0, w=1.0, seed=0,
+             out=None):
     return forecast_route(loads, matched, total, forecasts=forecasts, prompt_tokens=prompt, block_tokens=block,
-                          imbalance_abs_count=abs_count, std_dev_factor=k, work_weight=w, rng=random.Random(seed))
+                          imbalance_abs_count=abs_count, std_dev_factor=k, work_weight=w, rng=random.Random(seed),
+                          output_tokens=out)
 
 
 def test_forecast_prefers_the_cached_replica_while_its_queue_is_shorter_than_the_prefill_saved() -> None:
@@ -174,28 +180,58 @@ def test_forecast_prefers_the_cached_replica_while_its_queue_is_shorter_than_the
     # prefill the fleet need not do; score a 1.6 vs b 1.0 + 0.9 = 1.9: a still wins
     r = fc_route(loads, matched, {"a": ReplicaForecast(1.5, 1000.0), "b": rate})
     assert (r.replica, r.reason) == ("a", "match")
-    # past the saved prefill twice over (work weight 1): b wins on time
-    r = fc_route(loads, matched, {"a": ReplicaForecast(2.0, 1000.0), "b": rate})
+    # 2.5 s: a (2.6) is within 25% + 0.25 s + the least own prefill (a's 0.1 s) of b (1.9): a near-tie,
+    # and the longer match keeps it
+    r = fc_route(loads, matched, {"a": ReplicaForecast(2.5, 1000.0), "b": rate})
+    assert (r.replica, r.reason) == ("a", "match")
+    # well past the saved prefill twice over (work weight 1) and the margin: b wins on time
+    r = fc_route(loads, matched, {"a": ReplicaForecast(3.0, 1000.0), "b": rate})
     assert (r.replica, r.reason, r.matched_blocks) == ("b", "forecast", 0)
     assert r.est_ttft_s == pytest.approx(1.0)
-    # work weight 0: the request's own TTFT alone decides (a at 1.1 s > b at 1.0 s)
-    r = fc_route(loads, matched, {"a": ReplicaForecast(1.0, 1000.0), "b": rate}, w=0.0)
+    # work weight 0: the request's own TTFT alone decides (a at 2.1 s > b at 1.0 s, past the margin)
+    r = fc_route(loads, matched, {"a": ReplicaForecast(2.0, 1000.0), "b": rate}, w=0.0)
     assert r.replica == "b"
+    assert fc_route(loads, matched, {"a": ReplicaForecast(2.0, 1000.0), "b": rate}).replica == "a"  # w = 1
 
 
 def test_forecast_weighs_each_replica_at_its_own_prefill_rate() -> None:
-    # no match anywhere: the whole prompt everywhere; a prefills 4x faster, so its queue may be longer
-    loads = {"a": 2, "b": 0}
-    r = fc_route(loads, {}, {"a": ReplicaForecast(0.5, 4000.0), "b": ReplicaForecast(0.0, 1000.0)})
-    assert (r.replica, r.reason) == ("a", "no-match")  # 0.5 + 0.25 < 0 + 1.0
-    r = fc_route(loads, {}, {"a": ReplicaForecast(0.9, 4000.0), "b": ReplicaForecast(0.0, 1000.0)})
-    assert r.replica == "b"  # 0.9 + 0.25 > 1.0
+    # no match anywhere: the whole prompt everywhere; a prefills 4x faster (0.25 s against 1 s): clearly
+    # quicker, so it wins although it is busier
+    fast, slow = ReplicaForecast(0.0, 4000.0), ReplicaForecast(0.0, 1000.0)
+    r = fc_route({"a": 2, "b": 0}, {}, {"a": fast, "b": slow})
+    assert (r.replica, r.reason) == ("a", "no-match")
+    # a's queue of 0.9 s makes it 1.15 s against 1.0 s: a near-tie for a cold request: the less loaded wins
+    r = fc_route({"a": 2, "b": 0}, {}, {"a": ReplicaForecast(0.9, 4000.0), "b": slow})
+    assert r.replica == "b"
+    r = fc_route({"a": 0, "b": 2}, {}, {"a": ReplicaForecast(2.0, 4000.0), "b": slow})
+    assert r.replica == "b"  # 2.25 s against 1.0 s: clearly slower, whatever the loads
     # a replica without a reported rate is priced at the others' median; none reported: the default
     r = fc_route({"a": 0, "b": 0, "c": 0}, {"c": 5}, {"a": ReplicaForecast(0.0, 2000.0),
                                                        "b": ReplicaForecast(0.0, 4000.0)})
     assert r.replica == "c" and r.est_ttft_s == pytest.approx(500 / 3000)
     r = fc_route({"a": 0, "b": 0}, {"b": 5}, {})
     assert r.replica == "b" and r.est_ttft_s == pytest.approx(500 / DEFAULT_PREFILL_TOKENS_PER_S)
+
+
+def test_forecast_prices_the_decode_at_each_replicas_step_time() -> None:
+    # both hold the prefix; b decodes a big batch (50 ms a step against a's 20 ms): 64 tokens cost 1.9 s more
+    loads = {"a": 4, "b": 2}
+    forecasts = {"a": ReplicaForecast(0.0, 1000.0, 0.020), "b": ReplicaForecast(0.0, 1000.0, 0.050)}
+    r = fc_route(loads, {"a": 9, "b": 9}, forecasts, out=64)
+    assert (r.replica, r.reason) == ("a", "match")
+    # a short answer makes the steps matter less than the load (a near-tie: the less loaded b)
+    assert fc_route(loads, {"a": 9, "b": 9}, forecasts, out=2).replica == "b"
+    # a long one is priced up to DECODE_HORIZON tokens only; unknown length: DEFAULT_OUTPUT_TOKENS
+    capped = fc_route(loads, {"a": 9}, {"a": ReplicaForecast(0.0, 1000.0, 0.050), "b": ReplicaForecast(0.0, 1000.0,
+                                                                                                        0.020)},
+                      out=100_000)
+    # a: 0.1 + 256 x 0.05 = 12.9; b: 1.0 + 256 x 0.02 + 0.9 = 7.0: b, though 100,000 tokens would say so louder
+    assert capped.replica == "b" and capped.reason == "forecast"
+    # a replica that reports no step time is priced at the others' median
+    r = fc_route({"a": 0, "b": 0, "c": 0}, {"a": 9, "b": 9, "c": 9},
+                 {"a": ReplicaForecast(0.0, 1000.0, 0.010), "b": ReplicaForecast(0.0, 1000.0, 0.030),
+                  "c": ReplicaForecast(0.0, 1000.0)}, out=DECODE_HORIZON)
+    assert r.replica == "a"  # c counts as 20 ms a step, b 30 ms
 
 
 def test_forecast_keeps_the_imbalance_and_stddev_guards() -> None:
@@ -211,9 +247,16 @@ def test_forecast_keeps_the_imbalance_and_stddev_guards() -> None:
     assert (r.replica, r.reason) == ("a", "match")
 
 
-def test_forecast_ties_go_to_the_least_loaded_then_at_random() -> None:
+def test_forecast_ties_go_to_the_longest_match_then_the_least_loaded_then_at_random() -> None:
     seen = {fc_route({"a": 1, "b": 0, "c": 0}, {}, {}, seed=s).replica for s in range(20)}
     assert seen == {"b", "c"}
+    # rates measured 5% apart are a near-tie: cold traffic is balanced by load, not sent to the "faster"
+    forecasts = {"a": ReplicaForecast(0.0, 1050.0), "b": ReplicaForecast(0.0, 1000.0)}
+    assert fc_route({"a": 3, "b": 2}, {}, forecasts).replica == "b"
+    assert fc_route({"a": 2, "b": 3}, {}, forecasts).replica == "a"
+    # a near-tie between a cached and a cold replica keeps the cache, whatever the loads
+    r = fc_route({"a": 3, "b": 2}, {"a": 9}, {"a": ReplicaForecast(1.95, 1000.0), "b": ReplicaForecast(0.0, 1000.0)})
+    assert (r.replica, r.reason) == ("a", "match")
 
 
 @settings(max_examples=300, deadline=None)
@@ -221,10 +264,12 @@ def test_forecast_ties_go_to_the_least_loaded_then_at_random() -> None:
        raw_matches=st.dictionaries(st.sampled_from("abcdefg"), st.integers(1, 10)),
        etas=st.dictionaries(st.sampled_from("abcdef"), st.floats(0, 20)),
        rates=st.dictionaries(st.sampled_from("abcdef"), st.floats(100, 10000)),
+       steps=st.dictionaries(st.sampled_from("abcdef"), st.floats(0.001, 0.2)),
+       out=st.one_of(st.none(), st.integers(1, 1000)),
        abs_count=st.integers(0, 20), k=st.floats(0, 3), w=st.floats(0, 3))
-def test_forecast_route_properties(loads, raw_matches, etas, rates, abs_count, k, w) -> None:
-    forecasts = {x: ReplicaForecast(etas.get(x, 0.0), rates.get(x)) for x in set(etas) | set(rates)}
-    r = fc_route(loads, raw_matches, forecasts, abs_count=abs_count, k=k, w=w)
+def test_forecast_route_properties(loads, raw_matches, etas, rates, steps, out, abs_count, k, w) -> None:
+    forecasts = {x: ReplicaForecast(etas.get(x, 0.0), rates.get(x), steps.get(x)) for x in {*etas, *rates, *steps}}
+    r = fc_route(loads, raw_matches, forecasts, abs_count=abs_count, k=k, w=w, out=out)
     assert r.replica in loads and r.matched_blocks == raw_matches.get(r.replica, 0)
     low = min(loads.values())
     if max(loads.values()) - low > abs_count:
@@ -233,22 +278,33 @@ def test_forecast_route_properties(loads, raw_matches, etas, rates, abs_count, k
     limit = acceptable_load(loads, k)
     assert loads[r.replica] <= limit
     ok = [x for x in loads if loads[x] <= limit]
-    known = sorted(forecasts[x].prefill_tokens_per_s for x in ok if x in forecasts and forecasts[x].prefill_tokens_per_s)
-    median = (known[(len(known) - 1) // 2] + known[len(known) // 2]) / 2 if known else DEFAULT_PREFILL_TOKENS_PER_S
+
+    def median(values):
+        v = sorted(values)
+        return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2 if v else None
+
+    rate_m = median([forecasts[x].prefill_tokens_per_s for x in ok if x in forecasts
+                     and forecasts[x].prefill_tokens_per_s]) or DEFAULT_PREFILL_TOKENS_PER_S
+    step_m = median([forecasts[x].decode_step_s for x in ok if x in forecasts and forecasts[x].decode_step_s]) or 0.0
+    d = min(DECODE_HORIZON, out if out is not None else DEFAULT_OUTPUT_TOKENS)
 
     def parts(x):
         f = forecasts.get(x, ReplicaForecast())
-        rate = f.prefill_tokens_per_s or median
+        rate = f.prefill_tokens_per_s or rate_m
         u = max(0.0, 1000.0 - raw_matches.get(x, 0) * 100.0)
-        return f.queue_eta_s, u, rate
+        return f.queue_eta_s, u, rate, f.decode_step_s or step_m
 
     least = min(parts(x)[1] for x in ok)
 
     def score(x):
-        eta, u, rate = parts(x)
-        return eta + u / rate + w * (u - least) / rate
+        eta, u, rate, step = parts(x)
+        return eta + u / rate + d * step + w * (u - least) / rate
 
-    assert score(r.replica) <= min(score(x) for x in ok) + 1e-5  # no acceptable replica is forecast faster
+    margin = min(score(x) for x in ok) * (1 + TIE_FRACTION) + TIE_S + min(parts(x)[1] / parts(x)[2] for x in ok)
+    tied = [x for x in ok if score(x) <= margin + 1e-9]
+    assert r.replica in tied  # no acceptable replica is forecast clearly faster
+    best = min((-raw_matches.get(x, 0), loads[x]) for x in tied)  # ties: longest match, then load
+    assert (-raw_matches.get(r.replica, 0), loads[r.replica]) == best
     top = max((raw_matches.get(x, 0) for x in loads), default=0)
     if top == 0:
         assert r.reason == "no-match"

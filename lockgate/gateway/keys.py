@@ -12,6 +12,11 @@ answer a bad body with its own 4xx; the gateway never rejects what a replica mig
   so block boundaries fall on the same tokens the replicas' radix trees hold.
 A batch prompt is keyed by its first element (the batch goes to one replica).
 
+``request_max_tokens`` reads how many tokens a generation request may produce (OpenAI ``max_tokens`` /
+``max_completion_tokens``, TGI ``parameters.max_new_tokens``; the replica's defaults when absent:
+16 for completions and 20 for TGI as those APIs say, None for chat, where the replica's
+``--default-max-tokens`` applies), for the ``forecast`` policy's decode estimate.
+
 ``request_model`` reads the model a request names (OpenAI ``model``, TGI ``parameters.adapter_id``):
 the gateway routes a request for a LoRA adapter to replicas that have it loaded and keys its
 prefix blocks by the adapter too (``block_hashes``' ``salt``), since a replica caches KV per adapter.
@@ -61,6 +66,27 @@ def request_model(path: str, body: bytes) -> str | None:
     else:
         name = data.get("model")
     return name if isinstance(name, str) and name else None
+
+
+def request_max_tokens(path: str, body: bytes) -> int | None:
+    """Tokens a generation request may produce, or None (not said, not readable, not generation)."""
+    if path not in GENERATION_PATHS:
+        return None
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if path in ("/generate", "/generate_stream"):
+        params = data.get("parameters")
+        n = params.get("max_new_tokens", 20) if isinstance(params, dict) else 20
+    elif path == "/v1/chat/completions":
+        n = data.get("max_completion_tokens")
+        n = data.get("max_tokens") if n is None else n
+    else:
+        n = data.get("max_tokens", 16)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def _prompt_key(prompt: Any, tokenizer: Tokenizer | None) -> Key | None:

@@ -20,17 +20,34 @@ proxy reports in ``x-lockgate-route``.
 
 1. imbalanced: least-request (reason ``imbalance``), as above;
 2. the candidates are the replicas whose load is ``<= mean + std_dev_factor * stddev``; each is
-   scored ``eta + u / rate + work_weight * (u - u_min) / rate``, where ``eta`` is its queue ETA,
-   ``u`` the prompt tokens it would have to prefill (the prompt's tokens minus its matched blocks'
-   tokens), ``u_min`` the least ``u`` among the candidates and ``rate`` its prefill tokens/s (the
-   candidates' median when it has not reported one, ``DEFAULT_PREFILL_TOKENS_PER_S`` when none has).
-   The first two terms are the request's estimated time to first token there; the third is the
-   prefill the choice adds to the fleet beyond the best cached option, which every request queued
-   after it there waits for too (without it, a replica that is a few tokens' prefill quicker wins
-   every tie, and each group's prefix ends up computed and cached on every replica). The least score
-   wins, ties by load, then at random (seeded). Reasons: ``match`` (the winner holds the longest
-   prefix any replica holds), ``forecast`` (a less cached replica won on time), ``overloaded`` (the
-   best-cached replicas were above the load limit), ``no-match`` (no replica holds a prefix).
+   scored ``eta + u / rate + d * step + work_weight * (u - u_min) / rate``, where ``eta`` is its
+   queue ETA, ``u`` the prompt tokens it would have to prefill (the prompt's tokens minus its matched
+   blocks' tokens), ``u_min`` the least ``u`` among the candidates, ``rate`` its prefill tokens/s,
+   ``step`` its decode step time (both as it measured them; the candidates' median when it has not
+   reported one, ``DEFAULT_PREFILL_TOKENS_PER_S`` and 0 when none has) and ``d`` the tokens the
+   request may generate, up to ``DECODE_HORIZON`` (``DEFAULT_OUTPUT_TOKENS`` when it does not say).
+   The first two terms are the request's estimated time to first token there; the third its decode
+   there (a replica decoding a big batch takes longer per token: what its open requests cost the
+   newcomer, which its queue ETA does not show); the last is the prefill the choice adds to the
+   fleet beyond the best cached option, which every request queued after it there waits for too
+   (without it, a replica that is a few tokens' prefill quicker wins every tie, and each group's
+   prefix ends up computed and cached on every replica).
+3. scores within ``TIE_FRACTION`` of the least, plus ``TIE_S``, plus the least own-prefill time among
+   the candidates are ties, broken by the longest match, then the lowest load, then at random
+   (seeded). The forecast is a noisy estimate, as fresh as the last poll (two equal replicas measure
+   rates a few percent apart; a burst moves a queue by whole prefills between polls; the burst about
+   to arrive at the other replica is not in it), and a request that leaves its prefix's replica takes
+   its session with it (the next turn matches best where this one went), so a small gain now is paid
+   for in imbalance later: differences below that margin are not acted on. So a cold request (no
+   replica holds its prefix; the placement that decides where the requests sharing it will go) is
+   least-request unless some replica's queue is clearly longer, and a cached request leaves its
+   replica only when the time saved elsewhere is clear (measured: with 10% + 10 ms, multi-turn
+   conversations moved on sub-second queue differences and lost 15% of prefix-cache's throughput,
+   docs/performance.md round 12).
+
+Reasons: ``match`` (the winner holds the longest prefix any replica holds), ``forecast`` (a less
+cached replica won on time), ``overloaded`` (the best-cached replicas were above the load limit),
+``no-match`` (no replica holds a prefix).
 
 Both record the chosen replica as holding the prompt's blocks. Ties in least-request are broken at
 random (seeded), so equal replicas share cold traffic.
@@ -49,6 +66,10 @@ from lockgate.gateway.prefix_index import PrefixIndex
 POLICIES = ("prefix-cache", "forecast", "round-robin", "random", "least-request", "power-of-two")
 PREFIX_POLICIES = ("prefix-cache", "forecast")  # the policies that hash prompts and keep the prefix index
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0  # when no candidate has reported a measured prefill rate yet
+DEFAULT_OUTPUT_TOKENS = 64  # forecast: a request that does not say how many tokens it may generate
+DECODE_HORIZON = 256  # forecast: decode tokens priced at most (later steps run in a batch unknown now)
+TIE_FRACTION = 0.25  # forecast: scores within 25% of the least, plus 0.25 s, plus the least own prefill
+TIE_S = 0.25  # among the candidates, are ties (broken by match length, then load)
 
 
 @dataclass(frozen=True)
@@ -57,6 +78,7 @@ class ReplicaForecast:
 
     queue_eta_s: float = 0.0  # before a request sent now would start its prefill there
     prefill_tokens_per_s: float | None = None  # measured by the replica; None: not reported yet
+    decode_step_s: float | None = None  # its recent decode step time; None: not reported yet
 
 
 @dataclass(frozen=True)
@@ -116,10 +138,11 @@ def prefix_cache_route(loads: Mapping[str, int], matched: Mapping[str, int], tot
 def forecast_route(loads: Mapping[str, int], matched: Mapping[str, int], total_blocks: int, *,
                    forecasts: Mapping[str, ReplicaForecast], prompt_tokens: float, block_tokens: float,
                    imbalance_abs_count: int, std_dev_factor: float, work_weight: float,
-                   rng: random.Random) -> Route:
+                   rng: random.Random, output_tokens: int | None = None) -> Route:
     """The forecast decision for one request (see the module docstring); ``loads`` is non-empty.
     ``prompt_tokens``: the prompt's length in the replicas' tokens (estimated); ``block_tokens``:
-    tokens per prefix block; a replica missing from ``forecasts`` has an empty queue and no rate."""
+    tokens per prefix block; ``output_tokens``: what it may generate (None: not said); a replica
+    missing from ``forecasts`` has an empty queue and no rates."""
     if is_imbalanced(loads, imbalance_abs_count):
         chosen = least_loaded(loads, rng)
         return Route(chosen, "forecast", "imbalance", matched.get(chosen, 0), total_blocks)
@@ -127,6 +150,9 @@ def forecast_route(loads: Mapping[str, int], matched: Mapping[str, int], total_b
     names = sorted(r for r in loads if loads[r] <= limit)  # never empty: the least loaded is <= mean
     known = [f.prefill_tokens_per_s for r in names if (f := forecasts.get(r)) and f.prefill_tokens_per_s]
     fallback_rate = statistics.median(known) if known else DEFAULT_PREFILL_TOKENS_PER_S
+    steps = [f.decode_step_s for r in names if (f := forecasts.get(r)) and f.decode_step_s]
+    fallback_step = statistics.median(steps) if steps else 0.0
+    decode = min(DECODE_HORIZON, output_tokens if output_tokens is not None else DEFAULT_OUTPUT_TOKENS)
     uncached = {r: max(0.0, prompt_tokens - matched.get(r, 0) * block_tokens) for r in names}
     least = min(uncached.values())
     scores: dict[str, tuple[float, float, float]] = {}  # replica -> (score, ttft, own prefill seconds)
@@ -135,9 +161,13 @@ def forecast_route(loads: Mapping[str, int], matched: Mapping[str, int], total_b
         rate = f.prefill_tokens_per_s or fallback_rate
         prefill = uncached[r] / rate
         ttft = max(0.0, f.queue_eta_s) + prefill
-        scores[r] = (ttft + work_weight * (uncached[r] - least) / rate, ttft, prefill)
-    best = min((round(scores[r][0], 6), loads[r]) for r in names)
-    winner = rng.choice([r for r in names if (round(scores[r][0], 6), loads[r]) == best])
+        scores[r] = (ttft + decode * (f.decode_step_s or fallback_step) + work_weight * (uncached[r] - least) / rate,
+                     ttft, prefill)
+    limit_s = (min(v[0] for v in scores.values()) * (1 + TIE_FRACTION) + TIE_S
+               + min(v[2] for v in scores.values()))
+    tied = [r for r in names if scores[r][0] <= limit_s]
+    best = min((-matched.get(r, 0), loads[r]) for r in tied)
+    winner = rng.choice([r for r in tied if (-matched.get(r, 0), loads[r]) == best])
     top_all = max((matched.get(r, 0) for r in loads), default=0)
     top_ok = max(matched.get(r, 0) for r in names)
     got = matched.get(winner, 0)
@@ -189,9 +219,10 @@ class Router:
 
     def choose(self, loads: Mapping[str, int], hashes: Sequence[bytes] = (), *,
                forecasts: Mapping[str, ReplicaForecast] | None = None, prompt_tokens: float = 0.0,
-               block_tokens: float = 1.0) -> Route:
+               block_tokens: float = 1.0, output_tokens: int | None = None) -> Route:
         """Pick a replica among ``loads``' keys (non-empty) and, for the prefix policies, record the
-        blocks there. ``forecasts``, ``prompt_tokens`` and ``block_tokens`` serve ``forecast``."""
+        blocks there. ``forecasts``, ``prompt_tokens``, ``block_tokens`` and ``output_tokens`` serve
+        ``forecast``."""
         if not loads:
             raise ValueError("no replica to route to")
         names = sorted(loads)
@@ -211,7 +242,7 @@ class Router:
             route = forecast_route(loads, matched, len(hashes), forecasts=forecasts or {},
                                    prompt_tokens=prompt_tokens, block_tokens=block_tokens,
                                    imbalance_abs_count=self.imbalance_abs_count, std_dev_factor=self.std_dev_factor,
-                                   work_weight=self.work_weight, rng=self.rng)
+                                   work_weight=self.work_weight, rng=self.rng, output_tokens=output_tokens)
             self.index.record(hashes, route.replica)
         else:
             matched = self.index.match(hashes, names)

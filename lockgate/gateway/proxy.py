@@ -63,7 +63,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
-from lockgate.gateway.keys import request_key, request_model
+from lockgate.gateway.keys import request_key, request_max_tokens, request_model
 from lockgate.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import PREFIX_POLICIES, Route, Router
@@ -92,6 +92,7 @@ class Keyed:
     hashes: list[bytes]
     length: int = 0
     text: bool = False
+    max_tokens: int | None = None  # what the request may generate (forecast's decode estimate)
 
 
 @dataclass
@@ -112,17 +113,19 @@ class Gateway:
     def keyed(self, path: str, body: bytes, adapter: str | None = None) -> Keyed:
         if self.router.policy not in PREFIX_POLICIES:
             return Keyed([])
+        out = request_max_tokens(path, body) if self.router.policy == "forecast" else None
         key = request_key(path, body, self.tokenizer)
         if key is None:
-            return Keyed([])
-        return Keyed(block_hashes(key, self.block_size, adapter or ""), len(key), isinstance(key, str))
+            return Keyed([], max_tokens=out)
+        return Keyed(block_hashes(key, self.block_size, adapter or ""), len(key), isinstance(key, str), out)
 
     def choose(self, loads: dict[str, int], keyed: Keyed) -> Route:
         if self.router.policy != "forecast":
             return self.router.choose(loads, keyed.hashes)
         per_key = self.router.tokens_per_key(keyed.text)
         return self.router.choose(loads, keyed.hashes, forecasts=self.fleet.forecasts(loads),
-                                  prompt_tokens=keyed.length * per_key, block_tokens=self.block_size * per_key)
+                                  prompt_tokens=keyed.length * per_key, block_tokens=self.block_size * per_key,
+                                  output_tokens=keyed.max_tokens)
 
     def attribute(self, route: Route, keyed: Keyed, prompt_tokens: int, cached_tokens: int) -> None:
         """Count a replica's reported token counts with what ``route`` predicted (its matched blocks'

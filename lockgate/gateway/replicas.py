@@ -13,7 +13,8 @@ Owns one ``Replica`` per URL and two background loops:
 * forecast (``Replica.forecast``): the replica's reported ``queue_eta_s`` less the time since the
   poll that read it, plus the estimated prefill seconds of every request the gateway sent there
   after that poll was sent and whose answer has not begun (``note_sent`` / ``done_sent``; the
-  replica's next report counts them itself), and its reported ``prefill_tokens_per_s``. A replica that reports no forecast has an ETA of just what the
+  replica's next report counts them itself), and its reported ``prefill_tokens_per_s`` and
+  ``decode_step_s``. A replica that reports no forecast has an ETA of just what the
   gateway sent there since its last poll. ``Fleet.retry_after`` is the smallest such ETA over the
   healthy replicas, rounded up, at least 1 s: the ``Retry-After`` of a request every replica refused.
 
@@ -117,15 +118,20 @@ class Replica:
         left = 0.0
         if isinstance(eta, (int, float)) and self.reported_at is not None:
             left = max(0.0, float(eta) - (now - self.reported_at))
-        rate = self.reported.get("prefill_tokens_per_s")
         return ReplicaForecast(queue_eta_s=left + sum(s for _, s in self.sent),
-                               prefill_tokens_per_s=float(rate) if isinstance(rate, (int, float)) and rate > 0 else None)
+                               prefill_tokens_per_s=self._positive("prefill_tokens_per_s"),
+                               decode_step_s=self._positive("decode_step_s"))
+
+    def _positive(self, name: str) -> float | None:
+        v = self.reported.get(name)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
 
     def view(self) -> dict[str, Any]:
         fc = self.forecast()
         return {"url": self.url, "healthy": self.healthy, "load": self.load, "in_flight": self.in_flight,
                 "external": self.external, "last_error": self.last_error,
-                "forecast": {"queue_eta_s": round(fc.queue_eta_s, 4), "prefill_tokens_per_s": fc.prefill_tokens_per_s},
+                "forecast": {"queue_eta_s": round(fc.queue_eta_s, 4), "prefill_tokens_per_s": fc.prefill_tokens_per_s,
+                             "decode_step_s": fc.decode_step_s},
                 "reported": self.reported}
 
 
