@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -29,6 +30,7 @@ from lockgate.gateway.policy import (
     DECODE_HORIZON,
     DEFAULT_OUTPUT_TOKENS,
     DEFAULT_PREFILL_TOKENS_PER_S,
+    HOMED_HALF_LIFE,
     TIE_FRACTION,
     TIE_S,
     ReplicaForecast,
@@ -163,10 +165,10 @@ def test_prefix_cache_route_properties(loads, raw_matches, abs_count, k) -> None
 
 # ---- forecast policy with made-up loads and forecasts ---------------------------------------------
 def fc_route(loads, matched, forecasts, prompt=1000.0, block=100.0, total=10, abs_count=16, k=2.0, w=1.0, seed=0,
-             out=None):
+             out=None, homed=None):
     return forecast_route(loads, matched, total, forecasts=forecasts, prompt_tokens=prompt, block_tokens=block,
                           imbalance_abs_count=abs_count, std_dev_factor=k, work_weight=w, rng=random.Random(seed),
-                          output_tokens=out)
+                          output_tokens=out, homed=homed)
 
 
 def test_forecast_prefers_the_cached_replica_while_its_queue_is_shorter_than_the_prefill_saved() -> None:
@@ -329,6 +331,26 @@ def test_router_forecast_records_blocks_and_learns_the_text_token_ratio() -> Non
     assert router.tokens_per_key(text=True) == pytest.approx(0.25)
     router.learn_tokens(400, 400)
     assert router.tokens_per_key(text=True) == pytest.approx(0.25 + Router.RATIO_WEIGHT * 0.75)
+
+
+def test_forecast_balances_new_prefixes_on_those_homed_recently_then_on_load() -> None:
+    # a has homed 2 prefixes and has 1 request open now; b homed 1 and has 2 open (its group's followers
+    # came at once): a new prefix goes to b, where least-request would send it to a
+    r = fc_route({"a": 1, "b": 2}, {}, {}, homed={"a": 2.0, "b": 1.0})
+    assert (r.replica, r.reason) == ("b", "no-match")
+    assert fc_route({"a": 1, "b": 2}, {}, {}).replica == "a"  # nothing homed: the load decides
+    # a request some replica holds a prefix of is not cold: the match decides, homed counts do not
+    assert fc_route({"a": 1, "b": 2}, {"a": 3}, {}, homed={"a": 5.0}).replica == "a"
+    # a burst of new prefixes alternates whatever the momentary loads, and the counts decay
+    router = Router("forecast")
+    homes = [router.choose({"a": i % 3, "b": 0}, block_hashes(f"{i}" * 64, 16), prompt_tokens=64, block_tokens=16).replica
+             for i in range(1, 7)]
+    assert sorted(homes) == ["a", "a", "a", "b", "b", "b"], homes
+    assert router.homed() == pytest.approx({"a": 3.0, "b": 3.0}, rel=1e-3)
+    later = time.monotonic() + HOMED_HALF_LIFE
+    assert router.homed(later) == pytest.approx({"a": 1.5, "b": 1.5}, rel=1e-3)
+    router.forget("a")
+    assert set(router.homed()) == {"b"}
 
 
 def test_prefix_cache_fallback_reports_the_blocks_its_replica_holds() -> None:

@@ -33,17 +33,26 @@ proxy reports in ``x-lockgate-route``.
    (without it, a replica that is a few tokens' prefill quicker wins every tie, and each group's
    prefix ends up computed and cached on every replica).
 3. scores within ``TIE_FRACTION`` of the least, plus ``TIE_S``, plus the least own-prefill time among
-   the candidates are ties, broken by the longest match, then the lowest load, then at random
+   the candidates are ties, broken by the longest match, then (among cold ties: no tied replica holds
+   any of the prompt) by the fewest prefixes homed there recently, then the lowest load, then at random
    (seeded). The forecast is a noisy estimate, as fresh as the last poll (two equal replicas measure
    rates a few percent apart; a burst moves a queue by whole prefills between polls; the burst about
    to arrive at the other replica is not in it), and a request that leaves its prefix's replica takes
    its session with it (the next turn matches best where this one went), so a small gain now is paid
    for in imbalance later: differences below that margin are not acted on. So a cold request (no
    replica holds its prefix; the placement that decides where the requests sharing it will go) is
-   least-request unless some replica's queue is clearly longer, and a cached request leaves its
+   balanced unless some replica's queue is clearly longer, and a cached request leaves its
    replica only when the time saved elsewhere is clear (measured: with 10% + 10 ms, multi-turn
    conversations moved on sub-second queue differences and lost 15% of prefix-cache's throughput,
    docs/performance.md round 12).
+
+Prefixes homed (``Router.homed``): each cold request the forecast places starts a prefix there that
+the requests sharing it (a group's, a conversation's later turns) will follow, so the load it brings
+is not in the open-request count when it is placed. The router counts, per replica, the cold
+placements it made, decayed with a half-life of ``HOMED_HALF_LIFE`` seconds, and balances cold traffic
+on that count first: new groups and conversations alternate instead of following the momentary
+request counts (measured: least-request placement split 8 groups 5 / 3 over 2 replicas in about half
+the runs, each such run 20% slower, docs/performance.md round 12).
 
 Reasons: ``match`` (the winner holds the longest prefix any replica holds), ``forecast`` (a less
 cached replica won on time), ``overloaded`` (the best-cached replicas were above the load limit),
@@ -58,6 +67,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -68,6 +78,7 @@ PREFIX_POLICIES = ("prefix-cache", "forecast")  # the policies that hash prompts
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0  # when no candidate has reported a measured prefill rate yet
 DEFAULT_OUTPUT_TOKENS = 64  # forecast: a request that does not say how many tokens it may generate
 DECODE_HORIZON = 256  # forecast: decode tokens priced at most (later steps run in a batch unknown now)
+HOMED_HALF_LIFE = 60.0  # forecast: seconds for a replica's count of recently homed prefixes to halve
 TIE_FRACTION = 0.25  # forecast: scores within 25% of the least, plus 0.25 s, plus the least own prefill
 TIE_S = 0.25  # among the candidates, are ties (broken by match length, then load)
 
@@ -138,11 +149,13 @@ def prefix_cache_route(loads: Mapping[str, int], matched: Mapping[str, int], tot
 def forecast_route(loads: Mapping[str, int], matched: Mapping[str, int], total_blocks: int, *,
                    forecasts: Mapping[str, ReplicaForecast], prompt_tokens: float, block_tokens: float,
                    imbalance_abs_count: int, std_dev_factor: float, work_weight: float,
-                   rng: random.Random, output_tokens: int | None = None) -> Route:
+                   rng: random.Random, output_tokens: int | None = None,
+                   homed: Mapping[str, float] | None = None) -> Route:
     """The forecast decision for one request (see the module docstring); ``loads`` is non-empty.
     ``prompt_tokens``: the prompt's length in the replicas' tokens (estimated); ``block_tokens``:
-    tokens per prefix block; ``output_tokens``: what it may generate (None: not said); a replica
-    missing from ``forecasts`` has an empty queue and no rates."""
+    tokens per prefix block; ``output_tokens``: what it may generate (None: not said); ``homed``:
+    prefixes recently homed per replica (decayed; missing: 0); a replica missing from ``forecasts``
+    has an empty queue and no rates."""
     if is_imbalanced(loads, imbalance_abs_count):
         chosen = least_loaded(loads, rng)
         return Route(chosen, "forecast", "imbalance", matched.get(chosen, 0), total_blocks)
@@ -166,8 +179,14 @@ def forecast_route(loads: Mapping[str, int], matched: Mapping[str, int], total_b
     limit_s = (min(v[0] for v in scores.values()) * (1 + TIE_FRACTION) + TIE_S
                + min(v[2] for v in scores.values()))
     tied = [r for r in names if scores[r][0] <= limit_s]
-    best = min((-matched.get(r, 0), loads[r]) for r in tied)
-    winner = rng.choice([r for r in tied if (-matched.get(r, 0), loads[r]) == best])
+    cold = all(matched.get(r, 0) == 0 for r in tied)
+    homed = homed or {}
+
+    def order(r: str) -> tuple[float, float, int]:
+        return (-matched.get(r, 0), round(homed.get(r, 0.0), 3) if cold else 0.0, loads[r])
+
+    best = min(order(r) for r in tied)
+    winner = rng.choice([r for r in tied if order(r) == best])
     top_all = max((matched.get(r, 0) for r in loads), default=0)
     top_ok = max(matched.get(r, 0) for r in names)
     got = matched.get(winner, 0)
@@ -202,6 +221,16 @@ class Router:
         self.rng = random.Random(seed)
         self._next = 0
         self.text_tokens_per_key: float | None = None  # learned: replica tokens per character of a text key
+        self._homed: dict[str, tuple[float, float]] = {}  # forecast: replica -> (decayed count, as of when)
+
+    def homed(self, now: float | None = None) -> dict[str, float]:
+        """Prefixes the forecast homed on each replica recently (cold placements, decayed)."""
+        now = time.monotonic() if now is None else now
+        return {r: n * 0.5 ** (max(0.0, now - t) / HOMED_HALF_LIFE) for r, (n, t) in self._homed.items()}
+
+    def _home(self, replica: str, now: float) -> None:
+        n = self.homed(now).get(replica, 0.0)
+        self._homed[replica] = (n + 1.0, now)
 
     def tokens_per_key(self, text: bool) -> float:
         """Replica tokens per routing-key element: 1 for token-id keys, learned (or a guess) for text."""
@@ -238,11 +267,15 @@ class Router:
             pair = self.rng.sample(names, min(2, len(names)))
             route = Route(min(pair, key=lambda r: (loads[r], r)), p, "power-of-two")
         elif p == "forecast":
+            now = time.monotonic()
             matched = self.index.match(hashes, names)
             route = forecast_route(loads, matched, len(hashes), forecasts=forecasts or {},
                                    prompt_tokens=prompt_tokens, block_tokens=block_tokens,
                                    imbalance_abs_count=self.imbalance_abs_count, std_dev_factor=self.std_dev_factor,
-                                   work_weight=self.work_weight, rng=self.rng, output_tokens=output_tokens)
+                                   work_weight=self.work_weight, rng=self.rng, output_tokens=output_tokens,
+                                   homed=self.homed(now))
+            if hashes and route.matched_blocks == 0:  # a prefix starts here: what shares it will follow
+                self._home(route.replica, now)
             self.index.record(hashes, route.replica)
         else:
             matched = self.index.match(hashes, names)
@@ -255,3 +288,4 @@ class Router:
 
     def forget(self, replica: str) -> None:
         self.index.forget(replica)
+        self._homed.pop(replica, None)
