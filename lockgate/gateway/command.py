@@ -50,8 +50,11 @@ DEFAULT_BLOCK_SIZE = {"character": 128, "model": 16}
 class RoutingConfig:
     """Routing knobs shared by ``lockgate gateway`` and ``lockgate serve --dp``."""
 
-    policy: str = option("prefix-cache", "routing policy", choices=list(POLICIES))
-    prefix_tokenizer: str = option("character", "prefix-cache keys: 'character' (the prompt text) or 'model' "
+    # forecast is the default: on the sim fleet (docs/performance.md round 12) it matched or beat
+    # prefix-cache on every workload and fleet size, and it falls back to prefix-cache's affinity and
+    # least-request's balance where the replicas report no forecast
+    policy: str = option("forecast", "routing policy", choices=list(POLICIES))
+    prefix_tokenizer: str = option("character", "prefix keys (prefix-cache, forecast): 'character' (the prompt text) or 'model' "
                                    "(the served model's token ids after its chat template)",
                                    choices=["character", "model"])
     prefix_block_size: int | None = option(None, "keys per hashed prefix block (default: 128 for character, "

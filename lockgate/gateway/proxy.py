@@ -107,9 +107,6 @@ class Gateway:
     max_request_bytes: int = 16 * 1024**2
     max_attempts: int = 3  # per request, each on a different replica
 
-    def hashes(self, path: str, body: bytes, adapter: str | None = None) -> list[bytes]:
-        return self.keyed(path, body, adapter).hashes
-
     def keyed(self, path: str, body: bytes, adapter: str | None = None) -> Keyed:
         if self.router.policy not in PREFIX_POLICIES:
             return Keyed([])
