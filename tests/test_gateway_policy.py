@@ -25,7 +25,7 @@ from lockgate.config import (
     config_to_args,
     server_config_from_args,
 )
-from lockgate.gateway.keys import request_key
+from lockgate.gateway.keys import read_generation, request_key, request_max_tokens, request_model
 from lockgate.gateway.policy import (
     DECODE_HORIZON,
     DEFAULT_OUTPUT_TOKENS,
@@ -90,24 +90,35 @@ def test_index_is_bounded_and_evicts_least_recently_used() -> None:
 
 
 # ---- routing keys ------------------------------------------------------------------------
+def key(path: str, body: bytes, tokenizer=None):
+    return request_key(path, read_generation(path, body), tokenizer)
+
+
 def test_request_keys() -> None:
-    assert request_key("/v1/completions", b'{"prompt": "hello"}', None) == "hello"
-    assert request_key("/v1/completions", b'{"prompt": ["first", "second"]}', None) == "first"
-    assert request_key("/v1/completions", b'{"prompt": [5, 6, 7]}', None) == [5, 6, 7]
-    assert request_key("/generate", b'{"inputs": "tgi text"}', None) == "tgi text"
+    assert key("/v1/completions", b'{"prompt": "hello"}', None) == "hello"
+    assert key("/v1/completions", b'{"prompt": ["first", "second"]}', None) == "first"
+    assert key("/v1/completions", b'{"prompt": [5, 6, 7]}', None) == [5, 6, 7]
+    assert key("/generate", b'{"inputs": "tgi text"}', None) == "tgi text"
     chat = b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", ' \
            b'"content": [{"type": "text", "text": "U"}]}]}'
-    assert request_key("/v1/chat/completions", chat, None) == "system\nS\nuser\nU\n"
+    assert key("/v1/chat/completions", chat, None) == "system\nS\nuser\nU\n"
     tok = SimTokenizer()
-    ids = request_key("/v1/chat/completions", chat, tok)
+    ids = key("/v1/chat/completions", chat, tok)
     assert ids == tok.encode(tok.apply_chat_template([{"role": "system", "content": "S"},
                                                       {"role": "user", "content": "U"}]), add_special_tokens=False)
     # unreadable or non-generation bodies have no key (routed by load; the replica judges the body)
-    assert request_key("/v1/completions", b"not json", None) is None
-    assert request_key("/v1/completions", b'{"prompt": 3}', None) is None
-    assert request_key("/tokenize", b'{"prompt": "x"}', None) is None
-    assert request_key("/v1/completions", b'{"prompt": "caf\xe9"}', None) is None  # not UTF-8
-    assert request_key("/v1/completions", b"[" * 5000 + b"]" * 5000, None) is None  # absurdly deep
+    assert key("/v1/completions", b"not json", None) is None
+    assert key("/v1/completions", b'{"prompt": 3}', None) is None
+    assert key("/tokenize", b'{"prompt": "x"}', None) is None
+    assert key("/v1/completions", b'{"prompt": "caf\xe9"}', None) is None  # not UTF-8
+    assert key("/v1/completions", b"[" * 5000 + b"]" * 5000, None) is None  # absurdly deep
+    # the model and max tokens come from the same decoded body; absent or unreadable -> the API's default / None
+    data = read_generation("/v1/completions", b'{"prompt": "p", "model": "sql", "max_tokens": 7}')
+    assert (request_model("/v1/completions", data), request_max_tokens("/v1/completions", data)) == ("sql", 7)
+    tgi = read_generation("/generate", b'{"inputs": "x", "parameters": {"adapter_id": "a"}}')
+    assert (request_model("/generate", tgi), request_max_tokens("/generate", tgi)) == ("a", 20)
+    assert request_max_tokens("/v1/chat/completions", read_generation("/v1/chat/completions", b'{"messages": []}')) is None
+    assert read_generation("/v1/completions", b"[1, 2]") is None and read_generation("/health", b"{}") is None
 
 
 # ---- prefix-cache policy with made-up loads -------------------------------------------------

@@ -12,6 +12,7 @@ answer a bad body with its own 4xx; the gateway never rejects what a replica mig
   so block boundaries fall on the same tokens the replicas' radix trees hold.
 A batch prompt is keyed by its first element (the batch goes to one replica).
 
+``read_generation`` decodes a request's body once; the readers below take that dict.
 ``request_max_tokens`` reads how many tokens a generation request may produce (OpenAI ``max_tokens`` /
 ``max_completion_tokens``, TGI ``parameters.max_new_tokens``; the replica's defaults when absent:
 16 for completions and 20 for TGI as those APIs say, None for chat, where the replica's
@@ -34,31 +35,34 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/ge
 Key = str | list[int]
 
 
-def request_key(path: str, body: bytes, tokenizer: Tokenizer | None) -> Key | None:
-    """The prompt key of a generation request, or None (not a generation route, unreadable body)."""
+def read_generation(path: str, body: bytes) -> dict[str, Any] | None:
+    """A generation request's body, decoded once for every reader below; None when the route is not
+    generation or the body is not a JSON object (bad UTF-8, absurd nesting: routed by load alone)."""
     if path not in GENERATION_PATHS:
         return None
     try:
         data = msgspec.json.decode(body)
-        if not isinstance(data, dict):
-            return None
+    except Exception:  # noqa: BLE001 - only a routing hint; the replica answers the body with its own 4xx
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def request_key(path: str, data: dict[str, Any] | None, tokenizer: Tokenizer | None) -> Key | None:
+    """The prompt key of a request ``read_generation`` decoded, or None."""
+    if data is None:
+        return None
+    try:
         if path == "/v1/chat/completions":
             return _chat_key(data.get("messages"), tokenizer)
         prompt = data.get("prompt") if path == "/v1/completions" else data.get("inputs")
         return _prompt_key(prompt, tokenizer)
-    except Exception:  # noqa: BLE001 - only a routing hint: bad UTF-8, deep nesting, a template error...
-        return None  # ...all become "no key"; the replica answers the body with its own 4xx
+    except Exception:  # noqa: BLE001 - only a routing hint: a template or tokenizer error...
+        return None  # ...becomes "no key"; the replica answers the body with its own 4xx
 
 
-def request_model(path: str, body: bytes) -> str | None:
-    """The model (or LoRA adapter) a generation request names, or None (none, or not readable)."""
-    if path not in GENERATION_PATHS:
-        return None
-    try:
-        data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(data, dict):
+def request_model(path: str, data: dict[str, Any] | None) -> str | None:
+    """The model (or LoRA adapter) a decoded generation request names, or None."""
+    if data is None:
         return None
     if path in ("/generate", "/generate_stream"):
         params = data.get("parameters")
@@ -68,15 +72,9 @@ def request_model(path: str, body: bytes) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def request_max_tokens(path: str, body: bytes) -> int | None:
-    """Tokens a generation request may produce, or None (not said, not readable, not generation)."""
-    if path not in GENERATION_PATHS:
-        return None
-    try:
-        data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(data, dict):
+def request_max_tokens(path: str, data: dict[str, Any] | None) -> int | None:
+    """Tokens a decoded generation request may produce, or None (not said, not readable)."""
+    if data is None:
         return None
     if path in ("/generate", "/generate_stream"):
         params = data.get("parameters")

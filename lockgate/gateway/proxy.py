@@ -63,7 +63,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
-from lockgate.gateway.keys import request_key, request_max_tokens, request_model
+from lockgate.gateway.keys import read_generation, request_key, request_max_tokens, request_model
 from lockgate.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import PREFIX_POLICIES, Route, Router
@@ -107,11 +107,12 @@ class Gateway:
     max_request_bytes: int = 16 * 1024**2
     max_attempts: int = 3  # per request, each on a different replica
 
-    def keyed(self, path: str, body: bytes, adapter: str | None = None) -> Keyed:
+    def keyed(self, path: str, data: dict[str, Any] | None, adapter: str | None = None) -> Keyed:
+        """``data``: the body as ``read_generation`` decoded it."""
         if self.router.policy not in PREFIX_POLICIES:
             return Keyed([])
-        out = request_max_tokens(path, body) if self.router.policy == "forecast" else None
-        key = request_key(path, body, self.tokenizer)
+        out = request_max_tokens(path, data) if self.router.policy == "forecast" else None
+        key = request_key(path, data, self.tokenizer)
         if key is None:
             return Keyed([], max_tokens=out)
         return Keyed(block_hashes(key, self.block_size, adapter or ""), len(key), isinstance(key, str), out)
@@ -135,10 +136,10 @@ class Gateway:
         if keyed.text:
             self.router.learn_tokens(keyed.length, prompt_tokens)
 
-    def adapter_of(self, path: str, body: bytes) -> str | None:
-        """The LoRA adapter a request names, if some replica has it loaded (else the base model:
-        other names are placeholders or the served model's own)."""
-        name = request_model(path, body)
+    def adapter_of(self, path: str, data: dict[str, Any] | None) -> str | None:
+        """The LoRA adapter a decoded request names, if some replica has it loaded (else the base
+        model: other names are placeholders or the served model's own)."""
+        name = request_model(path, data)
         return name if name is not None and name in self.fleet.known_adapters() else None
 
 
@@ -286,11 +287,12 @@ async def _proxy(gw: Gateway, request: Request) -> Response:
         body = await request.body()
     except ClientDisconnect:
         return Response(status_code=499)  # the client left mid-body; nothing was routed
-    adapter = gw.adapter_of(path, body)
+    data = read_generation(path, body)  # decoded once: adapter, key and max tokens all read it
+    adapter = gw.adapter_of(path, data)
     if gw.tokenizer is not None and len(body) > INLINE_KEY_BYTES:  # tokenizing a long prompt takes seconds
-        keyed = await asyncio.to_thread(gw.keyed, path, body, adapter)
+        keyed = await asyncio.to_thread(gw.keyed, path, data, adapter)
     else:
-        keyed = gw.keyed(path, body, adapter)
+        keyed = gw.keyed(path, data, adapter)
     headers = _generation_headers(request)
     target = path + (f"?{request.url.query}" if request.url.query else "")
     tried: list[str] = []
