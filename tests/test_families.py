@@ -22,6 +22,7 @@ import shutil
 import pytest
 import torch
 import transformers as tf
+from family_util import PROMPTS, assert_lockgate_matches, hf_greedy
 
 from lockgate import LLM, SamplingParams
 
@@ -54,9 +55,6 @@ FAMILIES = {
         **COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
 }
 
-SHARED = [11, 23, 5, 77, 42, 9, 31, 64, 3, 100, 18, 57]
-PROMPTS = [SHARED + [7, 8, 9], SHARED + [90, 1], [5, 17, 3, 88, 42, 42, 7, 1, 60, 33, 91, 2, 14, 70, 29, 50],
-           [9, 8, 7]]
 N_NEW = 10
 
 
@@ -92,42 +90,10 @@ def build(where, family: str, tokenizer_files) -> torch.nn.Module:
     return hf
 
 
-def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their log-probabilities: the prompt in one forward, then one
-    token per forward over its KV cache (what ``generate`` does, written out because Phi-3's
-    ``generate`` drops the cache and re-encodes everything with the long LongRoPE factors once a
-    sequence crosses ``original_max_position_embeddings``; lockgate, like the model itself over a
-    cache, rotates each token by its own position's table)."""
-    ids: list[int] = []
-    lps: list[float] = []
-    with torch.no_grad():
-        cache = tf.DynamicCache(config=hf.config)
-        logits = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
-        for _ in range(N_NEW):
-            lp = logits.float().log_softmax(-1)
-            t = int(lp.argmax())
-            ids.append(t)
-            lps.append(float(lp[t]))
-            logits = hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
-    return ids, lps
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_matches_transformers(family, tmp_path, tokenizer_files) -> None:
     hf = build(tmp_path, family, tokenizer_files)
-    want = [hf_greedy(hf, p) for p in PROMPTS]
-    assert len({tuple(w[0]) for w in want}) > 1  # the prompts lead to different outputs
-    llm = LLM(str(tmp_path), dtype="float32", max_total_tokens=2048, max_prefill_tokens=8, check_invariants=True)
-    params = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    runs = {"alone": [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in PROMPTS],
-            "batched": llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)}
-    runs["cached"] = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-    assert all(o.num_cached_tokens > 0 for o in runs["cached"])  # the prefix cache served these prompts
-    for how, outs in runs.items():
-        for prompt, out, (ids, lps) in zip(PROMPTS, outs, want, strict=True):
-            got = out.outputs[0]
-            assert got.token_ids == ids, (family, how, prompt)
-            assert max(abs(a - b) for a, b in zip(got.logprobs, lps, strict=True)) < 1e-4, (family, how, prompt)
+    assert_lockgate_matches(tmp_path, [hf_greedy(hf, p, N_NEW) for p in PROMPTS], N_NEW, family)
 
 
 def test_family_features_are_what_the_config_says() -> None:
@@ -215,10 +181,4 @@ def test_sharded_16_bit_checkpoint_with_an_index(dtype, tmp_path, tokenizer_file
     assert (where / "model.safetensors.index.json").is_file() and len(list(where.glob("*.safetensors"))) >= 2
     hf = tf.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()  # its own reading of the shards
     hf.config._attn_implementation = "eager"
-    want = [hf_greedy(hf, p) for p in PROMPTS]
-    llm = LLM(str(where), dtype="float32", max_total_tokens=2048)
-    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
-        max_tokens=N_NEW, temperature=0.0, ignore_eos=True, logprobs=0))
-    for out, (ids, lps) in zip(outs, want, strict=True):
-        assert out.outputs[0].token_ids == ids
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].logprobs, lps, strict=True)) < 1e-4
+    assert_lockgate_matches(where, [hf_greedy(hf, p, N_NEW) for p in PROMPTS], N_NEW, f"sharded {dtype}")

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from family_util import PROMPTS, assert_lockgate_matches, hf_greedy
 
 from lockgate import LLM, SamplingParams
 from lockgate.checkpoint.gguf_convert import SUPPORTED_TYPES
@@ -37,8 +38,6 @@ from lockgate.checkpoint.loader import prepare_model_dir
 T = gguf.GGMLQuantizationType
 VOCAB = 128
 N_NEW = 8
-SHARED = [11, 23, 5, 77, 42, 9, 31, 64, 3, 100, 18, 57]
-PROMPTS = [SHARED + [7, 8, 9], SHARED + [90, 1], [5, 17, 3, 88, 42, 42, 7, 1, 60, 33, 91, 2, 14, 70, 29, 50], [9, 8, 7]]
 # Byte offsets of each block type's float16 scale fields (gguf.quants' block layouts).
 SCALE_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82),
                 T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
@@ -176,40 +175,6 @@ CASES = {  # transformers reads these GGUFs itself
 }
 
 
-def lockgate_runs(path) -> dict[str, list]:
-    """Greedy tokens and log-probabilities of PROMPTS alone, batched, and over the prefix cache."""
-    llm = LLM(str(path), dtype="float32", max_total_tokens=2048, max_prefill_tokens=8, check_invariants=True)
-    params = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    runs = {"alone": [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in PROMPTS],
-            "batched": llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)}
-    runs["cached"] = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-    assert all(o.num_cached_tokens > 0 for o in runs["cached"])
-    return runs
-
-
-def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids: list[int] = []
-    lps: list[float] = []
-    with torch.no_grad():
-        cache = tf.DynamicCache(config=hf.config)
-        logits = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
-        for _ in range(N_NEW):
-            lp = logits.float().log_softmax(-1)
-            ids.append(int(lp.argmax()))
-            lps.append(float(lp[ids[-1]]))
-            logits = hf(torch.tensor([[ids[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
-    return ids, lps
-
-
-def assert_same(runs: dict[str, list], want: list[tuple[list[int], list[float]]], what: str) -> None:
-    assert len({tuple(w[0]) for w in want}) > 1, "the prompts should lead to different outputs"
-    for how, outs in runs.items():
-        for prompt, out, (ids, lps) in zip(PROMPTS, outs, want, strict=True):
-            got = out.outputs[0]
-            assert got.token_ids == ids, (what, how, prompt)
-            assert max(abs(a - b) for a, b in zip(got.logprobs, lps, strict=True)) < 1e-4, (what, how, prompt)
-
-
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path / "cache"))
@@ -221,8 +186,7 @@ def test_gguf_file_matches_transformers_reading_it(arch, tmp_path) -> None:
     CASES[arch]().write(path)
     hf = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     hf.config._attn_implementation = "eager"
-    want = [hf_greedy(hf, p) for p in PROMPTS]
-    assert_same(lockgate_runs(prepare_model_dir(str(path))), want, arch)
+    assert_lockgate_matches(prepare_model_dir(str(path)), [hf_greedy(hf, p, N_NEW) for p in PROMPTS], N_NEW, arch)
 
 
 def test_every_supported_quantization_is_exercised() -> None:
@@ -290,8 +254,7 @@ def test_mixtral_and_longrope_phi3_written_as_llama_cpp_would(tmp_path) -> None:
                                                        or (1 + np.log(128 / 20) / np.log(20)) ** 0.5)
         path = tmp_path / f"{name}.gguf"
         f.write(path)
-        want = [hf_greedy(hf, p) for p in PROMPTS]
-        assert_same(lockgate_runs(prepare_model_dir(str(path))), want, name)
+        assert_lockgate_matches(prepare_model_dir(str(path)), [hf_greedy(hf, p, N_NEW) for p in PROMPTS], N_NEW, name)
 
 
 def test_unsupported_architecture_and_quantization_are_named(tmp_path) -> None:
