@@ -303,12 +303,13 @@ def _family_config(meta: dict[str, Any], name: str, arch: Arch, key: Any, tensor
         window = key("attention.sliding_window", None, required=False)
         out["sliding_window"] = int(window) if window else None
         if "rope_factors_long.weight" in tensors:
-            out["rope_parameters"] = _longrope(meta, name, tensors, cfg, src)
+            out["rope_parameters"] = _longrope(meta, name, tensors, cfg["rope_theta"], src)
+            out["original_max_position_embeddings"] = out["rope_parameters"]["original_max_position_embeddings"]
     return out
 
 
-def _longrope(meta: dict[str, Any], name: str, tensors: dict[str, Any], cfg: dict[str, Any],
-              src: Path) -> dict[str, Any]:
+def _longrope(meta: dict[str, Any], name: str, tensors: dict[str, Any], theta: float, src: Path) -> dict[str, Any]:
+    """Phi-3's LongRoPE parameters from the factor tables llama.cpp stores as tensors."""
     import gguf
 
     def table(t: Any) -> list[float]:
@@ -319,12 +320,11 @@ def _longrope(meta: dict[str, Any], name: str, tensors: dict[str, Any], cfg: dic
     if short is None or orig is None:
         raise ValueError(f"{src}: LongRoPE needs rope_factors_short.weight and "
                          f"{name}.rope.scaling.original_context_length")
-    rope = {"rope_type": "longrope", "rope_theta": cfg["rope_theta"], "long_factor": table(tensors["rope_factors_long.weight"]),
+    rope = {"rope_type": "longrope", "rope_theta": theta, "long_factor": table(tensors["rope_factors_long.weight"]),
             "short_factor": table(short), "original_max_position_embeddings": int(orig)}
     attn = meta.get(f"{name}.rope.scaling.attn_factor")
     if attn is not None:
         rope["attention_factor"] = float(attn)
-    cfg["original_max_position_embeddings"] = int(orig)
     return rope
 
 
