@@ -275,6 +275,13 @@ def test_unsupported_architecture_and_quantization_are_named(tmp_path) -> None:
     f.write(tmp_path / "odd.gguf")
     with pytest.raises(ValueError, match=r"unsupported GGUF tensor 'blk.0.ffn_mystery.weight' for a qwen3 model"):
         prepare_model_dir(str(tmp_path / "odd.gguf"))
+    (tmp_path / "text.gguf").write_text("not a gguf")
+    with pytest.raises(ValueError, match=r"text.gguf: not a readable GGUF file \(GGUF magic invalid\)"):
+        prepare_model_dir(str(tmp_path / "text.gguf"))
+    good = (tmp_path / "odd.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=r"cut.gguf: not a readable GGUF file"):
+        prepare_model_dir(str(tmp_path / "cut.gguf"))
     assert not list((tmp_path / "cache" / "models").glob("*")), "a failed conversion leaves nothing in the cache"
 
 

@@ -125,7 +125,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     import gguf
     from safetensors.numpy import save_file
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except (ValueError, OSError, IndexError) as e:  # bad magic, truncated header or tensor data
+        raise ValueError(f"{gguf_path}: not a readable GGUF file ({e})") from e
     meta = read_metadata(reader)
     name, arch = arch_of(meta, gguf_path)
     tensors = {t.name: t for t in reader.tensors}
