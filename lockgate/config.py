@@ -103,6 +103,10 @@ class ModelConfig:
                                  "at every row count and every token's attention on the decode kernel (needs "
                                  "lockgate's kernels and a 4/8-bit checkpoint such as the default model); costs "
                                  "prefill speed, see docs/performance.md")
+    exact_prefill: bool = option(True, "prompt tokens on one matmul form per projection whose rows do not depend on "
+                                 "how many share the call (checked at start) and on the attention kernel, so a "
+                                 "prefix-cache hit or the chunk a prompt is prefilled in never changes a result; "
+                                 "--no-exact-prefill only to measure what it costs")
     chat_template: str | None = option(None, "the chat template for chat requests: a Jinja file's path or the "
                                        "template itself (default: the model's own; needed for a model without one)")
 

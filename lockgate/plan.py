@@ -8,7 +8,10 @@ prompt, a later chunk of a long prompt, or one decode token) whose KV is written
 ``out_slots``; after the step its context holds ``seq_lens[b]`` tokens whose KV lives in the
 slots ``kv_slots[kv_offsets[b]:kv_offsets[b+1]]``, in position order (the new tokens'
 slots last). Rows listed in ``sample_rows`` produce one token each (a prefill chunk that is
-not the last one of its prompt produces none).
+not the last one of its prompt produces none). The first ``num_decode_rows`` sequences are
+decode rows (one token of a generating request, or one of its guesses); the rest are prompt
+rows (prefill chunks, also of one token, as after a prefix-cache hit on all but the last prompt
+token): the runner computes prompt rows on forms whose results do not depend on the chunk.
 
 Invariants (checked by ``validate``): ``len(input_ids) == len(positions) == len(out_slots)
 == sum(query_lens)``; ``query_lens[b] <= seq_lens[b]``; the last ``query_lens[b]`` context
@@ -101,6 +104,16 @@ class ForwardPlan:
     # LoRA: per sequence the runner slot of its adapter (-1: the base model) [B]; empty when no
     # sequence of the step uses an adapter. Slots are filled before the step (``AdapterSlots``).
     lora_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, I64))
+    # Decode rows (the first sequences, one token each); None: the leading one-token sequences.
+    num_decode_rows: int | None = None
+
+    @property
+    def decode_rows(self) -> int:
+        """How many leading sequences (= token rows) are decode rows."""
+        if self.num_decode_rows is not None:
+            return self.num_decode_rows
+        multi = np.flatnonzero(self.query_lens != 1)
+        return int(multi[0]) if multi.size else self.num_seqs
 
     @property
     def num_seqs(self) -> int:
@@ -134,6 +147,8 @@ class ForwardPlan:
         assert sb.allowed.ndim == 2 and sb.allowed.shape[0] == sb.allowed_rows.shape[0]
         assert np.all((sb.allowed_rows >= 0) & (sb.allowed_rows < sb.size))
         assert self.lora_slots.shape in ((0,), (self.num_seqs,))
+        d = self.decode_rows
+        assert 0 <= d <= self.num_seqs and np.all(self.query_lens[:d] == 1)
 
 
 @dataclass

@@ -1,8 +1,11 @@
-"""Same request, same answer (``--deterministic``): on the real model, a request's tokens and
+"""Same request, same answer. With ``--deterministic``, on the real model, a request's tokens and
 logprobs (top-k too) are compared with ``==`` against the same request run alone on an engine
 without prefix cache, speculation or chunking. Batches, cache states and chunkings are drawn by
 hypothesis; the server tests run a seeded request among 15 others and the same seeded request
 four times in a row (the reproduction of issue 19, where a prefix-cache hit flipped the sample).
+The default engine (``--exact-prefill``) promises less: one request at a time, whatever its cache
+state and chunking, gets the answer of a cold whole-prompt run (hypothesis again, and the
+four-times reproduction on the default server); a control shows the comparison fails without it.
 """
 
 from __future__ import annotations
@@ -77,12 +80,63 @@ def test_any_batch_cache_state_and_chunking_gives_the_lone_answer(alone, busy, w
 
 
 def test_without_the_flag_the_comparison_does_fail(alone) -> None:
-    """The property is not vacuous: the default engine (forms by row count, prefill on SDPA) gives
-    some request of the same kind of batch different logprobs than the lone deterministic run."""
+    """The property is not vacuous: the default engine (decode rows on forms by row count, prompt
+    rows on the fastest row-invariant form) gives some request of the same kind of batch different
+    logprobs than the lone deterministic run."""
     llm = LLM("default", max_total_tokens=8192, max_prefill_tokens=5)
     batch = [(p, k, 8) for p in range(len(PROMPTS)) for k in (0, 1)]
     outs = llm.generate([PROMPTS[p] for p, _, _ in batch], [params(k, n) for _, k, n in batch])
     assert any(answer(out) != alone(p, k, n) for (p, k, n), out in zip(batch, outs, strict=True))
+
+
+# ---- the default engine: cache hits and chunking never change a result (--exact-prefill) ----
+
+@pytest.fixture(scope="module")
+def alone_default():
+    """The default engine, one request at a time, without prefix cache, whole prompts in one step."""
+    llm = LLM("default", max_total_tokens=8192, disable_prefix_cache=True, max_prefill_tokens=4096)
+    memo: dict[tuple[int, int, int], tuple] = {}
+
+    def get(prompt: int, kind: int, max_tokens: int) -> tuple:
+        key = (prompt, kind, max_tokens)
+        if key not in memo:
+            memo[key] = answer(llm.generate([PROMPTS[prompt]], params(kind, max_tokens))[0])
+        return memo[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def chunky():
+    """Default engines with the prefix cache and prefill budgets of 3 and 7 tokens per step."""
+    return [LLM("default", max_total_tokens=8192, max_prefill_tokens=n, check_invariants=True) for n in (3, 7)]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(warm=st.lists(st.integers(0, len(PROMPTS) - 1), max_size=3), engine=st.integers(0, 1),
+       req=request, repeat=st.booleans())
+def test_default_engine_cache_state_and_chunking_give_the_lone_answer(alone_default, chunky, warm, engine, req,
+                                                                      repeat) -> None:
+    """Without --deterministic: one request at a time, its prompt cached in full, in part or not at
+    all, prefilled in chunks of 3 or 7 tokens, gives bitwise the answer of a cold whole-prompt run."""
+    llm = chunky[engine]
+    if warm:
+        llm.generate([PROMPTS[p] for p in warm], params(0, 2))
+    p, k, n = req
+    for _ in range(2 if repeat else 1):  # the second run finds its whole prompt cached
+        assert answer(llm.generate([PROMPTS[p]], params(k, n))[0]) == alone_default(p, k, n), (PROMPTS[p], k, n)
+
+
+def test_without_exact_prefill_a_cache_hit_can_change_the_answer(alone_default) -> None:
+    """The property is not vacuous: with --no-exact-prefill (prompt rows by row count, as before
+    issue 19) some request answered from the prefix cache or in small chunks differs in its
+    logprobs from the cold whole-prompt run."""
+    llm = LLM("default", max_total_tokens=8192, max_prefill_tokens=3, exact_prefill=False)
+    differ = []
+    for p in range(len(PROMPTS)):
+        for _ in range(2):  # cold (chunked), then a prefix-cache hit
+            differ.append(answer(llm.generate([PROMPTS[p]], params(0, 6))[0]) != alone_default(p, 0, 6))
+    assert any(differ)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +174,22 @@ def test_server_same_seeded_request_four_times_in_a_row(server) -> None:
     body = {"prompt": "Pick a number:", "max_tokens": 12, "temperature": 1.0, "seed": 42, "logprobs": 1}
     answers = [complete(server.url, body) for _ in range(4)]
     assert all(a["text"] == answers[0]["text"] and a["logprobs"] == answers[0]["logprobs"] for a in answers)
+
+
+def test_default_server_same_seeded_request_four_times_in_a_row() -> None:
+    """Issue 19's reproduction on the default server (no --deterministic): the first run prefills
+    the whole prompt, the next three find all but its last token in the prefix cache."""
+    s = ServerProc("--model", "default", "--max-total-tokens", "8192")
+    try:
+        s.wait_ready(timeout=300)
+        body = {"prompt": "Pick a number:", "max_tokens": 12, "temperature": 1.0, "seed": 42, "logprobs": 1}
+        answers = [complete(s.url, body) for _ in range(4)]
+        assert all(a["text"] == answers[0]["text"] and a["logprobs"] == answers[0]["logprobs"] for a in answers)
+        hits = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(s.url + "/metrics").text.splitlines()
+                   if line.startswith("lockgate:prefix_cache_hits_total"))
+        assert hits >= 3 * 3  # runs 2-4 each took (at least) the prompt's first 3 tokens from the cache
+    finally:
+        assert s.stop() == 0
 
 
 def test_through_the_gateway_any_replica_gives_the_same_answer() -> None:

@@ -388,3 +388,92 @@ def test_int_gemm_form_is_not_made_where_float16_scales_would_lose_precision(ker
     assert IntGemmWeight.from_weight(tiny, 4).error > 1e-3
     forms = make_forms(tiny, torch.float32, "auto", kernels=True)
     assert "int-gemm" not in forms and "group-quant" in forms
+
+
+class _CountedForm:
+    """A form whose results depend on the call's row count below ``exact_from`` rows (it adds
+    a tiny offset there, as a kernel with another accumulation order would), and that records
+    the row counts it was called with. A stand-in for sgemm's small-call path: the real kernels'
+    behaviour differs by CPU, so the mechanism is tested on a form whose behaviour is known. It
+    multiplies x rounded to integers by an integer weight, so its sums are exact in any order."""
+
+    name = "dense"
+
+    def __init__(self, weight: torch.Tensor, exact_from: int) -> None:
+        self.weight, self.exact_from, self.calls = weight, exact_from, []
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        y = F.linear(x.round(), self.weight, bias)
+        return y + 1e-3 if x.shape[0] < self.exact_from else y
+
+    def decode_layers_args(self) -> None:
+        return None
+
+
+def test_prompt_rows_run_on_the_prompt_form_padded_to_its_floor() -> None:
+    from lockgate.layers.linear import PromptForm
+
+    torch.manual_seed(0)
+    w = torch.randint(-4, 5, (32, 64)).float()
+    lin = Linear(w)
+    form = _CountedForm(w, exact_from=4)
+    lin.forms["dense"] = form
+    lin.forms["int-gemm"] = _CountedForm(w, exact_from=1)  # stands for the decode rows' form
+    lin.choose(FormChoice.parse("int-gemm:8,dense"))
+    lin.set_prompt_form(PromptForm("dense", min_rows=4))
+    x = torch.randint(-4, 5, (20, 64)).float()
+    want = F.linear(x, w)
+    # a one-token prompt chunk (a prefix-cache hit on all but its last token) is padded to 4 rows
+    assert torch.equal(lin(x[:1], decode_rows=0), want[:1]) and form.calls == [4]
+    # 3 decode rows on their own form, 2 prompt rows on the prompt form (padded), one result
+    form.calls.clear()
+    assert torch.equal(lin(x[:5], decode_rows=3), want[:5]) and form.calls == [4]
+    # decode rows whose count picks the prompt form share its call
+    form.calls.clear()
+    assert torch.equal(lin(x, decode_rows=12), want) and form.calls == [20]
+    # without decode_rows (plans built outside the scheduler) every row goes by count, as before:
+    # here 2 rows on dense unpadded, which this form computes differently
+    lin.choose(FormChoice.parse("int-gemm:1,dense"))
+    form.calls.clear()
+    assert not torch.equal(lin(x[:2]), want[:2]) and form.calls == [2]
+    assert torch.equal(lin(x[:2], decode_rows=0), want[:2]) and form.calls == [2, 4]
+    with pytest.raises(ValueError, match="not one of this projection's forms"):
+        lin.set_prompt_form(PromptForm("torch-int4"))
+
+
+def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
+    from lockgate.runner.tuning import check_row_invariance, min_rows_for
+
+    torch.manual_seed(0)
+    w = torch.randint(-4, 5, (32, 64)).float()
+    assert min_rows_for(_CountedForm(w, 1), None, 64, torch.float32, 256) == 1
+    assert min_rows_for(_CountedForm(w, 3), None, 64, torch.float32, 256) == 4
+    assert min_rows_for(_CountedForm(w, 100), None, 64, torch.float32, 256) is None  # no floor of <= 32 rows helps
+
+    class Erratic(_CountedForm):  # a result that depends on where a row sits in the call
+        def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            y = F.linear(x.round(), self.weight, bias)
+            y[-1:] += 1e-3
+            return y
+
+    assert min_rows_for(Erratic(w, 1), None, 64, torch.float32, 256) is None
+    good, bad = Linear(w), Linear(w)
+    good.forms["int-gemm"] = _CountedForm(w, 2)
+    bad.forms["dense"] = Erratic(w, 1)
+    found = check_row_invariance({"o": [good], "down": [bad]}, torch.float32,
+                                 {"o": ["int-gemm"], "down": ["dense", "int-gemm"]}, 64)
+    assert found == {"o": {"form": "int-gemm", "min_rows": 2}, "down": None}  # down has no int-gemm form
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int_gemm_rows_never_depend_on_the_call_size(kernels_loaded, dtype: torch.dtype) -> None:
+    """The integer GEMM is the fallback prompt form where dense is not row-invariant: the check
+    must accept it at floor 1 on every CPU its vector path runs on."""
+    from lockgate.runner.tuning import min_rows_for
+
+    if not int_gemm_available():
+        pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
+    torch.manual_seed(1)
+    form = IntGemmWeight.from_weight(torch.randn(64, 128), bits=8)
+    assert min_rows_for(form, None, 128, dtype, 300) == 1

@@ -191,3 +191,31 @@ def test_abort_with_a_step_in_flight_returns_its_slots(cache: bool) -> None:
     s.abort(c.rid)
     s.check_invariants()
     assert s.ledger.allocator.num_free + s.ledger.evictable == 1000
+
+
+@pytest.mark.parametrize("generated_exact", [True, False])
+def test_generated_kv_is_cached_only_where_it_equals_a_prompt_rows(generated_exact: bool) -> None:
+    """A runner whose decode rows run other forms than its prompt rows (``generated_kv_exact``
+    False: the model runner's default on a CPU where the fastest decode form is not the prompt
+    rows' one) must not hand a generated token's KV to a later prompt that contains it: that prompt
+    would get other bits than computing it itself gives (issue 19). The slots are freed instead, and
+    the accounting holds after every step (``check_invariants``). The plan marks decode rows."""
+    from test_scheduler import EarlyEosRunner
+
+    from lockgate.config import EngineConfig
+    from lockgate.engine.core import EngineCore
+
+    cfg = EngineConfig.build(model="sim", max_total_tokens=10_000, sim_step_ms=0.0, sim_token_ms=0.0)
+    runner = EarlyEosRunner(cfg.model, cfg.cache, p=0.0, seed=0)
+    runner.generated_kv_exact = generated_exact  # type: ignore[attr-defined]
+    eng = EngineCore(cfg, runner=runner, check_invariants=True)
+    prompt = np.arange(3, 203)
+    a = eng.add_request(prompt, SamplingParams(max_tokens=20))
+    outs = run_all(eng)
+    free_after_first = eng.scheduler.ledger.num_free
+    b = eng.add_request(np.concatenate([prompt, outs[a.rid], [7, 8]]), SamplingParams(max_tokens=3))
+    run_all(eng)
+    assert b.cached_tokens == (200 + 19 if generated_exact else 200)  # the last sampled token never had KV
+    assert free_after_first == 10_000 - (219 if generated_exact else 200)
+    decode_plans = [p for p in runner.plans if p.num_decode_rows]  # type: ignore[attr-defined]
+    assert decode_plans and all(np.all(p.query_lens[:p.num_decode_rows] == 1) for p in decode_plans)

@@ -61,7 +61,8 @@ class EngineCore:
         self.runner = runner if runner is not None else make_runner(cfg.model, cfg.cache)
         self.scheduler = Scheduler(cfg.scheduler, capacity=self.runner.capacity,
                                    max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
-                                   eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed)
+                                   eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed,
+                                   cache_generated=getattr(self.runner, "generated_kv_exact", True))
         self.check = check_invariants
         # LoRA: name -> (number, what was loaded); numbers of unloaded adapters whose weights wait
         # for their last request

@@ -15,17 +15,35 @@ a row's result does not depend on what the other rows are for a given row count.
 ``F.linear`` with its weight (dequantized, the float32 source, ``weight``) up to accumulation
 order and the rounding the form documents.
 
+Prompt rows (``PromptForm``, issue 19): a step's rows are of two kinds, the decode rows of
+requests generating (first) and the prompt rows of prefill chunks (after them). Given
+``decode_rows``, a projection with a ``prompt`` form runs the prompt rows on that one form
+whatever their number, padded to its ``min_rows``: a form the tuning checked to be row-invariant
+(a row's bits never depend on how many rows share the call, at least ``min_rows`` rows), so a
+prompt token's result does not depend on the chunk it is prefilled in or on how much of its prompt
+came from the prefix cache. Decode rows keep the per-row-count choice (the fastest form).
+
 Called by ``lockgate.models.decoder`` (every projection and the LM head).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
 from lockgate.layers.forms import DenseWeight, Form
+
+
+@dataclass(frozen=True)
+class PromptForm:
+    """The form serving a projection's prompt rows and the fewest rows it is called with (smaller
+    calls are padded with zero rows: the form's rows agree bitwise from that many rows on)."""
+
+    name: str
+    min_rows: int = 1
 
 
 class Linear:
@@ -38,6 +56,7 @@ class Linear:
         self.bias = bias
         self.forms: dict[str, Form] = {"dense": DenseWeight(weight), **(forms or {})}
         self.choice = FormChoice.static(self.forms)
+        self.prompt: PromptForm | None = None  # the prompt rows' form (None: prompt rows go by count too)
         if choice is not None:
             self.choose(choice)
 
@@ -45,9 +64,15 @@ class Linear:
         """Take ``choice`` (forms this projection lacks become dense)."""
         self.choice = choice.restricted_to(self.forms)
 
+    def set_prompt_form(self, prompt: PromptForm | None) -> None:
+        """Serve prompt rows on ``prompt`` (a form this projection has), or by count (None)."""
+        if prompt is not None and prompt.name not in self.forms:
+            raise ValueError(f"prompt form {prompt.name!r} is not one of this projection's forms {sorted(self.forms)}")
+        self.prompt = prompt
+
     def drop_unchosen(self) -> None:
-        """Free the forms the choice never calls (dense stays: it is the weight itself)."""
-        keep = self.choice.names() | {"dense"}
+        """Free the forms the choice and the prompt form never call (dense stays: it is the weight itself)."""
+        keep = self.choice.names() | {"dense"} | ({self.prompt.name} if self.prompt else set())
         self.forms = {n: f for n, f in self.forms.items() if n in keep}
 
     def form_for(self, rows: int) -> Form:
@@ -58,7 +83,26 @@ class Linear:
         """This projection's quantized forms (for logs and tests)."""
         return [f for n, f in self.forms.items() if n in QUANTIZED_FORMS]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        y = self.form_for(rows)(x.reshape(-1, x.shape[-1]), self.bias)
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]. ``decode_rows``: the leading rows are decode rows and the rest
+        prompt rows (see the module docstring); None: every row goes by the call's row count."""
+        flat = x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0]
+        p = self.prompt
+        d = rows if decode_rows is None else min(decode_rows, rows)
+        if p is None or decode_rows is None:
+            y = self.form_for(rows)(flat, self.bias)
+        elif d == 0 or self.choice.pick(d) == p.name:
+            y = self._prompt_call(flat, p)  # one call: the form's rows do not depend on the others
+        elif d == rows:
+            y = self.form_for(rows)(flat, self.bias)
+        else:
+            y = torch.cat([self.form_for(d)(flat[:d], self.bias), self._prompt_call(flat[d:], p)])
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _prompt_call(self, x: torch.Tensor, p: PromptForm) -> torch.Tensor:
+        rows = x.shape[0]
+        form = self.forms[p.name]
+        if rows >= p.min_rows:
+            return form(x, self.bias)
+        return form(torch.cat([x, x.new_zeros(p.min_rows - rows, x.shape[1])]), self.bias)[:rows]

@@ -35,9 +35,10 @@ from lockgate import kernels
 from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
-from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
+from lockgate.kernel_choice import QUANTIZED_FORMS, UNBOUNDED, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
+from lockgate.layers.linear import PromptForm
 from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
 from lockgate.models.args import ModelArgs
 from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
@@ -120,6 +121,9 @@ class ModelRunner:
         self.prefill_kernel: bool = False
         # --deterministic: every token's attention is a decode-kernel row (AttentionMetadata.build)
         self.row_invariant: bool = model_cfg.deterministic
+        # --exact-prefill: each role's prompt-row form (checked row-invariant), or why there is none
+        self.prompt_forms: dict[str, PromptForm] = {}
+        self.exact_prefill_problem: str | None = "off (--no-exact-prefill)"
         self.tuned = self._choose_forms(model_cfg)
         if self.row_invariant:
             self._check_deterministic()
@@ -215,6 +219,18 @@ class ModelRunner:
             return None
         if cfg.fp32_matmul_rows not in ("auto", "off"):
             want = {role: names | {"fp32"} for role, names in want.items()}
+        if cfg.exact_prefill:  # the prompt rows' form: the one a stored check found, else every candidate
+            if cfg.matmul_forms != "auto":
+                choices = {role: FormChoice.parse(cfg.matmul_forms) for role in PROJECTION_ROLES}
+            elif self._stored_table is not None and cfg.tuning != "off":
+                choices = {role: FormChoice.parse(self._stored_table.get("choices", {}).get(role, "dense"))
+                           for role in PROJECTION_ROLES}
+            else:
+                choices = {role: FormChoice.static(("dense", *QUANTIZED_FORMS)) for role in PROJECTION_ROLES}
+            candidates = self._prompt_candidates(choices)
+            found = (tuning.peek(self._rows_key(candidates)) or {}).get("prompt_forms", {})
+            want = {role: names | ({found[role]["form"]} if found.get(role) else set(candidates[role]))
+                    for role, names in want.items()}
         return want
 
     def _key(self, kind: str, args: ModelArgs, dtype: str, weights: dict[str, Any] | None = None) -> tuning.TuningKey:
@@ -274,6 +290,8 @@ class ModelRunner:
             for lin in (lin for lins in roles.values() for lin in lins):
                 if "fp32" in lin.forms:
                     lin.choose(lin.choice.from_rows(rows, "fp32"))
+        if cfg.exact_prefill:
+            self._choose_prompt_forms(cfg)
         self.model.choose_forms({}, drop=True)  # free the forms no projection calls
         cpu = tuning.cpu_description()
         lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning.notable_flags(cpu['flags'])}, "
@@ -281,11 +299,74 @@ class ModelRunner:
         lines += [f"  {role:<8} {roles[role][0].choice.describe()}" for role in roles]
         lines.append(f"  decode attention: {'lockgate kernel' if self.decode_kernel else 'gathers + SDPA'}; "
                      f"prefill attention: {'lockgate kernel' if self.prefill_kernel or self.row_invariant else 'SDPA'}")
+        lines.append(f"  prompt rows: {self.describe_prompt_forms()}")
         log.info("\n".join(lines))
+        if self.exact_prefill_problem and cfg.exact_prefill:
+            log.warning("prefix-cache hits and prompt chunking may change results in the last bits on this "
+                        "machine: %s", self.exact_prefill_problem)
         return {**info, "choices": {role: str(lins[0].choice) for role, lins in roles.items()},
+                "prompt_forms": {role: dataclasses.asdict(p) for role, p in self.prompt_forms.items()},
+                "exact_prefill": self.describe_prompt_forms(),
                 "decode_attention": "kernel" if self.decode_kernel else "sdpa",
                 "prefill_attention": "kernel" if self.prefill_kernel else "sdpa", "source": source,
                 "int_gemm_isa": int_gemm_isa()}
+
+    # ---- prompt rows on row-invariant forms (--exact-prefill, issue 19) ----
+
+    @staticmethod
+    def _prompt_candidates(choices: dict[str, FormChoice]) -> dict[str, list[str]]:
+        """Per role the forms that may serve prompt rows, the most wanted first: the choice's form
+        at large row counts (the fastest there), then dense, then the integer GEMM."""
+        return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "dense", DETERMINISTIC_FORM]))
+                for role, c in choices.items()}
+
+    def _rows_key(self, candidates: dict[str, list[str]]) -> tuning.TuningKey:
+        return dataclasses.replace(self._forms_key, kind="rows", weights={
+            **self._forms_key.weights, "candidates": candidates, "max_rows": tuning.INVARIANCE_ROWS[-1]})
+
+    def _choose_prompt_forms(self, cfg: ModelConfig) -> None:
+        """Give every projection the form its prompt rows run on (``Linear.set_prompt_form``): per
+        role the first candidate whose rows do not depend on the call's size (checked once per
+        machine and model, cached), and put every token's attention on the kernel. All or nothing:
+        a role without such a form leaves prompt rows to the per-count choice, and says why."""
+        if not self.cpu_kernels:
+            self.exact_prefill_problem = f"it needs lockgate's CPU kernels ({kernels.error() or 'not loaded'})"
+            return
+        roles = self.model.projections()
+        candidates = self._prompt_candidates({role: lins[0].choice for role, lins in roles.items()})
+        data, _ = tuning.cached(self._rows_key(candidates), lambda: {
+            "prompt_forms": tuning.check_row_invariance(roles, self.dtype, candidates, tuning.INVARIANCE_ROWS[-1])},
+            refresh=cfg.tuning == "refresh")
+        found = data["prompt_forms"]
+        lacking = [role for role in roles if not found.get(role)]
+        if lacking:
+            self.exact_prefill_problem = (f"no form of {', '.join(lacking)} gives a row the same bits whatever the "
+                                          f"call's row count (tried {candidates[lacking[0]]})")
+            return
+        self.prompt_forms = {role: PromptForm(found[role]["form"], int(found[role]["min_rows"])) for role in roles}
+        for role, lins in roles.items():
+            for lin in lins:
+                lin.set_prompt_form(self.prompt_forms[role])
+        self.decode_kernel = self.prefill_kernel = True  # every token's attention: one kernel row over its keys
+        self.model.ops.forget()
+        a = self.model.args
+        self.exact_prefill_problem = ("its sliding-window, soft-capped or expert layers do not run on row-invariant "
+                                      "paths yet" if a.attn_softcap is not None or any(a.layer_windows)
+                                      or a.moe is not None else None)
+
+    def describe_prompt_forms(self) -> str:
+        if not self.prompt_forms:
+            return f"by row count, as decode rows ({self.exact_prefill_problem})"
+        text = ", ".join(f"{role} {p.name}" + (f" (>= {p.min_rows} rows)" if p.min_rows > 1 else "")
+                         for role, p in self.prompt_forms.items())
+        return text + ("" if self.exact_prefill_problem is None else f"; not exact: {self.exact_prefill_problem}")
+
+    @property
+    def generated_kv_exact(self) -> bool:
+        """Whether a generated token's KV is what computing it as a prompt row gives (the prefix
+        cache may then keep it): no prompt forms, or decode rows on the very same form everywhere."""
+        return all(lin.prompt is None or (lin.choice.names() == {lin.prompt.name} and lin.prompt.min_rows == 1)
+                   for lins in self.model.projections().values() for lin in lins)
 
     def _measured(self, refresh: bool) -> dict[str, Any]:
         """The table for ``_forms_key``: the one ``peek`` found before loading, else the cached or
@@ -342,7 +423,8 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
-                                meta, self.k_cache, self.v_cache, rows, lora)  # [S, V] f32 or None
+                                meta, self.k_cache, self.v_cache, rows, lora,
+                                plan.decode_rows if self.prompt_forms else None)  # [S, V] f32 or None
             if logits is None:
                 return ForwardResult(tokens=np.zeros(0, np.int64), logprobs=np.zeros(0, np.float32),
                                      top_ids=np.zeros((0, 0), np.int64), top_logprobs=np.zeros((0, 0), np.float32),

@@ -11,6 +11,9 @@ computed under other weights.
 * ``alloc`` slots for a step (evicting unlocked cache nodes, LRU, when the pool runs short) and
   ``free`` what a step gave back;
 * ``cache`` a request's computed KV into the tree (keeping its lock on the whole path, or letting go);
+  without ``cache_generated`` only the KV its prefill computed (``prefill_len`` tokens): the KV of
+  tokens it generated came from decode steps, whose matmul forms go by the batch's row count, and a
+  later prompt that contains them must get what computing them as prompt rows gives (issue 19);
 * ``release`` everything a request holds when it leaves the running set;
 * ``drop_tail`` the last positions a request computed (speculative guesses the model did not take).
 
@@ -36,8 +39,9 @@ _NO_SLOTS = np.zeros(0, I64)
 
 
 class SlotLedger:
-    def __init__(self, capacity: int, prefix_cache: bool) -> None:
+    def __init__(self, capacity: int, prefix_cache: bool, cache_generated: bool = True) -> None:
         self.capacity = capacity
+        self.cache_generated = cache_generated
         self.allocator = SlotAllocator(capacity)
         self.tree: RadixCache | None = RadixCache() if prefix_cache else None
 
@@ -72,13 +76,15 @@ class SlotLedger:
         assert self.tree is not None
         self.tree.unlock(node)
 
-    def cache(self, r: Request, keep_lock: bool) -> None:
-        """Insert ``r``'s computed KV into the tree. Its slots the tree already had (another request
-        cached the same tokens) are freed and replaced by the tree's. With ``keep_lock`` the request
-        keeps using (and locking) the whole cached path; otherwise it lets go of the tree entirely."""
+    def cache(self, r: Request, keep_lock: bool) -> int:
+        """Insert ``r``'s computed KV into the tree (its prefill's only, without ``cache_generated``)
+        and return how many leading tokens the tree now covers for it. Its slots the tree already
+        had (another request cached the same tokens) are freed and replaced by the tree's. With
+        ``keep_lock`` the request keeps using (and locking) the whole cached path; otherwise it lets
+        go of the tree entirely (its slots past the returned count are still its own)."""
         tree = self.tree
         assert tree is not None
-        n = r.num_computed
+        n = r.num_computed if self.cache_generated else min(r.num_computed, r.prefill_len)
         if n > r.tree_len:
             toks = r.token_at(0, n)
             mine = r.slots[:n].copy()
@@ -93,9 +99,11 @@ class SlotLedger:
                 if r.tree_node is not None:
                     tree.unlock(r.tree_node)
                 r.tree_node, r.tree_len = m.node, n
+        covered = max(n, r.tree_len)
         if not keep_lock and r.tree_node is not None:
             tree.unlock(r.tree_node)
             r.tree_node, r.tree_len = None, 0
+        return covered
 
     # ---- slots for a step and back -------------------------------------------------------
     def alloc(self, n: int) -> np.ndarray:
@@ -126,7 +134,9 @@ class SlotLedger:
             self.allocator.free(r.slots[r.num_computed:r.num_computed + r.pending].copy())
             r.pending = 0
         if self.tree is not None:
-            self.cache(r, keep_lock=False)
+            covered = self.cache(r, keep_lock=False)
+            if covered < r.num_computed:  # generated tokens' KV the tree does not take
+                self.allocator.free(r.slots[covered:r.num_computed].copy())
         elif r.num_computed:
             self.allocator.free(r.held_slots())
         r.num_computed, r.tree_len, r.tree_node = 0, 0, None

@@ -92,5 +92,5 @@ def build_step(decode: list[Request], drafts: list[list[int]], prefill: list[tup
                        sampling=build_sampling([rows[i] for i in sample_rows.tolist()],
                                                [g[:j] for g, s in zip(drafts, spans, strict=True) for j in range(s)]
                                                + [[] for _ in done]),
-                       lora_slots=lora if bool((lora >= 0).any()) else np.zeros(0, I64))
+                       lora_slots=lora if bool((lora >= 0).any()) else np.zeros(0, I64), num_decode_rows=n_dec)
     return ScheduledStep(plan, rows, sampled, sample_drafts, 0, int(q_lens[n_dec:].sum()), len(decode), n_dec)

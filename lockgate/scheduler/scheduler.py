@@ -115,13 +115,15 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, capacity: int, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...], seed: int = 0, cache_generated: bool = True) -> None:
+        """``cache_generated``: the prefix cache may keep the KV of generated tokens (False when the
+        runner computes decode rows on other forms than prompt rows: ``SlotLedger.cache``)."""
         self.cfg = cfg
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.ledger = SlotLedger(capacity, prefix_cache=not cfg.disable_prefix_cache)
+        self.ledger = SlotLedger(capacity, prefix_cache=not cfg.disable_prefix_cache, cache_generated=cache_generated)
         self.tree = self.ledger.tree  # read by the queue policies (lpm, dfs-weight)
         self.speculator = Speculator(cfg)
         self.admission = make_admission(cfg.admission, cfg.init_new_token_ratio, cfg.min_new_token_ratio,
