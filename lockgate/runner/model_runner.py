@@ -305,7 +305,7 @@ class ModelRunner:
             log.warning("prefix-cache hits and prompt chunking may change results in the last bits on this "
                         "machine: %s", self.exact_prefill_problem)
         return {**info, "choices": {role: str(lins[0].choice) for role, lins in roles.items()},
-                "prompt_forms": {role: dataclasses.asdict(p) for role, p in self.prompt_forms.items()},
+                "prompt_forms": {role: {"form": p.name, "min_rows": p.min_rows} for role, p in self.prompt_forms.items()},
                 "exact_prefill": self.describe_prompt_forms(),
                 "decode_attention": "kernel" if self.decode_kernel else "sdpa",
                 "prefill_attention": "kernel" if self.prefill_kernel else "sdpa", "source": source,

@@ -594,6 +594,8 @@ def report(tuned: dict[str, Any], dtype_info: dict[str, Any], dtype: str) -> str
     lines.append(f"prefill attention: {'lockgate kernel' if tuned.get('prefill_attention') == 'kernel' else 'SDPA'}"
                  + (f" (4 layers of fresh {' + '.join(map(str, PREFILL_ATTENTION_TOKENS))}-token prompts: {figures})"
                     if figures else ""))
+    if tuned.get("exact_prefill"):
+        lines.append(f"prompt rows (row-invariant forms, --exact-prefill): {tuned['exact_prefill']}")
     samples = tuned.get("samples") or {}
     if samples:
         choices = {role: FormChoice.parse(text) for role, text in tuned.get("choices", {}).items()}
