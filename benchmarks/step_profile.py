@@ -13,7 +13,7 @@ dispatch), plus the top ops.
 
 Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] [--quantization auto,none]
         [--fp32-matmul-rows auto,off] [--cpu-kernels auto,off] [--matmul-forms "auto;dense;int-gemm:64,dense"]
-        [--tuning auto,off] [--threads 2,1]
+        [--tuning auto,off] [--exact-prefill off,on] [--threads 2,1] [--mixed 256]
         [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
         [--shared-prefix 1024 --group-size 8 [--no-prefix-attention]]
 """
@@ -95,6 +95,18 @@ def prefill_plan(n: int, first_slot: int, vocab: int) -> ForwardPlan:
         sample_rows=np.zeros(1, I64), sampling=greedy(1))
 
 
+def mixed_plan(dec: ForwardPlan, pre: ForwardPlan) -> ForwardPlan:
+    """A decode step and a prefill chunk in one step (decode rows first, as the scheduler lays
+    them out); their slots must not overlap."""
+    b = dec.num_seqs
+    return ForwardPlan(
+        input_ids=np.concatenate([dec.input_ids, pre.input_ids]), positions=np.concatenate([dec.positions, pre.positions]),
+        out_slots=np.concatenate([dec.out_slots, pre.out_slots]), query_lens=np.concatenate([dec.query_lens, pre.query_lens]),
+        seq_lens=np.concatenate([dec.seq_lens, pre.seq_lens]), kv_slots=np.concatenate([dec.kv_slots, pre.kv_slots]),
+        kv_offsets=np.concatenate([dec.kv_offsets, dec.kv_offsets[-1] + pre.kv_offsets[1:]]),
+        sample_rows=np.concatenate([dec.sample_rows, b + pre.sample_rows]), sampling=greedy(b + 1), num_decode_rows=b)
+
+
 def bucket_of(name: str) -> str:
     for bucket, prefixes in BUCKETS:
         if name.startswith(prefixes):
@@ -136,6 +148,9 @@ def main() -> None:
                     "the measured table; a form, e.g. dense or int-gemm; or spans, e.g. int-gemm:64,dense)")
     ap.add_argument("--tuning", default="auto", help="comma list of --tuning settings (auto, off, refresh)")
     ap.add_argument("--deterministic", default="off", help="comma list of --deterministic settings (off,on)")
+    ap.add_argument("--exact-prefill", default="on", help="comma list of --exact-prefill settings (off,on)")
+    ap.add_argument("--mixed", type=int, default=0,
+                    help="add a case: the largest decode batch and a prefill chunk of this many tokens in one step")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding sequence")
@@ -156,15 +171,16 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     threads = [int(t) for t in args.threads.split(",")]
     seq = args.prompt_len + args.decoded + 1
-    capacity = max(batches) * seq + max(batches) + args.prefill + 8
-    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/forms-{m}/tuning-{t}" + ("/deterministic" if det == "on" else ""):
+    capacity = max(batches) * seq + max(batches) + args.prefill + args.mixed + 8
+    runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/forms-{m}/tuning-{t}" + ("/deterministic" if det == "on" else "")
+               + ("/inexact" if ex == "off" else ""):
                ModelRunner(ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k,
-                                       matmul_forms=m, tuning=t, deterministic=det == "on"),
+                                       matmul_forms=m, tuning=t, deterministic=det == "on", exact_prefill=ex == "on"),
                            CacheConfig(max_total_tokens=capacity))
                for d in args.dtypes.split(",") for q in args.quantization.split(",")
                for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")
                for m in args.matmul_forms.split(";") for t in args.tuning.split(",")
-               for det in args.deterministic.split(",")}
+               for det in args.deterministic.split(",") for ex in args.exact_prefill.split(",")}
     for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
         r.k_cache.normal_()
         r.v_cache.normal_()
@@ -174,6 +190,10 @@ def main() -> None:
                                      for b in batches}
     if args.prefill:
         cases[f"prefill_{args.prefill}"] = prefill_plan(args.prefill, capacity - args.prefill, vocab)
+    if args.mixed:
+        b = max(batches)
+        cases[f"mixed_b{b}+{args.mixed}"] = mixed_plan(
+            cases[f"decode_b{b}"], prefill_plan(args.mixed, capacity - args.prefill - args.mixed, vocab))
     variants = list(itertools.product(runners, threads))
 
     def steps_for(plan: ForwardPlan) -> int:

@@ -99,10 +99,11 @@ class ModelConfig:
     sim_step_ms: float = option(2.0, "sim model only: fixed cost of one step, milliseconds")
     sim_token_ms: float = option(0.05, "sim model only: cost per token in a step, milliseconds")
     deterministic: bool = option(False, "bitwise the same tokens and logprobs for a request whatever else is in "
-                                 "the batch, the prefix cache or the chunking: every projection on the integer GEMM "
-                                 "at every row count and every token's attention on the decode kernel (needs "
-                                 "lockgate's kernels and a 4/8-bit checkpoint such as the default model); costs "
-                                 "prefill speed, see docs/performance.md")
+                                 "the batch, the prefix cache, the chunking or speculation: every projection on one "
+                                 "form at every row count (of dense and the integer GEMM, the cheapest whose rows "
+                                 "the start-up check finds independent of the call's size) and every token's "
+                                 "attention on the kernel (needs lockgate's kernels); its cost is in "
+                                 "docs/performance.md")
     exact_prefill: bool = option(True, "prompt tokens on one matmul form per projection whose rows do not depend on "
                                  "how many share the call (checked at start) and on the attention kernel, so a "
                                  "prefix-cache hit or the chunk a prompt is prefilled in never changes a result; "
@@ -113,9 +114,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
-        if self.deterministic and self.matmul_forms not in ("auto", DETERMINISTIC_FORM):
-            raise ValueError(f"--deterministic runs every projection on {DETERMINISTIC_FORM} at every row count; "
-                             f"--matmul-forms {self.matmul_forms} contradicts it")
+        if self.deterministic and ("," in self.matmul_forms or ":" in self.matmul_forms):
+            raise ValueError(f"--deterministic runs every projection on one form at every row count; "
+                             f"--matmul-forms {self.matmul_forms} names row ranges (give auto or one form)")
+        if self.deterministic and self.fp32_matmul_rows not in ("auto", "off"):
+            raise ValueError(f"--deterministic runs every projection on one form at every row count; "
+                             f"--fp32-matmul-rows {self.fp32_matmul_rows} contradicts it")
         if self.deterministic and self.cpu_kernels == "off":
             raise ValueError("--deterministic needs lockgate's CPU kernels; --cpu-kernels off contradicts it")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -426,15 +426,20 @@ def test_prompt_rows_run_on_the_prompt_form_padded_to_its_floor() -> None:
     want = F.linear(x, w)
     # a one-token prompt chunk (a prefix-cache hit on all but its last token) is padded to 4 rows
     assert torch.equal(lin(x[:1], decode_rows=0), want[:1]) and form.calls == [4]
-    # 3 decode rows on their own form, 2 prompt rows on the prompt form (padded), one result
+    # 2 decode rows and 1 prompt row: one call on the prompt form, padded to its floor
     form.calls.clear()
-    assert torch.equal(lin(x[:5], decode_rows=3), want[:5]) and form.calls == [4]
-    # decode rows whose count picks the prompt form share its call
+    assert torch.equal(lin(x[:3], decode_rows=2), want[:3]) and form.calls == [4]
+    # 12 decode rows and 8 prompt rows: one call of 20
     form.calls.clear()
     assert torch.equal(lin(x, decode_rows=12), want) and form.calls == [20]
+    # decode rows alone keep their own form by count (int-gemm up to 8 rows) ...
+    form.calls.clear()
+    assert torch.equal(lin(x[:5], decode_rows=5), want[:5]) and form.calls == []
+    # ... and where that count picks the prompt form, it is padded like prompt rows
+    lin.choose(FormChoice.parse("int-gemm:1,dense"))
+    assert torch.equal(lin(x[:3], decode_rows=3), want[:3]) and form.calls == [4]
     # without decode_rows (plans built outside the scheduler) every row goes by count, as before:
     # here 2 rows on dense unpadded, which this form computes differently
-    lin.choose(FormChoice.parse("int-gemm:1,dense"))
     form.calls.clear()
     assert not torch.equal(lin(x[:2]), want[:2]) and form.calls == [2]
     assert torch.equal(lin(x[:2], decode_rows=0), want[:2]) and form.calls == [2, 4]

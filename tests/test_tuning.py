@@ -256,3 +256,15 @@ def test_tune_rejects_bad_input() -> None:
         r = subprocess.run([sys.executable, "-m", "lockgate.cli", "tune", *args], capture_output=True, text=True,
                            env=env, timeout=120)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_one_form_cost_sums_the_measured_points_and_bounds_pruned_ones() -> None:
+    """--deterministic picks one form per role by what serving every call on it costs: the sum of
+    its medians over the measured row counts, a pruned point counted at PRUNE_RATIO x the fastest."""
+    from lockgate.runner.tuning import PRUNE_RATIO, one_form_cost
+
+    samples = {"dense": {"1": [0.05, 0.05], "64": [0.2], "512": [1.0]},
+               "int-gemm": {"1": [0.02], "64": [0.3]}}  # pruned at 512 rows
+    assert one_form_cost(samples, "dense") == pytest.approx(1.25)
+    assert one_form_cost(samples, "int-gemm") == pytest.approx(0.02 + 0.3 + PRUNE_RATIO * 1.0)
+    assert one_form_cost(samples, "dense") < one_form_cost(samples, "int-gemm")

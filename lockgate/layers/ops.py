@@ -170,6 +170,8 @@ class KernelOps:
         for layer in layers:
             weights += [layer.attn_norm, layer.mlp_norm]
             for lin in layer.projections().values():
+                if lin.prompt is not None and lin.choice.pick(rows) == lin.prompt.name and rows < lin.prompt.min_rows:
+                    return ()  # the layer loop pads such calls (Linear), the operator would not
                 args = lin.form_for(rows).decode_layers_args()
                 if args is None or (args[0] >= 100 and dtype != torch.float32):
                     return ()

@@ -81,7 +81,8 @@ def read_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
         t0 = time.perf_counter()
-        if model_cfg.deterministic:  # one batch-invariant form for every call (checked after loading)
+        if model_cfg.deterministic and model_cfg.tuning == "off" and model_cfg.matmul_forms == "auto":
+            # one batch-invariant form for every call; nothing measured to choose by: the integer GEMM
             model_cfg = dataclasses.replace(model_cfg, matmul_forms=DETERMINISTIC_FORM)
         self.cfg = model_cfg
         if model_cfg.num_threads is not None:
@@ -194,12 +195,49 @@ class ModelRunner:
                              "attention, or its experts, do not run on batch-invariant paths")
         self.decode_kernel = True
         lacking = sorted(role for role, lins in self.model.projections().items()
-                         if any(lin.choice.names() != {DETERMINISTIC_FORM} for lin in lins))
+                         if any(lin.prompt is None or lin.choice.names() != {lin.prompt.name} for lin in lins))
         if lacking:
-            raise ValueError(f"--deterministic needs the {DETERMINISTIC_FORM} form on every projection (a 4- or 8-bit "
-                             f"GGUF checkpoint such as the default model, --quantization auto or int4, and "
-                             f"int_linear's vector path: {int_gemm_isa() or 'not built'}); these have none: "
-                             f"{', '.join(lacking)}")
+            raise ValueError(f"--deterministic needs, for every projection, one matmul form whose rows do not depend on "
+                             f"how many share the call; {', '.join(lacking)} have none on this machine (checked: "
+                             f"{self.cfg.matmul_forms if self.cfg.matmul_forms != 'auto' else 'dense and int-gemm'}; "
+                             f"int-gemm comes with a 4- or 8-bit GGUF checkpoint such as the default model, "
+                             f"--quantization auto or int4, and int_linear's vector path: {int_gemm_isa() or 'not built'})")
+
+    def _choose_deterministic(self, cfg: ModelConfig, info: dict[str, Any]) -> None:
+        """--deterministic: per role one form for every call, chosen per model, not per step: among
+        the candidates (dense and the integer GEMM, or the forced --matmul-forms) whose rows the
+        check finds independent of the call's size (``tuning.row_floors``, cached), the one that
+        costs least over the measured row counts (``tuning.one_form_cost``; the integer GEMM when
+        nothing was measured). Calls are padded to the form's floor (``PromptForm``)."""
+        roles = self.model.projections()
+        forced = cfg.matmul_forms != "auto"
+        candidates = sorted(FormChoice.parse(cfg.matmul_forms).names()) if forced else ["dense", DETERMINISTIC_FORM]
+        key = dataclasses.replace(self._forms_key, kind="floors", weights={
+            **self._forms_key.weights, "candidates": candidates, "max_rows": tuning.INVARIANCE_ROWS[-1]})
+        data, _ = tuning.cached(key, lambda: {"floors": tuning.row_floors(roles, self.dtype, candidates,
+                                                                          tuning.INVARIANCE_ROWS[-1])},
+                                refresh=cfg.tuning == "refresh")
+        samples = info.get("samples") or {}
+
+        def cost(role: str, form: str) -> tuple[int, float]:
+            measured = samples.get(role, {})
+            if form in measured:
+                return 0, tuning.one_form_cost(measured, form)
+            return 1, 0.0 if form == DETERMINISTIC_FORM else 1.0
+
+        self.prompt_forms = {}
+        for role, lins in roles.items():
+            ok = {f: fl for f, fl in data["floors"].get(role, {}).items() if fl is not None}
+            if not ok:
+                continue
+            best = min(ok, key=lambda f: cost(role, f))
+            self.prompt_forms[role] = PromptForm(best, int(ok[best]))
+            for lin in lins:
+                lin.choose(FormChoice.single(best))
+                if best in lin.forms:
+                    lin.set_prompt_form(self.prompt_forms[role])
+        self.model.ops.forget()
+        self.exact_prefill_problem = None
 
     def _wanted_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
         """Per role the forms worth building (dense is always built): those a forced
@@ -219,6 +257,8 @@ class ModelRunner:
             return None
         if cfg.fp32_matmul_rows not in ("auto", "off"):
             want = {role: names | {"fp32"} for role, names in want.items()}
+        if cfg.deterministic:  # the candidates of the one form per projection (_choose_deterministic)
+            return {role: names | {"dense", DETERMINISTIC_FORM} for role, names in want.items()}
         if cfg.exact_prefill:  # the prompt rows' form: the one a stored check found, else every candidate
             if cfg.matmul_forms != "auto":
                 choices = {role: FormChoice.parse(cfg.matmul_forms) for role in PROJECTION_ROLES}
@@ -285,12 +325,14 @@ class ModelRunner:
             self.prefill_kernel = self.decode_kernel and info.get("prefill_attention", "sdpa") == "kernel"
             source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
         self.model.choose_forms(choices)
-        if cfg.fp32_matmul_rows not in ("auto", "off"):
+        if cfg.deterministic:
+            self._choose_deterministic(cfg, info)
+        if cfg.fp32_matmul_rows not in ("auto", "off") and not cfg.deterministic:
             rows = int(cfg.fp32_matmul_rows)
             for lin in (lin for lins in roles.values() for lin in lins):
                 if "fp32" in lin.forms:
                     lin.choose(lin.choice.from_rows(rows, "fp32"))
-        if cfg.exact_prefill:
+        if cfg.exact_prefill and not cfg.deterministic:
             self._choose_prompt_forms(cfg)
         self.model.choose_forms({}, drop=True)  # free the forms no projection calls
         cpu = tuning.cpu_description()
@@ -364,8 +406,9 @@ class ModelRunner:
     @property
     def generated_kv_exact(self) -> bool:
         """Whether a generated token's KV is what computing it as a prompt row gives (the prefix
-        cache may then keep it): no prompt forms, or decode rows on the very same form everywhere."""
-        return all(lin.prompt is None or (lin.choice.names() == {lin.prompt.name} and lin.prompt.min_rows == 1)
+        cache may then keep it): no prompt forms, or decode rows on the very same form everywhere
+        (padded alike: ``Linear`` pads any call on the prompt form, the one-call operator refuses)."""
+        return all(lin.prompt is None or lin.choice.names() == {lin.prompt.name}
                    for lins in self.model.projections().values() for lin in lins)
 
     def _measured(self, refresh: bool) -> dict[str, Any]:

@@ -399,6 +399,34 @@ def check_row_invariance(projections: dict[str, list[Any]], dtype: torch.dtype, 
     return out
 
 
+def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates: list[str],
+               max_rows: int) -> dict[str, dict[str, int | None]]:
+    """Per role, every candidate form the role's projections have -> its ``min_rows_for`` floor
+    (None: its rows depend on the call's size whatever the floor)."""
+    out: dict[str, dict[str, int | None]] = {}
+    for role, lins in projections.items():
+        lin = lins[0]
+        limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
+        out[role] = {name: min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit)
+                     for name in candidates if name in lin.forms}
+    return out
+
+
+def one_form_cost(samples: dict[str, dict[str, list[float]]], form: str) -> float:
+    """What serving every call of a role on ``form`` alone costs, from one role's measured samples
+    (form -> rows -> times): the sum over the measured row counts of its median milliseconds, a
+    point where it was pruned as hopeless counted at ``PRUNE_RATIO`` x the fastest there (a lower
+    bound). Equal weight per point, so the large row counts that carry a busy server's work weigh
+    most, as they do in its throughput."""
+    points = sorted({int(p) for by_p in samples.values() for p in by_p})
+    total = 0.0
+    for p in points:
+        at = {f: statistics.median(by_p[str(p)]) for f, by_p in samples.items() if by_p.get(str(p))}
+        mine = at.get(form)
+        total += mine if mine is not None else PRUNE_RATIO * min(at.values())
+    return total
+
+
 def _synthetic_grid(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     """A [N, K] float32 weight on a 4-bit grid of 32 columns (what a Q4 checkpoint holds)."""
     w = torch.randn(n, k, generator=g) * 0.02
