@@ -228,3 +228,13 @@ def test_through_the_gateway_any_replica_gives_the_same_answer() -> None:
         assert len(replicas) == 2 and all(a == answers[0] for a in answers)
     finally:
         assert s.stop() == 0
+
+
+@pytest.mark.parametrize(("flags", "says"), [({"matmul_forms": "int-gemm:4,dense"}, "names row ranges"),
+                                             ({"fp32_matmul_rows": "64"}, "--fp32-matmul-rows 64"),
+                                             ({"cpu_kernels": "off"}, "needs lockgate's CPU kernels")])
+def test_deterministic_refuses_flags_that_contradict_it(flags, says) -> None:
+    from lockgate.config import ModelConfig
+
+    with pytest.raises(ValueError, match=says):
+        ModelConfig(model="default", deterministic=True, **flags)
