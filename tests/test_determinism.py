@@ -79,6 +79,19 @@ def test_any_batch_cache_state_and_chunking_gives_the_lone_answer(alone, busy, w
         assert answer(out) == alone(p, k, n), (PROMPTS[p], k, n)
 
 
+def test_a_seeded_request_among_127_others_gives_the_lone_answer(alone) -> None:
+    """The issue's scale: 128 requests whose prompts (under 16 tokens each) all fit one step's
+    prefill budget, so the first step prefills all 128 and the next ones decode all of them; the
+    seeded request and a greedy one in the middle of the batch still get their lone answers."""
+    llm = LLM("default", deterministic=True, max_total_tokens=8192, max_prefill_tokens=2048, check_invariants=True)
+    others = [(i % len(PROMPTS), i % 4, 3) for i in range(126)]
+    batch = others[:63] + [(5, 1, 6), (2, 0, 6)] + others[63:]
+    outs = llm.generate([PROMPTS[p] for p, _, _ in batch], [params(k, n) for _, k, n in batch])
+    for i in (63, 64):
+        p, k, n = batch[i]
+        assert answer(outs[i]) == alone(p, k, n), (PROMPTS[p], k, n)
+
+
 def test_without_the_flag_the_comparison_does_fail(alone) -> None:
     """The property is not vacuous: the default engine (decode rows on forms by row count, prompt
     rows on the fastest row-invariant form) gives some request of the same kind of batch different
