@@ -43,11 +43,8 @@ def answer(out) -> tuple:  # type: ignore[no-untyped-def]
     return tuple(o.token_ids), repr(o.logprobs)  # repr: floats compared bit for bit, NaN-safe
 
 
-@pytest.fixture(scope="module")
-def alone():
-    """One request at a time: no prefix cache, no speculation, whole prompts in one step."""
-    llm = LLM("default", deterministic=True, max_total_tokens=8192, disable_prefix_cache=True, speculative_tokens=0,
-              max_prefill_tokens=4096, check_invariants=True)
+def lone_answers(llm: LLM):  # type: ignore[no-untyped-def]
+    """(prompt, kind, max_tokens) -> ``answer`` of that request run alone on ``llm``, memoized."""
     memo: dict[tuple[int, int, int], tuple] = {}
 
     def get(prompt: int, kind: int, max_tokens: int) -> tuple:
@@ -57,6 +54,13 @@ def alone():
         return memo[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """One request at a time: no prefix cache, no speculation, whole prompts in one step."""
+    return lone_answers(LLM("default", deterministic=True, max_total_tokens=8192, disable_prefix_cache=True,
+                            speculative_tokens=0, max_prefill_tokens=4096, check_invariants=True))
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +124,7 @@ def test_preempted_and_resumed_requests_give_the_lone_answer(alone) -> None:
 @pytest.fixture(scope="module")
 def alone_default():
     """The default engine, one request at a time, without prefix cache, whole prompts in one step."""
-    llm = LLM("default", max_total_tokens=8192, disable_prefix_cache=True, max_prefill_tokens=4096)
-    memo: dict[tuple[int, int, int], tuple] = {}
-
-    def get(prompt: int, kind: int, max_tokens: int) -> tuple:
-        key = (prompt, kind, max_tokens)
-        if key not in memo:
-            memo[key] = answer(llm.generate([PROMPTS[prompt]], params(kind, max_tokens))[0])
-        return memo[key]
-
-    return get
+    return lone_answers(LLM("default", max_total_tokens=8192, disable_prefix_cache=True, max_prefill_tokens=4096))
 
 
 @pytest.fixture(scope="module")

@@ -425,30 +425,30 @@ def test_prompt_rows_run_on_the_prompt_form_padded_to_its_floor() -> None:
     x = torch.randint(-4, 5, (20, 64)).float()
     want = F.linear(x, w)
     # a one-token prompt chunk (a prefix-cache hit on all but its last token) is padded to 4 rows
-    assert torch.equal(lin(x[:1], decode_rows=0), want[:1]) and form.calls == [4]
+    assert torch.equal(lin(x[:1], prompt_rows=True), want[:1]) and form.calls == [4]
     # 2 decode rows and 1 prompt row: one call on the prompt form, padded to its floor
     form.calls.clear()
-    assert torch.equal(lin(x[:3], decode_rows=2), want[:3]) and form.calls == [4]
+    assert torch.equal(lin(x[:3], prompt_rows=True), want[:3]) and form.calls == [4]
     # 12 decode rows and 8 prompt rows: one call of 20
     form.calls.clear()
-    assert torch.equal(lin(x, decode_rows=12), want) and form.calls == [20]
+    assert torch.equal(lin(x, prompt_rows=True), want) and form.calls == [20]
     # decode rows alone keep their own form by count (int-gemm up to 8 rows) ...
     form.calls.clear()
-    assert torch.equal(lin(x[:5], decode_rows=5), want[:5]) and form.calls == []
+    assert torch.equal(lin(x[:5]), want[:5]) and form.calls == []
     # ... and where that count picks the prompt form, it is padded like prompt rows
     lin.choose(FormChoice.parse("int-gemm:1,dense"))
-    assert torch.equal(lin(x[:3], decode_rows=3), want[:3]) and form.calls == [4]
-    # without decode_rows (plans built outside the scheduler) every row goes by count, as before:
-    # here 2 rows on dense unpadded, which this form computes differently
+    assert torch.equal(lin(x[:3]), want[:3]) and form.calls == [4]
+    # without a prompt form every call goes by count, unpadded: here 2 rows on dense, which this
+    # form computes differently
+    lin.set_prompt_form(None)
     form.calls.clear()
-    assert not torch.equal(lin(x[:2]), want[:2]) and form.calls == [2]
-    assert torch.equal(lin(x[:2], decode_rows=0), want[:2]) and form.calls == [2, 4]
+    assert not torch.equal(lin(x[:2], prompt_rows=True), want[:2]) and form.calls == [2]
     with pytest.raises(ValueError, match="not one of this projection's forms"):
         lin.set_prompt_form(PromptForm("torch-int4"))
 
 
 def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
-    from lockgate.runner.tuning import check_row_invariance, min_rows_for
+    from lockgate.runner.row_invariance import cheapest_invariant, first_invariant, min_rows_for, row_floors
 
     torch.manual_seed(0)
     w = torch.randint(-4, 5, (32, 64)).float()
@@ -466,16 +466,27 @@ def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
     good, bad = Linear(w), Linear(w)
     good.forms["int-gemm"] = _CountedForm(w, 2)
     bad.forms["dense"] = Erratic(w, 1)
-    found = check_row_invariance({"o": [good], "down": [bad]}, torch.float32,
-                                 {"o": ["int-gemm"], "down": ["dense", "int-gemm"]}, 64)
-    assert found == {"o": {"form": "int-gemm", "min_rows": 2}, "down": None}  # down has no int-gemm form
+    floors = row_floors({"o": [good], "down": [bad]}, torch.float32,
+                        {"o": ["dense", "int-gemm"], "down": ["dense", "int-gemm"]}, 64)
+    assert floors["down"] == {"dense": None}  # down has no int-gemm form; its dense is erratic
+    assert floors["o"]["int-gemm"] == 2
+    # --exact-prefill takes the first invariant candidate, --deterministic the cheapest measured one
+    from lockgate.layers.linear import PromptForm
+
+    o = {"dense": 1, "int-gemm": 2}
+    assert first_invariant(o, ["int-gemm", "dense"]) == PromptForm("int-gemm", 2)
+    assert first_invariant(floors["down"], ["dense", "int-gemm"]) is None
+    samples = {"dense": {"1": [0.05], "512": [1.0]}, "int-gemm": {"1": [0.02], "512": [3.0]}}
+    assert cheapest_invariant(o, samples) == PromptForm("dense", 1)
+    assert cheapest_invariant({"dense": None, "int-gemm": 2}, samples) == PromptForm("int-gemm", 2)
+    assert cheapest_invariant(o, {}) == PromptForm("int-gemm", 2)  # nothing measured: the integer GEMM
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int_gemm_rows_never_depend_on_the_call_size(kernels_loaded, dtype: torch.dtype) -> None:
     """The integer GEMM is the fallback prompt form where dense is not row-invariant: the check
     must accept it at floor 1 on every CPU its vector path runs on."""
-    from lockgate.runner.tuning import min_rows_for
+    from lockgate.runner.row_invariance import min_rows_for
 
     if not int_gemm_available():
         pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")

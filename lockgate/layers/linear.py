@@ -16,9 +16,9 @@ a row's result does not depend on what the other rows are for a given row count.
 order and the rounding the form documents.
 
 Prompt rows (``PromptForm``, issue 19): a step's rows are of two kinds, the decode rows of
-requests generating (first) and the prompt rows of prefill chunks (after them). Given
-``decode_rows``, a projection with a ``prompt`` form runs the prompt rows on that one form
-whatever their number, padded to its ``min_rows``: a form the tuning checked to be row-invariant
+requests generating and the prompt rows of prefill chunks. A call told it has prompt rows runs
+them, on a projection with a ``prompt`` form, on that one form whatever their number, padded to
+its ``min_rows``: a form the tuning checked to be row-invariant
 (a row's bits never depend on how many rows share the call, at least ``min_rows`` rows), so a
 prompt token's result does not depend on the chunk it is prefilled in or on how much of its prompt
 came from the prefix cache. A call with prompt rows runs its decode rows in the same call (a
@@ -86,16 +86,16 @@ class Linear:
         """This projection's quantized forms (for logs and tests)."""
         return [f for n, f in self.forms.items() if n in QUANTIZED_FORMS]
 
-    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
-        """x [..., K] -> [..., N]. ``decode_rows``: the leading rows are decode rows and the rest
-        prompt rows (see the module docstring); None: every row goes by the call's row count."""
+    def __call__(self, x: torch.Tensor, prompt_rows: bool = False) -> torch.Tensor:
+        """x [..., K] -> [..., N]. ``prompt_rows``: some rows are prompt rows (see the module
+        docstring): the whole call runs on the prompt form; else the form by row count (padded
+        when that is the prompt form)."""
         flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
         p = self.prompt
-        if p is None or decode_rows is None or (decode_rows >= rows and self.choice.pick(rows) != p.name):
-            y = self.form_for(rows)(flat, self.bias)
-        else:  # one call: the form's rows do not depend on the others, decode rows ride along
-            y = self._prompt_call(flat, p)
+        if p is not None and (prompt_rows or self.choice.pick(flat.shape[0]) == p.name):
+            y = self._prompt_call(flat, p)  # its rows do not depend on the others; decode rows ride along
+        else:
+            y = self.form_for(flat.shape[0])(flat, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _prompt_call(self, x: torch.Tensor, p: PromptForm) -> torch.Tensor:

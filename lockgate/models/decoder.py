@@ -235,8 +235,8 @@ class DecoderModel(nn.Module):
         """input_ids/positions [T] i64, k_cache/v_cache [layers, capacity, Hkv, D],
         logits_rows [S] i64 (rows of T, ascending) -> logits [S, V] f32, or None when logits_rows is None.
         ``lora``: the step's adapters (rows' low-rank updates of every projection), None for none.
-        ``decode_rows``: the first rows are decode rows, the rest prompt rows, which every
-        projection runs on its prompt form (``Linear``); None: every row by the call's row count.
+        ``decode_rows``: the first rows are decode rows, the rest prompt rows; a step with prompt
+        rows runs every projection on its prompt form (``Linear``); None: none are prompt rows.
         """
         a = self.args
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
@@ -244,19 +244,19 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)  # Gemma: the normaliser rounded to the run dtype
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
         layers = typing.cast(list[DecoderLayer], self.layers)
-        prompt_rows = decode_rows is not None and decode_rows < x.shape[0]
+        prompt_rows = decode_rows is not None and decode_rows < x.shape[0]  # the step has prompt rows
         whole = None if lora is not None or not a.plain or prompt_rows else self.ops.whole_step(
             x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads, a.rms_norm_eps, self.scale)
         if whole is not None:
             x = whole
         else:
             local = None if self.local_rope is None else self.local_rope.cos_sin(positions, x.dtype)
-            x = self._layers(x, (cos, sin), local, meta, k_cache, v_cache, lora, decode_rows)
+            x = self._layers(x, (cos, sin), local, meta, k_cache, v_cache, lora, prompt_rows)
         if logits_rows is None:
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
-        head_decode = None if decode_rows is None else int((logits_rows < decode_rows).sum())
-        logits = self.head(x, head_decode).float()  # [S, V]
+        sampled_prompt = decode_rows is not None and int(logits_rows[-1]) >= decode_rows  # ascending; decode rows first
+        logits = self.head(x, sampled_prompt).float()  # [S, V]
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
@@ -264,13 +264,13 @@ class DecoderModel(nn.Module):
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 local_rope: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, lora: LoraStep | None = None,
-                decode_rows: int | None = None) -> torch.Tensor:
+                prompt_rows: bool = False) -> torch.Tensor:
         """The decoder layers on ``self.ops`` (torch, or lockgate's fused kernels): x [T, hidden] ->
         [T, hidden], the residual stream, updated in place. Each layer's MLP output is added at the
         start of the next (``add_norm``), where the kernel backend fuses the add into the norm.
         ``rope``: (cos, sin) [T, 1, D]; ``local_rope``: the sliding layers' own (Gemma 3), else None.
         ``lora``: each projection's output gets its rows' adapter updates (``LoraStep.add``).
-        ``decode_rows``: as in ``forward``."""
+        ``prompt_rows``: the step has prompt rows (every projection's call then runs on its prompt form)."""
         a, ops = self.args, self.ops
         t = x.shape[0]
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
@@ -279,7 +279,7 @@ class DecoderModel(nn.Module):
         pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added to x
 
         def project(lin: Linear, inp: torch.Tensor, i: int, role: str) -> torch.Tensor:
-            out = lin(inp, decode_rows)
+            out = lin(inp, prompt_rows)
             return out if lora is None else lora.add(out, inp, i, role)
 
         for i, layer in enumerate(typing.cast(list[DecoderLayer], self.layers)):

@@ -35,7 +35,7 @@ from lockgate import kernels
 from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
-from lockgate.kernel_choice import QUANTIZED_FORMS, UNBOUNDED, FormChoice
+from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
 from lockgate.layers.linear import PromptForm
@@ -45,7 +45,7 @@ from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
 from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
-from lockgate.runner import tuning
+from lockgate.runner import row_invariance, tuning
 from lockgate.runner.sampler import sample
 
 log = logging.getLogger("lockgate.runner")
@@ -203,74 +203,32 @@ class ModelRunner:
                              f"int-gemm comes with a 4- or 8-bit GGUF checkpoint such as the default model, "
                              f"--quantization auto or int4, and int_linear's vector path: {int_gemm_isa() or 'not built'})")
 
-    def _choose_deterministic(self, cfg: ModelConfig, info: dict[str, Any]) -> None:
-        """--deterministic: per role one form for every call, chosen per model, not per step: among
-        the candidates (dense and the integer GEMM, or the forced --matmul-forms) whose rows the
-        check finds independent of the call's size (``tuning.row_floors``, cached), the one that
-        costs least over the measured row counts (``tuning.one_form_cost``; the integer GEMM when
-        nothing was measured). Calls are padded to the form's floor (``PromptForm``)."""
-        roles = self.model.projections()
-        forced = cfg.matmul_forms != "auto"
-        candidates = sorted(FormChoice.parse(cfg.matmul_forms).names()) if forced else ["dense", DETERMINISTIC_FORM]
-        key = dataclasses.replace(self._forms_key, kind="floors", weights={
-            **self._forms_key.weights, "candidates": candidates, "max_rows": tuning.INVARIANCE_ROWS[-1]})
-        data, _ = tuning.cached(key, lambda: {"floors": tuning.row_floors(roles, self.dtype, candidates,
-                                                                          tuning.INVARIANCE_ROWS[-1])},
-                                refresh=cfg.tuning == "refresh")
-        samples = info.get("samples") or {}
-
-        def cost(role: str, form: str) -> tuple[int, float]:
-            measured = samples.get(role, {})
-            if form in measured:
-                return 0, tuning.one_form_cost(measured, form)
-            return 1, 0.0 if form == DETERMINISTIC_FORM else 1.0
-
-        self.prompt_forms = {}
-        for role, lins in roles.items():
-            ok = {f: fl for f, fl in data["floors"].get(role, {}).items() if fl is not None}
-            if not ok:
-                continue
-            best = min(ok, key=lambda f: cost(role, f))
-            self.prompt_forms[role] = PromptForm(best, int(ok[best]))
-            for lin in lins:
-                lin.choose(FormChoice.single(best))
-                if best in lin.forms:
-                    lin.set_prompt_form(self.prompt_forms[role])
-        self.model.ops.forget()
-        self.exact_prefill_problem = None
-
     def _wanted_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
         """Per role the forms worth building (dense is always built): those a forced
         ``--matmul-forms`` names, those a stored table calls (``peek`` before loading), the
         quantized ones for the static rule (``--tuning off``), plus ``fp32`` under
-        ``--fp32-matmul-rows N``; None (every form a projection can have) when the table is
+        ``--fp32-matmul-rows N``, plus the row-invariant ones a stored check found (all candidates
+        while unchecked); None (every form a projection can have) when the table is
         still to be measured."""
         if cfg.matmul_forms != "auto":
-            names = FormChoice.parse(cfg.matmul_forms).names()
-            want = {role: set(names) for role in PROJECTION_ROLES}
+            choices = {role: FormChoice.parse(cfg.matmul_forms) for role in PROJECTION_ROLES}
+            want = {role: c.names() for role, c in choices.items()}
         elif cfg.tuning == "off":
+            choices = {role: FormChoice.static(("dense", *QUANTIZED_FORMS)) for role in PROJECTION_ROLES}
             want = {role: set(QUANTIZED_FORMS) for role in PROJECTION_ROLES}
         elif self._stored_table is not None:
-            choices = self._stored_table.get("choices", {})
-            want = {role: FormChoice.parse(choices.get(role, "dense")).names() for role in PROJECTION_ROLES}
+            stored = self._stored_table.get("choices", {})
+            choices = {role: FormChoice.parse(stored.get(role, "dense")) for role in PROJECTION_ROLES}
+            want = {role: c.names() for role, c in choices.items()}
         else:
             return None
         if cfg.fp32_matmul_rows not in ("auto", "off"):
             want = {role: names | {"fp32"} for role, names in want.items()}
-        if cfg.deterministic:  # the candidates of the one form per projection (_choose_deterministic)
-            return {role: names | {"dense", DETERMINISTIC_FORM} for role, names in want.items()}
-        if cfg.exact_prefill:  # the prompt rows' form: the one a stored check found, else every candidate
-            if cfg.matmul_forms != "auto":
-                choices = {role: FormChoice.parse(cfg.matmul_forms) for role in PROJECTION_ROLES}
-            elif self._stored_table is not None and cfg.tuning != "off":
-                choices = {role: FormChoice.parse(self._stored_table.get("choices", {}).get(role, "dense"))
-                           for role in PROJECTION_ROLES}
-            else:
-                choices = {role: FormChoice.static(("dense", *QUANTIZED_FORMS)) for role in PROJECTION_ROLES}
-            candidates = self._prompt_candidates(choices)
-            found = (tuning.peek(self._rows_key(candidates)) or {}).get("prompt_forms", {})
-            want = {role: names | ({found[role]["form"]} if found.get(role) else set(candidates[role]))
-                    for role, names in want.items()}
+        if cfg.exact_prefill or cfg.deterministic:  # the forms the row check found (or may find) invariant
+            candidates = self._candidates(cfg, choices)
+            floors = (tuning.peek(self._rows_key(candidates)) or {}).get("floors", {})
+            want = {role: names | ({f for f, fl in floors[role].items() if fl is not None} if role in floors
+                                   else set(candidates[role])) for role, names in want.items()}
         return want
 
     def _key(self, kind: str, args: ModelArgs, dtype: str, weights: dict[str, Any] | None = None) -> tuning.TuningKey:
@@ -325,15 +283,13 @@ class ModelRunner:
             self.prefill_kernel = self.decode_kernel and info.get("prefill_attention", "sdpa") == "kernel"
             source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
         self.model.choose_forms(choices)
-        if cfg.deterministic:
-            self._choose_deterministic(cfg, info)
-        if cfg.fp32_matmul_rows not in ("auto", "off") and not cfg.deterministic:
+        if cfg.fp32_matmul_rows not in ("auto", "off"):  # (--deterministic refuses it: ModelConfig)
             rows = int(cfg.fp32_matmul_rows)
             for lin in (lin for lins in roles.values() for lin in lins):
                 if "fp32" in lin.forms:
                     lin.choose(lin.choice.from_rows(rows, "fp32"))
-        if cfg.exact_prefill and not cfg.deterministic:
-            self._choose_prompt_forms(cfg)
+        if cfg.exact_prefill or cfg.deterministic:
+            self._choose_row_forms(cfg, info)
         self.model.choose_forms({}, drop=True)  # free the forms no projection calls
         cpu = tuning.cpu_description()
         lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning.notable_flags(cpu['flags'])}, "
@@ -353,42 +309,48 @@ class ModelRunner:
                 "prefill_attention": "kernel" if self.prefill_kernel else "sdpa", "source": source,
                 "int_gemm_isa": int_gemm_isa()}
 
-    # ---- prompt rows on row-invariant forms (--exact-prefill, issue 19) ----
-
-    @staticmethod
-    def _prompt_candidates(choices: dict[str, FormChoice]) -> dict[str, list[str]]:
-        """Per role the forms that may serve prompt rows, the most wanted first: the choice's form
-        at large row counts (the fastest there), then dense, then the integer GEMM."""
-        return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "dense", DETERMINISTIC_FORM]))
-                for role, c in choices.items()}
+    # ---- row-invariant forms (--exact-prefill, --deterministic; issue 19) ----
 
     def _rows_key(self, candidates: dict[str, list[str]]) -> tuning.TuningKey:
         return dataclasses.replace(self._forms_key, kind="rows", weights={
-            **self._forms_key.weights, "candidates": candidates, "max_rows": tuning.INVARIANCE_ROWS[-1]})
+            **self._forms_key.weights, "candidates": candidates, "max_rows": row_invariance.INVARIANCE_ROWS[-1]})
 
-    def _choose_prompt_forms(self, cfg: ModelConfig) -> None:
-        """Give every projection the form its prompt rows run on (``Linear.set_prompt_form``): per
-        role the first candidate whose rows do not depend on the call's size (checked once per
-        machine and model, cached), and put every token's attention on the kernel. All or nothing:
-        a role without such a form leaves prompt rows to the per-count choice, and says why."""
+    def _candidates(self, cfg: ModelConfig, choices: dict[str, FormChoice]) -> dict[str, list[str]]:
+        """The forms checked per role: a forced --matmul-forms under --deterministic, else
+        ``row_invariance.candidates_for`` the table's choices."""
+        if cfg.deterministic and cfg.matmul_forms != "auto":
+            return {role: sorted(FormChoice.parse(cfg.matmul_forms).names()) for role in choices}
+        return row_invariance.candidates_for(choices)
+
+    def _choose_row_forms(self, cfg: ModelConfig, info: dict[str, Any]) -> None:
+        """Give every projection its ``PromptForm`` from the cached row-invariance check: with
+        --deterministic the cheapest invariant form, which then serves every call; else (exact
+        prefill) the first invariant candidate, for prompt rows. Every token's attention goes to the
+        kernel. All or nothing: a role without an invariant form leaves every projection as it was
+        and ``exact_prefill_problem`` says why (--deterministic then refuses to start)."""
         if not self.cpu_kernels:
             self.exact_prefill_problem = f"it needs lockgate's CPU kernels ({kernels.error() or 'not loaded'})"
             return
         roles = self.model.projections()
-        candidates = self._prompt_candidates({role: lins[0].choice for role, lins in roles.items()})
+        candidates = self._candidates(cfg, {role: lins[0].choice for role, lins in roles.items()})
         data, _ = tuning.cached(self._rows_key(candidates), lambda: {
-            "prompt_forms": tuning.check_row_invariance(roles, self.dtype, candidates, tuning.INVARIANCE_ROWS[-1])},
-            refresh=cfg.tuning == "refresh")
-        found = data["prompt_forms"]
-        lacking = [role for role in roles if not found.get(role)]
+            "floors": row_invariance.row_floors(roles, self.dtype, candidates)}, refresh=cfg.tuning == "refresh")
+        samples = info.get("samples") or {}
+        picks = {role: row_invariance.cheapest_invariant(data["floors"].get(role, {}), samples.get(role, {}))
+                 if cfg.deterministic else row_invariance.first_invariant(data["floors"].get(role, {}), candidates[role])
+                 for role in roles}
+        lacking = [role for role, pick in picks.items() if pick is None]
         if lacking:
             self.exact_prefill_problem = (f"no form of {', '.join(lacking)} gives a row the same bits whatever the "
-                                          f"call's row count (tried {candidates[lacking[0]]})")
+                                          f"call's row count (checked {', '.join(candidates[lacking[0]])})")
             return
-        self.prompt_forms = {role: PromptForm(found[role]["form"], int(found[role]["min_rows"])) for role in roles}
+        self.prompt_forms = {role: pick for role, pick in picks.items() if pick is not None}  # (all of them)
         for role, lins in roles.items():
             for lin in lins:
-                lin.set_prompt_form(self.prompt_forms[role])
+                if cfg.deterministic:
+                    lin.choose(FormChoice.single(self.prompt_forms[role].name))
+                if self.prompt_forms[role].name in lin.forms:
+                    lin.set_prompt_form(self.prompt_forms[role])
         self.decode_kernel = self.prefill_kernel = True  # every token's attention: one kernel row over its keys
         self.model.ops.forget()
         a = self.model.args

@@ -35,15 +35,8 @@ unless SDPA (causal, flash) is at least ``PREFILL_ATTENTION_MARGIN`` faster on f
 256 and 1,024 tokens (4 layers timed; on the Zen 5 class CPU the kernel took 0.61 vs 1.1 ms per
 layer at 256 tokens, 8.1 vs 10.6 at 1,024).
 
-Prompt rows (``check_row_invariance``, issue 19): besides speed, a form has a property that decides
-whether a prompt token's result can depend on its chunk: whether a row's bits depend on how many
-rows share the call (MKL's sgemm on the Zen 5 class CPU rounds calls of 1, 2, 3, 5, 7 or 9 rows
-differently from larger ones; oneDNN's bf16 kernel a 1-row call of a 1,536-column weight). It is
-checked, not assumed: per role, the candidate forms (the table's choice at large row counts, then
-dense, then the integer GEMM) in order, each called on the same random rows in calls of many sizes
-(1..1,024, every row compared with ``==`` against the largest call, from both ends), and calls
-below a floor ``min_rows`` padded with zero rows to it; the first form that agrees everywhere
-from the lowest floor serves every prompt row. Cached like the rest (kind "rows").
+Whether a form's rows depend on the call's size is checked in ``lockgate.runner.row_invariance``
+(cached here too, kind "rows"); ``one_form_cost`` prices serving a role on one form for it.
 
 Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``;
 ``$LOCKGATE_TUNING_DIR`` moves the tuning files alone), the hash
@@ -96,10 +89,6 @@ ATTENTION_MARGIN = 0.25
 PREFILL_ATTENTION_MARGIN = 0.10
 PREFILL_ATTENTION_TOKENS = (256, 1024)  # fresh prompts timed for the prefill attention choice
 ROLES = ("qkv", "o", "gate_up", "down", "head")
-INVARIANCE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
-                   511, 512, 513, 1024)  # call sizes compared by ``check_row_invariance``
-MIN_ROWS_FLOORS = (1, 2, 4, 8, 16, 32)  # the padding floors tried, fewest first
-COVERED_ROWS = 128  # calls smaller than this are checked on every row of the first COVERED_ROWS
 
 
 # ---- the CPU and the key ----
@@ -247,6 +236,21 @@ def decide(samples: dict[str, dict[str, dict[str, list[float]]]], margin: float 
     return out
 
 
+def one_form_cost(samples: dict[str, dict[str, list[float]]], form: str) -> float:
+    """What serving every call of a role on ``form`` alone costs, from one role's measured samples
+    (form -> rows -> times): the sum over the measured row counts of its median milliseconds, a
+    point where it was pruned as hopeless counted at ``PRUNE_RATIO`` x the fastest there (a lower
+    bound). Equal weight per point, so the large row counts that carry a busy server's work weigh
+    most, as they do in its throughput."""
+    points = sorted({int(p) for by_p in samples.values() for p in by_p})
+    total = 0.0
+    for p in points:
+        at = {f: statistics.median(by_p[str(p)]) for f, by_p in samples.items() if by_p.get(str(p))}
+        mine = at.get(form)
+        total += mine if mine is not None else PRUNE_RATIO * min(at.values())
+    return total
+
+
 # ---- measuring the forms ----
 
 def _layers_for(rows: int, n_layers: int) -> int:
@@ -341,91 +345,6 @@ def _prune(samples: dict[str, dict[str, dict[str, list[float]]]], alive: dict[st
 
 
 # ---- dtype and attention ----
-
-# ---- which forms may serve prompt rows ----
-
-def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dtype, max_rows: int,
-                 seed: int = 0) -> int | None:
-    """The fewest rows ``form`` must be called with for every row's result to be the same bits
-    whatever the call's size (calls of fewer rows padded with zero rows to that floor), among
-    ``MIN_ROWS_FLOORS``; None when no floor makes it so. Checked on random rows against the
-    largest call (``max_rows`` or the largest ``INVARIANCE_ROWS`` below it), at every size of
-    ``INVARIANCE_ROWS`` up to it: small calls cover the first ``COVERED_ROWS`` rows one after the
-    other (a different accumulation order shows in the rounded result of only some rows: on the
-    Zen 5 class CPU one row in ten), large ones take the rows from the front and from the back."""
-    sizes = [r for r in INVARIANCE_ROWS if r <= max_rows] or [1]
-    big = sizes[-1]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(big, k, generator=g).to(dtype)
-
-    def starts(r: int) -> list[int]:
-        return list(range(0, min(COVERED_ROWS, big) - r + 1, r)) if r < COVERED_ROWS else [0, big - r]
-
-    def agrees(r: int, floor: int) -> bool:
-        for i in starts(r):
-            part = x[i:i + r] if r >= floor else torch.cat([x[i:i + r], x.new_zeros(floor - r, k)])
-            if not torch.equal(form(part, bias)[:r], ref[i:i + r]):
-                return False
-        return True
-
-    with torch.inference_mode():
-        ref = form(x, bias)
-        direct = {r: agrees(r, 1) for r in sizes}
-        for floor in MIN_ROWS_FLOORS:
-            if floor <= big and all(ok for r, ok in direct.items() if r >= floor) \
-                    and all(agrees(r, floor) for r in range(1, floor)):
-                return floor
-    return None
-
-
-def check_row_invariance(projections: dict[str, list[Any]], dtype: torch.dtype, candidates: dict[str, list[str]],
-                         max_rows: int) -> dict[str, dict[str, Any] | None]:
-    """Per role, the first of ``candidates[role]`` (form names the role's projections have) whose
-    rows do not depend on the call's size (``min_rows_for`` on the role's first projection), as
-    ``{"form": name, "min_rows": floor}``, or None when none is. The LM head is checked up to
-    ``HEAD_MAX_ROWS`` rows (it sees one row per sampled prompt)."""
-    out: dict[str, dict[str, Any] | None] = {}
-    for role, lins in projections.items():
-        lin = lins[0]
-        out[role] = None
-        limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
-        for name in candidates.get(role, []):
-            if name not in lin.forms:
-                continue
-            floor = min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit)
-            if floor is not None:
-                out[role] = {"form": name, "min_rows": floor}
-                break
-    return out
-
-
-def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates: list[str],
-               max_rows: int) -> dict[str, dict[str, int | None]]:
-    """Per role, every candidate form the role's projections have -> its ``min_rows_for`` floor
-    (None: its rows depend on the call's size whatever the floor)."""
-    out: dict[str, dict[str, int | None]] = {}
-    for role, lins in projections.items():
-        lin = lins[0]
-        limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
-        out[role] = {name: min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit)
-                     for name in candidates if name in lin.forms}
-    return out
-
-
-def one_form_cost(samples: dict[str, dict[str, list[float]]], form: str) -> float:
-    """What serving every call of a role on ``form`` alone costs, from one role's measured samples
-    (form -> rows -> times): the sum over the measured row counts of its median milliseconds, a
-    point where it was pruned as hopeless counted at ``PRUNE_RATIO`` x the fastest there (a lower
-    bound). Equal weight per point, so the large row counts that carry a busy server's work weigh
-    most, as they do in its throughput."""
-    points = sorted({int(p) for by_p in samples.values() for p in by_p})
-    total = 0.0
-    for p in points:
-        at = {f: statistics.median(by_p[str(p)]) for f, by_p in samples.items() if by_p.get(str(p))}
-        mine = at.get(form)
-        total += mine if mine is not None else PRUNE_RATIO * min(at.values())
-    return total
-
 
 def _synthetic_grid(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     """A [N, K] float32 weight on a 4-bit grid of 32 columns (what a Q4 checkpoint holds)."""

@@ -1,0 +1,113 @@
+"""Which matmul forms give a row the same bits whatever the call's row count (issue 19).
+
+Owns the check and the two choices made from it. A form is *row-invariant from a floor m* when
+every row of a call of r >= m rows is bitwise what the largest call gives it, and calls of fewer
+rows padded with zero rows to m agree too. That is a property of a kernel on a CPU, so it is
+measured, not assumed (``min_rows_for``): MKL's sgemm on the Zen 5 class CPU rounds calls of 1, 2,
+3, 5, 7 or 9 rows differently from larger ones; oneDNN's bf16 kernel a 1-row call of the
+1,536-column down projection (about one row in ten, in the last bit); lockgate's integer GEMM is
+row-invariant by construction. ``row_floors`` checks every candidate of every role on the role's
+first projection, calls of 1..``INVARIANCE_ROWS[-1]`` rows (the LM head up to ``HEAD_MAX_ROWS``);
+the runner caches the result per machine and model (tuning kind "rows").
+
+The two choices (``lockgate.runner.model_runner`` applies them to ``Linear.set_prompt_form``):
+
+* ``first_invariant`` (``--exact-prefill``, the default): a role's prompt rows run on the first
+  row-invariant candidate in ``candidates`` order (the measured table's form at large row counts,
+  then dense, then the integer GEMM), decode rows keep the per-row-count table;
+* ``cheapest_invariant`` (``--deterministic``): every call of a role runs on one form, the
+  row-invariant candidate whose medians summed over the measured row counts are least
+  (``tuning.one_form_cost``; the integer GEMM when nothing was measured).
+
+Torch only for the check; the choices are plain dictionaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lockgate.config import DETERMINISTIC_FORM
+from lockgate.kernel_choice import UNBOUNDED, FormChoice
+from lockgate.layers.forms import Form
+from lockgate.layers.linear import PromptForm
+from lockgate.runner.tuning import HEAD_MAX_ROWS, one_form_cost
+
+INVARIANCE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
+                   511, 512, 513, 1024)  # call sizes compared
+MIN_ROWS_FLOORS = (1, 2, 4, 8, 16, 32)  # the padding floors tried, fewest first
+COVERED_ROWS = 128  # calls smaller than this are checked on every row of the first COVERED_ROWS
+
+
+def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dtype, max_rows: int,
+                 seed: int = 0) -> int | None:
+    """The fewest rows ``form`` must be called with for every row's result to be the same bits
+    whatever the call's size (calls of fewer rows padded with zero rows to that floor), among
+    ``MIN_ROWS_FLOORS``; None when no floor makes it so. Checked on random rows against the
+    largest call (``max_rows`` or the largest ``INVARIANCE_ROWS`` below it), at every size of
+    ``INVARIANCE_ROWS`` up to it: small calls cover the first ``COVERED_ROWS`` rows one after the
+    other (a different accumulation order shows in the rounded result of only some rows), large
+    ones take the rows from the front and from the back."""
+    sizes = [r for r in INVARIANCE_ROWS if r <= max_rows] or [1]
+    big = sizes[-1]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(big, k, generator=g).to(dtype)
+
+    def starts(r: int) -> list[int]:
+        return list(range(0, min(COVERED_ROWS, big) - r + 1, r)) if r < COVERED_ROWS else [0, big - r]
+
+    def agrees(r: int, floor: int) -> bool:
+        for i in starts(r):
+            part = x[i:i + r] if r >= floor else torch.cat([x[i:i + r], x.new_zeros(floor - r, k)])
+            if not torch.equal(form(part, bias)[:r], ref[i:i + r]):
+                return False
+        return True
+
+    with torch.inference_mode():
+        ref = form(x, bias)
+        direct = {r: agrees(r, 1) for r in sizes}
+        for floor in MIN_ROWS_FLOORS:
+            if floor <= big and all(ok for r, ok in direct.items() if r >= floor) \
+                    and all(agrees(r, floor) for r in range(1, floor)):
+                return floor
+    return None
+
+
+def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates: dict[str, list[str]],
+               max_rows: int = INVARIANCE_ROWS[-1]) -> dict[str, dict[str, int | None]]:
+    """Per role, each of ``candidates[role]`` the role's first projection has -> its
+    ``min_rows_for`` floor (None: its rows depend on the call's size whatever the floor)."""
+    out: dict[str, dict[str, int | None]] = {}
+    for role, lins in projections.items():
+        lin = lins[0]
+        limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
+        out[role] = {name: min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit)
+                     for name in candidates.get(role, []) if name in lin.forms}
+    return out
+
+
+def candidates_for(choices: dict[str, FormChoice]) -> dict[str, list[str]]:
+    """Per role the forms worth checking, the most wanted first: the choice's form at large row
+    counts (the fastest there), then dense, then the integer GEMM."""
+    return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "dense", DETERMINISTIC_FORM])) for role, c in choices.items()}
+
+
+def first_invariant(floors: dict[str, int | None], candidates: list[str]) -> PromptForm | None:
+    """The first of ``candidates`` with a floor (``--exact-prefill``)."""
+    return next((PromptForm(f, floor) for f in candidates if (floor := floors.get(f)) is not None), None)
+
+
+def cheapest_invariant(floors: dict[str, int | None], samples: dict[str, dict[str, list[float]]]) -> PromptForm | None:
+    """The candidate with a floor that costs least over the measured row counts (``--deterministic``;
+    ``samples``: one role's form -> rows -> times, possibly empty); unmeasured forms rank after
+    measured ones, the integer GEMM first among them."""
+    ok = {f: int(fl) for f, fl in floors.items() if fl is not None}
+
+    def cost(form: str) -> tuple[int, float]:
+        if form in samples:
+            return 0, one_form_cost(samples, form)
+        return 1, 0.0 if form == DETERMINISTIC_FORM else 1.0
+
+    best = min(ok, key=cost, default=None)
+    return None if best is None else PromptForm(best, ok[best])
