@@ -22,6 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import ServerProc
+from test_gateway import complete, start_gateway, wait_healthy
 
 from lockgate.engine.forecast import StepRates, estimate
 from lockgate.gateway.proxy import UsageComment
@@ -143,9 +144,8 @@ def fleet(n: int, replica_args: tuple[str, ...], *gateway_args: str):
         for i, r in enumerate(reps):  # one request each: the replicas measure their step rates
             warm = complete(r.url, f"warm up {i} " + "w" * 400)
             assert warm.status_code == 200, warm.text
-        gw = ServerProc(*(a for r in reps for a in ("--replica", r.url)), "--health-interval", "0.5",
-                        *gateway_args, command="gateway")
-        wait_until(lambda: httpx.get(gw.url + "/health", timeout=2).json().get("healthy") == n, 30, gw)
+        gw = start_gateway(*(a for r in reps for a in ("--replica", r.url)), *gateway_args)
+        wait_healthy(gw, n)
         yield gw, reps
     finally:
         if gw is not None:
@@ -165,11 +165,6 @@ def wait_until(cond, timeout: float, proc: ServerProc | None = None) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(proc.log()[-3000:] if proc else "condition not met in time")
         time.sleep(0.05)
-
-
-def complete(url: str, prompt: str, max_tokens: int = 4, **kw) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": max_tokens, **kw},
-                      timeout=60)
 
 
 def route_of(resp: httpx.Response) -> dict[str, str]:
