@@ -44,7 +44,8 @@ I64 = np.int64
 BUCKETS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear",
                 "aten::_weight_int4pack_mm", "lockgate::quant_linear", "lockgate::int_linear")),
-    ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "lockgate::decode_attention")),
+    ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "lockgate::decode_attention",
+                   "lockgate::prefill_attention")),
     ("kv gather/write", ("aten::index_select", "aten::index_copy", "aten::index")),
     ("sampler", ("aten::argmax", "aten::logsumexp", "aten::topk")),
 )

@@ -1,4 +1,4 @@
-// Decode attention over the slot-indexed KV pool (TokenAttention), read in place.
+// Decode and prefill attention over the slot-indexed KV pool (TokenAttention), read in place.
 //
 // lockgate::decode_attention(q, k_cache, v_cache, slots, offsets, scale) -> (out, lse)
 //
@@ -15,21 +15,35 @@
 //   q          [T, H, D]    every new token of the step; sequence b's are rows q_offsets[b] .. q_offsets[b+1]
 //   q_offsets  [B+1] int64  (CSR over q); Q_b = q_offsets[b+1] - q_offsets[b] >= 1, Q_b <= the keys of b
 //   out [T, H, D], lse [T, H]: token i of sequence b (the last Q_b of its n_b keys are the new
-//   tokens) attends to keys 0 .. n_b - Q_b + i: causal, each token one row of the computation below
-//   over its own keys, so a token's result is bitwise what decode_attention gives it as a sequence
-//   of its own with those keys (the same chunks, the same merge), whatever else is in the step.
+//   tokens) attends to keys 0 .. n_b - Q_b + i: causal.
 //
-// One query token per sequence, every key visible (decode). Query heads h = kv * G + g share
-// kv head kv (GQA, G = H / Hkv). A work item is (sequence, kv head, key chunk): it reads each
-// key's K and V row once, straight from the pool by slot (no gathered copy, no padding to the
-// longest sequence), scores its G query heads against it, and keeps a partial softmax
-// (max, sum, weighted V sum) in float32. Every sequence is split into chunks of kChunkKeys keys,
-// whose partials are then merged by their maxima in key order: the result does not depend on the
-// batch or the thread count. Math is float32 whatever the storage dtype; bf16 is
-// widened by a shift, so no AVX512-BF16 instruction is needed. Vector paths for head sizes 32, 64,
-// 96, 128 and 256 on AVX-512 (zmm) and, on CPUs without it, for 32, 64, 128 and 256 on AVX2 + FMA
-// (ymm); other head sizes and CPUs take plain loops. Paths differ in summation order (last-bit differences
-// between CPU types), never within one build.
+// The invariant both operators keep, and what lockgate's determinism rests on: **a token's result
+// is a function of its own query and its own keys only**, bitwise: the same whether it is a
+// decode row, one row of a prefill chunk (of any length, cut anywhere), a speculative guess row,
+// alone or in a batch, on any thread count. Every token is computed with one fixed sequence of
+// float32 operations:
+//
+//   * its keys are cut into chunks of kChunkKeys (0..127, 128..255, ...);
+//   * per chunk and query head: score_j = sum over d = 0 .. D-1 of q_d * scale * k_jd, accumulated
+//     in d order (one FMA per d); the chunk's softmax statistics (max m, sum of exp(score - m) in
+//     a fixed lane order) and its weighted value sum, accumulated in key order;
+//   * the chunks' partials merged by their maxima, in chunk order.
+//
+// How the work is grouped does not enter that sequence. A work item is (a run of up to
+// kTokenBlock tokens of one sequence, one key chunk), all kv heads: per kv head it reads each
+// key's K and V row once from the pool, by slot (no gathered copy, no padding to the longest
+// sequence), for every query row of the run (the run's tokens x the G query heads sharing the kv
+// head). That is what makes prefill cheap: a key row is widened and transposed once for up to 16
+// tokens x G heads instead of once per token (2x faster than one token per item at 256 and 1,024
+// tokens, on the Zen 5 class CPU of docs/performance.md). Rows of one item that see fewer keys (the
+// causal diagonal) skip the keys beyond theirs with masked FMAs, which leave them bitwise as if the
+// loop had stopped there. Items are handed to threads from a shared counter.
+//
+// Math is float32 whatever the storage dtype; bf16 is widened by a shift. Vector paths: AVX-512
+// (zmm, keys 16 to a vector, transposed so that a score needs no horizontal sum) for head sizes
+// 32, 64, 96, 128 and 256; AVX2 + FMA (ymm) for 32, 64, 128 and 256 on CPUs without AVX-512;
+// plain loops otherwise. Paths differ in summation order (last-bit differences between CPU types),
+// never within one build.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,6 +53,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -60,42 +75,63 @@ using lockgate::widen;
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, c10::BFloat16* out) { *out = lockgate::to_bf16(x); }  // round to nearest even
 
-struct Item {
-  int64_t seq, kv, base, begin, end;  // query row seq; keys slots[base + begin .. base + end)
+// Keys per chunk: a fixed number, whatever the batch and the thread count, so that a token's
+// result depends only on its own query and keys. 128 keys: a batch-1 decode step at a few hundred
+// tokens of context still gives each of two threads several items, and a chunk's partial (H rows
+// of D + 2 floats) costs far less to merge than its 128 K and V rows cost to read.
+constexpr int64_t kChunkKeys = 128;
+// Tokens per work item (prefill): up to this many of one sequence share each key row read.
+constexpr int64_t kTokenBlock = 16;
+
+// The step's tokens: token t attends to slots[base[t] .. base[t] + count[t]); tokens of one
+// sequence are adjacent with count rising by one; part_row[t] is its first partial (one per chunk).
+struct Tokens {
+  std::vector<int64_t> base, count, part_row;
+  int64_t parts = 0;  // partials in all
 };
 
-// Keys per work item: a fixed number, whatever the batch and the thread count, so that a
-// sequence's result depends only on its own query and keys (the chunks and their merge order
-// are the same in a batch of one as in a batch of 64). That is what lets a sequence verify
-// speculative guesses in rows of their own and still get bitwise the logits it would have got
-// one token at a time. 128 keys: a batch-1 step at a few hundred tokens of context still gives
-// each of two threads several items, and a chunk's partial (G rows of D + 2 floats) costs far
-// less to merge than its 128 K and V rows cost to read.
-constexpr int64_t kChunkKeys = 128;
+struct Item {
+  int64_t t0, t1;  // tokens t0 .. t1 - 1 of one sequence, all seeing key chunk `chunk`
+  int64_t chunk;   // keys chunk * kChunkKeys .. + kChunkKeys of that sequence
+};
 
-// Query row r's keys are slots[base[r] .. base[r] + count[r]).
-std::vector<Item> plan_items(const std::vector<int64_t>& base, const std::vector<int64_t>& count, int64_t hkv) {
+inline int64_t chunks_of(int64_t n) { return (n + kChunkKeys - 1) / kChunkKeys; }
+
+Tokens index_tokens(std::vector<int64_t> base, std::vector<int64_t> count) {
+  Tokens tk{std::move(base), std::move(count), {}, 0};
+  tk.part_row.resize(tk.count.size());
+  for (size_t t = 0; t < tk.count.size(); ++t) {
+    tk.part_row[t] = tk.parts;
+    tk.parts += chunks_of(tk.count[t]);
+  }
+  return tk;
+}
+
+std::vector<Item> plan_items(const Tokens& tk) {
   std::vector<Item> items;
-  for (int64_t s = 0; s < static_cast<int64_t>(base.size()); ++s) {
-    const int64_t n = count[s];
-    for (int64_t kv = 0; kv < hkv; ++kv) {
-      for (int64_t j = 0; j < n; j += kChunkKeys) items.push_back({s, kv, base[s], j, std::min(j + kChunkKeys, n)});
+  const int64_t n = static_cast<int64_t>(tk.count.size());
+  for (int64_t s0 = 0; s0 < n;) {
+    int64_t s1 = s0 + 1;  // tokens s0 .. s1 - 1: one sequence (same keys, one more each)
+    while (s1 < n && tk.base[s1] == tk.base[s0] && tk.count[s1] == tk.count[s1 - 1] + 1) ++s1;
+    for (int64_t c = 0; c < chunks_of(tk.count[s1 - 1]); ++c) {
+      int64_t first = s0;  // the first token that sees chunk c
+      while (tk.count[first] <= c * kChunkKeys) ++first;
+      for (int64_t t = first; t < s1; t += kTokenBlock) items.push_back({t, std::min(t + kTokenBlock, s1), c});
     }
+    s0 = s1;
   }
   return items;
 }
 
-// One item: partial softmax of G query heads over keys [begin, end). part = G rows of
-// [max, sum, acc[D]] (float32). Query rows are taken R (<= 4) at a time so that their queries and
-// accumulators stay in registers; a pass reads the item's K rows once, then its V rows once.
-template <typename TQ>
-void load_queries(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, int64_t g, int64_t d, float scale,
-                  float* qf) {
-  for (int64_t r = 0; r < g; ++r) {
-    const TQ* src = q + it.seq * q_s0 + (it.kv * g + r) * q_s1;
-    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = widen(src[i]) * scale;
-  }
+// Softmax statistics of a chunk's partial: part = [max, sum, acc[D]].
+inline float* part_of(float* parts, const Tokens& tk, int64_t t, int64_t chunk, int64_t h, int64_t head,
+                      int64_t d) {
+  return parts + ((tk.part_row[t] + chunk) * h + head) * (d + 2);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Per-token paths (AVX2 and plain loops): one token's G query heads over n keys, one kv head.
+// ------------------------------------------------------------------------------------------------
 
 // Softmax statistics of rows [0, rows) of sc [rows, n] in place (scores -> exp(score - max));
 // writes max and sum into part rows.
@@ -103,10 +139,8 @@ inline void softmax_rows(float* sc, int64_t rows, int64_t n, float* part, int64_
   for (int64_t r = 0; r < rows; ++r) {
     float* p = sc + r * n;
     float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < n; ++j) m = std::max(m, p[j]);
     float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
       p[j] = exp_nonpositive(p[j] - m);
       sum += p[j];
@@ -116,78 +150,10 @@ inline void softmax_rows(float* sc, int64_t rows, int64_t n, float* part, int64_
   }
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-constexpr int kPrefetch = 8;  // rows ahead: slots are scattered, hardware prefetch cannot guess them
-
-template <typename TKV>
-inline void prefetch_row(const TKV* row, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + o, _MM_HINT_T0);
-}
-
-// R query rows (qf, scaled) x keys sl[0..n) -> scores sc [R, n]; then, after the softmax, the
-// probabilities x values -> part accumulators. D = 16 * NV.
-template <int NV, int R, typename TKV>
-void attend_rows_avx512(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n,
-                        int64_t hkv, int64_t kv, float* sc, float* part) {
-  constexpr int64_t d = 16 * NV;
-  __m512 qv[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) qv[r][v] = _mm512_loadu_ps(qf + r * d + 16 * v);
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetch < n) prefetch_row(kc + (sl[j + kPrefetch] * hkv + kv) * d, d * sizeof(TKV));
-    const TKV* kr = kc + (sl[j] * hkv + kv) * d;
-    __m512 k[NV];
-    for (int v = 0; v < NV; ++v) k[v] = load16(kr + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      __m512 acc = _mm512_mul_ps(qv[r][0], k[0]);
-      for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(qv[r][v], k[v], acc);
-      sc[r * n + j] = _mm512_reduce_add_ps(acc);
-    }
-  }
-  softmax_rows(sc, R, n, part, d);
-  __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetch < n) prefetch_row(vc + (sl[j + kPrefetch] * hkv + kv) * d, d * sizeof(TKV));
-    const TKV* vr = vc + (sl[j] * hkv + kv) * d;
-    __m512 val[NV];
-    for (int v = 0; v < NV; ++v) val[v] = load16(vr + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(sc[r * n + j]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(w, val[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(part + r * (d + 2) + 2 + 16 * v, acc[r][v]);
-}
-
-template <int NV, typename TKV>
-void attend_avx512(const float* qf, const TKV* kc, const TKV* vc, const int64_t* sl, int64_t n, int64_t hkv,
-                   int64_t kv, int64_t g, float* sc, float* part) {
-  constexpr int64_t d = 16 * NV;
-  for (int64_t r0 = 0; r0 < g; r0 += 4) {
-    const float* q = qf + r0 * d;
-    float* pr = part + r0 * (d + 2);
-    switch (std::min<int64_t>(4, g - r0)) {
-      case 1: attend_rows_avx512<NV, 1>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
-      case 2: attend_rows_avx512<NV, 2>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
-      case 3: attend_rows_avx512<NV, 3>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
-      default: attend_rows_avx512<NV, 4>(q, kc, vc, sl, n, hkv, kv, sc, pr); break;
-    }
-  }
-}
-#endif
-
 #if defined(LOCKGATE_ATTN_256)
-// The same on 256-bit registers (AVX2 + FMA CPUs without AVX-512). 16 ymm registers cannot hold
-// the queries, so they are read from L1 as FMA operands while a key row (up to 8 ymm) is held;
-// values go in passes of 16 columns (2 ymm = one cache line of float32) for all R rows at once.
+// 256-bit registers (AVX2 + FMA CPUs without AVX-512). 16 ymm registers cannot hold the queries,
+// so they are read from L1 as FMA operands while a key row (up to 8 ymm) is held; values go in
+// passes of 16 columns (2 ymm = one cache line of float32) for all R rows at once.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -292,80 +258,385 @@ void attend_generic(const float* qf, const TKV* kc, const TKV* vc, const int64_t
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// AVX-512: a whole item at once.
+// ------------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+
+// exp(x) for x <= 0 on 16 lanes (exp_nonpositive's method: 2^n e^r, degree-7 Taylor); 0 below -87.
+inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  const __m512 nf = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(nf), _mm512_set1_epi32(127)), 23);
+  const __m512 v = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), v);
+}
+
+// 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = lo(t[i], t[i + 2]);
+    r[i + 1] = hi(t[i], t[i + 2]);
+    r[i + 2] = lo(t[i + 1], t[i + 3]);
+    r[i + 3] = hi(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0x88);
+      t[i + 4 + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
+// 16 keys' rows (nullptr: a padding key, zeros) -> kt [D][16] float32: dimension-major, one key per lane.
+template <int NV>
+inline void transpose_keys(const float* const* rows, float* kt) {
+  for (int v = 0; v < NV; ++v) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_loadu_ps(rows[i] + 16 * v) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * v + i) * 16, r[i]);
+  }
+}
+// bf16 rows: dimensions 2p and 2p + 1 travel as one 32-bit pair through the transpose, then split.
+template <int NV>
+inline void transpose_keys(const c10::BFloat16* const* rows, float* kt) {
+  for (int half = 0; half < NV / 2; ++half) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = rows[i] ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i] + 32 * half)) : _mm512_setzero_ps();
+    transpose16(r);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int p = 0; p < 16; ++p) {
+      const __m512i pair = _mm512_castps_si512(r[p]);
+      _mm512_storeu_ps(kt + (32 * half + 2 * p) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+      _mm512_storeu_ps(kt + (32 * half + 2 * p + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
+    }
+  }
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Scores of R rows x KB blocks of 16 keys: sc[r][16 b + lane] = sum_d qf[r][d] k[d], in d order.
+template <int NV, int R, int KB>
+inline void score_block(const float* qf, const float* kt, float* sc, int64_t sc_stride) {
+  constexpr int64_t d = 16 * NV;
+  __m512 acc[R][KB];
+  for (int b = 0; b < KB; ++b) {
+    const __m512 k0 = _mm512_loadu_ps(kt + b * d * 16);
+    for (int r = 0; r < R; ++r) acc[r][b] = _mm512_mul_ps(_mm512_set1_ps(qf[r * d]), k0);
+  }
+#pragma GCC unroll 4
+  for (int64_t i = 1; i < d; ++i) {
+    __m512 k[KB];
+    for (int b = 0; b < KB; ++b) k[b] = _mm512_loadu_ps(kt + (b * d + i) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qi = _mm512_set1_ps(qf[r * d + i]);
+      for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_fmadd_ps(qi, k[b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) _mm512_storeu_ps(sc + r * sc_stride + 16 * b, acc[r][b]);
+}
+
+template <int NV, int R>
+inline void score_rows(const float* qf, const float* kt, int64_t blocks, float* sc, int64_t sc_stride) {
+  constexpr int64_t d = 16 * NV;
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) score_block<NV, R, 4>(qf, kt + b * d * 16, sc + 16 * b, sc_stride);
+  for (; b + 2 <= blocks; b += 2) score_block<NV, R, 2>(qf, kt + b * d * 16, sc + 16 * b, sc_stride);
+  if (b < blocks) score_block<NV, R, 1>(qf, kt + b * d * 16, sc + 16 * b, sc_stride);
+}
+
+// A row's softmax statistics over its n keys, in place (scores -> exp(score - max), zeros up to
+// the next multiple of 16); returns {max, sum}.
+inline std::pair<float, float> softmax_row(float* p, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+  if (j < n) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail, p + j));
+  const float m = _mm512_reduce_max_ps(mv);
+  const __m512 mb = _mm512_set1_ps(m);
+  __m512 sv = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + j), mb));
+    _mm512_storeu_ps(p + j, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  if (j < n) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + j), mb)));
+    _mm512_storeu_ps(p + j, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  return {m, _mm512_reduce_add_ps(sv)};
+}
+
+// Probabilities x values for R rows: acc[r] = sum over keys j < n[r] of p[r][j] v[j], in key
+// order. Keys below n_min are every row's; above it, a row's FMA is masked off once j >= n[r].
+template <int NV, int R, typename Rows>
+inline void value_rows(const float* sc, int64_t sc_stride, const Rows& vrow, const int64_t* n, float* const* out) {
+  constexpr int64_t d = 16 * NV;
+  int64_t n_min = n[0], n_max = n[0];
+  for (int r = 1; r < R; ++r) n_min = std::min(n_min, n[r]), n_max = std::max(n_max, n[r]);
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j < n_min; ++j) {
+    __m512 val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = load16(vrow(j) + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(sc[r * sc_stride + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(w, val[v], acc[r][v]);
+    }
+  }
+  for (; j < n_max; ++j) {
+    __m512 val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = load16(vrow(j) + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 live = j < n[r] ? 0xFFFF : 0;
+      const __m512 w = _mm512_set1_ps(sc[r * sc_stride + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mask3_fmadd_ps(w, val[v], acc[r][v], live);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[r] + 2 + 16 * v, acc[r][v]);
+}
+
+// Rows of the value pass held in registers at once: R * NV accumulators.
+template <int NV>
+constexpr int kValueRows = NV >= 16 ? 1 : NV >= 8 ? 3 : NV >= 6 ? 4 : 6;
+
+template <int NV, typename Rows>
+void value_pass(const float* sc, int64_t sc_stride, const Rows& vf, const int64_t* n, float* const* out,
+                int64_t rows) {
+  constexpr int RV = kValueRows<NV>;
+  for (int64_t r0 = 0; r0 < rows; r0 += RV) {
+    const float* s = sc + r0 * sc_stride;
+    switch (std::min<int64_t>(RV, rows - r0)) {
+      case 1: value_rows<NV, 1, Rows>(s, sc_stride, vf, n + r0, out + r0); break;
+      case 2: if constexpr (RV >= 2) value_rows<NV, 2, Rows>(s, sc_stride, vf, n + r0, out + r0); break;
+      case 3: if constexpr (RV >= 3) value_rows<NV, 3, Rows>(s, sc_stride, vf, n + r0, out + r0); break;
+      case 4: if constexpr (RV >= 4) value_rows<NV, 4, Rows>(s, sc_stride, vf, n + r0, out + r0); break;
+      case 5: if constexpr (RV >= 5) value_rows<NV, 5, Rows>(s, sc_stride, vf, n + r0, out + r0); break;
+      default: if constexpr (RV >= 6) value_rows<NV, RV, Rows>(s, sc_stride, vf, n + r0, out + r0); break;
+    }
+  }
+}
+
+constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefetch cannot guess them
+
+struct Scratch {
+  std::vector<float> kt, vf, qf, sc;
+  std::vector<int64_t> n;
+  std::vector<float*> out;
+};
+
+// One item on AVX-512: every kv head, every row (token x query head of the kv group). A single
+// token (decode) reads its values in place; a run of tokens shares one widened copy.
+template <int NV, typename TQ, typename TKV>
+void item_avx512(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0, int64_t q_s1, const TKV* kc,
+                 const TKV* vc, const int64_t* slots, int64_t h, int64_t hkv, float scale, float* parts,
+                 Scratch& s) {
+  constexpr int64_t d = 16 * NV;
+  const int64_t g = h / hkv, nt = it.t1 - it.t0, rows = nt * g, begin = it.chunk * kChunkKeys;
+  const int64_t nk = std::min(kChunkKeys, tk.count[it.t1 - 1] - begin);  // keys the item reads
+  const int64_t blocks = (nk + 15) / 16;
+  const int64_t* sl = slots + tk.base[it.t0] + begin;
+  s.kt.resize(static_cast<size_t>(blocks * 16 * d));
+  const bool staged = it.t1 - it.t0 > 1;  // values widened once for all rows (one token: read in place)
+  if (staged) s.vf.resize(static_cast<size_t>(nk * d));
+  s.qf.resize(static_cast<size_t>(rows * d));
+  const int64_t sc_stride = blocks * 16;
+  s.sc.resize(static_cast<size_t>(rows * sc_stride));
+  s.n.resize(static_cast<size_t>(rows));
+  s.out.resize(static_cast<size_t>(rows));
+  for (int64_t kv = 0; kv < hkv; ++kv) {
+    // K transposed into kt (16 keys a block); with several tokens, V widened into vf once for all rows.
+    for (int64_t b = 0; b < blocks; ++b) {
+      const TKV* krows[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t j = b * 16 + i;
+        if (j >= nk) {
+          krows[i] = nullptr;
+          continue;
+        }
+        if (j + kPrefetch < nk) {  // this kv head's K and V rows ahead
+          const char* ka = reinterpret_cast<const char*>(kc + (sl[j + kPrefetch] * hkv + kv) * d);
+          const char* va = reinterpret_cast<const char*>(vc + (sl[j + kPrefetch] * hkv + kv) * d);
+          for (int64_t o = 0; o < d * static_cast<int64_t>(sizeof(TKV)); o += 64) {
+            _mm_prefetch(ka + o, _MM_HINT_T0);
+            _mm_prefetch(va + o, _MM_HINT_T0);
+          }
+        }
+        krows[i] = kc + (sl[j] * hkv + kv) * d;
+        if (staged) {
+          const TKV* vr = vc + (sl[j] * hkv + kv) * d;
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s.vf.data() + j * d + 16 * v, load16(vr + 16 * v));
+        }
+      }
+      transpose_keys<NV>(krows, s.kt.data() + b * 16 * d);
+    }
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      const int64_t n = std::min(kChunkKeys, tk.count[t] - begin);
+      for (int64_t gg = 0; gg < g; ++gg) {
+        const int64_t r = (t - it.t0) * g + gg, head = kv * g + gg;
+        const TQ* src = q + t * q_s0 + head * q_s1;
+        for (int64_t i = 0; i < d; ++i) s.qf[r * d + i] = widen(src[i]) * scale;
+        s.n[r] = n;
+        s.out[r] = part_of(parts, tk, t, it.chunk, h, head, d);
+      }
+    }
+    // Scores, 4 rows at a time over the key blocks the rows see.
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, rows - r0);
+      const int64_t rb = (s.n[r0 + rr - 1] + 15) / 16;
+      const float* qr = s.qf.data() + r0 * d;
+      float* sr = s.sc.data() + r0 * sc_stride;
+      switch (rr) {
+        case 1: score_rows<NV, 1>(qr, s.kt.data(), rb, sr, sc_stride); break;
+        case 2: score_rows<NV, 2>(qr, s.kt.data(), rb, sr, sc_stride); break;
+        case 3: score_rows<NV, 3>(qr, s.kt.data(), rb, sr, sc_stride); break;
+        default: score_rows<NV, 4>(qr, s.kt.data(), rb, sr, sc_stride); break;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto [m, sum] = softmax_row(s.sc.data() + r * sc_stride, s.n[r]);
+      s.out[r][0] = m;
+      s.out[r][1] = sum;
+    }
+    if (staged) {
+      const float* vf = s.vf.data();
+      value_pass<NV>(s.sc.data(), sc_stride, [vf](int64_t j) { return vf + j * d; }, s.n.data(), s.out.data(), rows);
+    } else {
+      const TKV* vbase = vc + kv * d;
+      value_pass<NV>(s.sc.data(), sc_stride, [vbase, sl, hkv](int64_t j) { return vbase + sl[j] * hkv * d; },
+                     s.n.data(), s.out.data(), rows);
+    }
+  }
+}
+#endif  // __AVX512F__
+
+// One item on the per-token paths: each token of the run by itself, per kv head.
 template <typename TQ, typename TKV>
-void attend_item(const Item& it, const TQ* q, int64_t q_s0, int64_t q_s1, const TKV* kc, const TKV* vc,
-                 const int64_t* slots, int64_t hkv, int64_t g, int64_t d, float scale,
-                 float* part, std::vector<float>& scratch) {
-  const int64_t n = it.end - it.begin;
-  scratch.resize(static_cast<size_t>(g * d + d + g * n));
+void item_per_token(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0, int64_t q_s1, const TKV* kc,
+                    const TKV* vc, const int64_t* slots, int64_t h, int64_t hkv, int64_t d, float scale,
+                    float* parts, std::vector<float>& scratch) {
+  const int64_t g = h / hkv, begin = it.chunk * kChunkKeys;
+  scratch.resize(static_cast<size_t>(g * d + d + g * kChunkKeys));
   float* qf = scratch.data();  // [G, D] scaled queries
   float* row = qf + g * d;     // [D] one key or value row, widened (generic path)
   float* sc = row + d;         // [G, n] scores, then probabilities
-  load_queries(it, q, q_s0, q_s1, g, d, scale, qf);
-  const int64_t* sl = slots + it.base + it.begin;
-#if defined(__AVX512F__)
-  if (d == 64) return attend_avx512<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
-  if (d == 128) return attend_avx512<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
-  if (d == 256) return attend_avx512<16>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);  // Gemma
-  if (d == 96) return attend_avx512<6>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);    // Phi-3
-  if (d == 32) return attend_avx512<2>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
-#elif defined(LOCKGATE_ATTN_256)
-  if (d == 64) return attend_avx2<8>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
-  if (d == 128) return attend_avx2<16>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
-  if (d == 256) return attend_avx2<32>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
-  if (d == 32) return attend_avx2<4>(qf, kc, vc, sl, n, hkv, it.kv, g, sc, part);
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    const int64_t n = std::min(kChunkKeys, tk.count[t] - begin);
+    const int64_t* sl = slots + tk.base[t] + begin;
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+      for (int64_t r = 0; r < g; ++r) {
+        const TQ* src = q + t * q_s0 + (kv * g + r) * q_s1;
+        for (int64_t i = 0; i < d; ++i) qf[r * d + i] = widen(src[i]) * scale;
+      }
+      float* part = part_of(parts, tk, t, it.chunk, h, kv * g, d);
+#if defined(LOCKGATE_ATTN_256)
+      if (d == 64) { attend_avx2<8>(qf, kc, vc, sl, n, hkv, kv, g, sc, part); continue; }
+      if (d == 128) { attend_avx2<16>(qf, kc, vc, sl, n, hkv, kv, g, sc, part); continue; }
+      if (d == 256) { attend_avx2<32>(qf, kc, vc, sl, n, hkv, kv, g, sc, part); continue; }
+      if (d == 32) { attend_avx2<4>(qf, kc, vc, sl, n, hkv, kv, g, sc, part); continue; }
 #endif
-  attend_generic(qf, kc, vc, sl, n, hkv, it.kv, g, d, sc, row, part);
+      attend_generic(qf, kc, vc, sl, n, hkv, kv, g, d, sc, row, part);
+    }
+  }
 }
 
 template <typename TQ, typename TKV>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-         const std::vector<int64_t>& base, const std::vector<int64_t>& count, double scale, at::Tensor& out,
-         at::Tensor& lse) {
-  const int64_t h = q.size(1), d = q.size(2), hkv = k_cache.size(1), g = h / hkv;
-  const std::vector<Item> items = plan_items(base, count, hkv);
+         const Tokens& tk, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t nt = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
+  const std::vector<Item> items = plan_items(tk);
   const int64_t ni = static_cast<int64_t>(items.size());
-  std::vector<float> parts(static_cast<size_t>(ni * g * (d + 2)));
+  std::vector<float> parts(static_cast<size_t>(tk.parts * h * (d + 2)));
   const TQ* qp = q.data_ptr<TQ>();
   const TKV* kc = k_cache.data_ptr<TKV>();
   const TKV* vc = v_cache.data_ptr<TKV>();
   const int64_t* sl = slots.data_ptr<int64_t>();
-  at::parallel_for(0, ni, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      attend_item<TQ, TKV>(items[i], qp, q.stride(0), q.stride(1), kc, vc, sl, hkv, g, d,
-                           static_cast<float>(scale), parts.data() + i * g * (d + 2), scratch);
+  const float sc = static_cast<float>(scale);
+  // Items are taken from a shared counter (their sizes differ); which thread runs an item changes
+  // nothing in its result.
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(ni, at::get_num_threads()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+#if defined(__AVX512F__)
+    Scratch scratch;
+#endif
+    std::vector<float> token_scratch;
+    for (int64_t i = next++; i < ni; i = next++) {
+      const Item& it = items[i];
+#if defined(__AVX512F__)
+      switch (d) {
+        case 64: item_avx512<4>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+        case 128: item_avx512<8>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+        case 256: item_avx512<16>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;  // Gemma
+        case 96: item_avx512<6>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;  // Phi-3
+        case 32: item_avx512<2>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+        default: break;
+      }
+#endif
+      item_per_token<TQ, TKV>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, d, sc, parts.data(),
+                              token_scratch);
     }
   });
-  // Merge the chunks of each (sequence, kv head): items of one pair are adjacent, in key order.
-  std::vector<int64_t> first;  // index of the first item of each pair, plus ni
-  for (int64_t i = 0; i < ni; ++i) {
-    if (i == 0 || items[i].seq != items[i - 1].seq || items[i].kv != items[i - 1].kv) first.push_back(i);
-  }
-  first.push_back(ni);
+  // Merge each (token, head)'s chunks in key order.
   TQ* op = out.data_ptr<TQ>();
   float* lp = lse.data_ptr<float>();
-  const int64_t pairs = static_cast<int64_t>(first.size()) - 1;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(d));
-    for (int64_t p = begin; p < end; ++p) {
-      const Item& it = items[first[p]];
-      for (int64_t r = 0; r < g; ++r) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t chunks = chunks_of(tk.count[t]);
+      for (int64_t head = 0; head < h; ++head) {
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = first[p]; i < first[p + 1]; ++i) m = std::max(m, parts[(i * g + r) * (d + 2)]);
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part_of(parts.data(), tk, t, c, h, head, d)[0]);
         float sum = 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t i = first[p]; i < first[p + 1]; ++i) {
-          const float* pr = parts.data() + (i * g + r) * (d + 2);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pr = part_of(parts.data(), tk, t, c, h, head, d);
           const float w = std::exp(pr[0] - m);
           sum += w * pr[1];
           for (int64_t k = 0; k < d; ++k) acc[k] += w * pr[2 + k];
         }
-        const int64_t head = it.kv * g + r;
-        TQ* dst = op + (it.seq * h + head) * d;
+        TQ* dst = op + (t * h + head) * d;
         const float inv = 1.f / sum;
         for (int64_t k = 0; k < d; ++k) narrow(acc[k] * inv, dst + k);
-        lp[it.seq * h + head] = m + std::log(sum);
+        lp[t * h + head] = m + std::log(sum);
       }
     }
   });
@@ -410,17 +681,18 @@ const int64_t* checked_offsets(const at::Tensor& offsets, int64_t rows, int64_t 
 
 std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& q, const at::Tensor& k_cache,
                                             const at::Tensor& v_cache, const at::Tensor& slots,
-                                            const std::vector<int64_t>& base, const std::vector<int64_t>& count,
+                                            std::vector<int64_t> base, std::vector<int64_t> count,
                                             double scale, const char* name) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  const Tokens tk = index_tokens(std::move(base), std::move(count));
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   if (qt == at::kFloat && kt == at::kFloat) {
-    run<float, float>(q, k_cache, v_cache, slots, base, count, scale, out, lse);
+    run<float, float>(q, k_cache, v_cache, slots, tk, scale, out, lse);
   } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
-    run<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, slots, base, count, scale, out, lse);
+    run<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, slots, tk, scale, out, lse);
   } else if (qt == at::kFloat && kt == at::kBFloat16) {
-    run<float, c10::BFloat16>(q, k_cache, v_cache, slots, base, count, scale, out, lse);
+    run<float, c10::BFloat16>(q, k_cache, v_cache, slots, tk, scale, out, lse);
   } else {
     TORCH_CHECK(false, name, ": unsupported dtypes q ", qt, " / pool ", kt);
   }
@@ -437,7 +709,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   const int64_t* off = checked_offsets(offsets, b, slots.size(0), "keys", "slots");
   std::vector<int64_t> base(off, off + b), count(static_cast<size_t>(b));
   for (int64_t s = 0; s < b; ++s) count[s] = off[s + 1] - off[s];
-  return dispatch(q, k_cache, v_cache, slots, base, count, scale, "decode_attention");
+  return dispatch(q, k_cache, v_cache, slots, std::move(base), std::move(count), scale, "decode_attention");
 }
 
 std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -459,7 +731,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
       count[qo[s] + i] = nk - nq + 1 + i;
     }
   }
-  return dispatch(q, k_cache, v_cache, slots, base, count, scale, "prefill_attention");
+  return dispatch(q, k_cache, v_cache, slots, std::move(base), std::move(count), scale, "prefill_attention");
 }
 
 }  // namespace lockgate
