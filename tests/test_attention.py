@@ -451,6 +451,39 @@ def test_prefill_kernel_matches_the_reference(case: str, d: int) -> None:
     torch.testing.assert_close(got, dense_causal(dense, seqs, h, hkv), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,h,hkv", [(64, 9, 3), (128, 8, 1), (32, 4, 4), (96, 10, 2), (256, 4, 2), (16, 9, 3)])
+def test_prefill_kernel_runs_give_each_token_its_decode_result_bitwise(d: int, h: int, hkv: int,
+                                                                       dtype: torch.dtype) -> None:
+    """The prefill kernel shares each key row among a run of up to 16 tokens (keys transposed,
+    masked FMAs on the causal diagonal); a token's output and log-sum-exp must still be bitwise what
+    ``decode_attention`` gives it alone over its own keys, and match float64. The sequences cover
+    several token runs and key chunks (300 new tokens on 300 keys), chunks whose tokens do not start
+    on a 16-key boundary (45 new on 1,000; 250 on 300: a run's rows then end in different 16-key
+    blocks, where the masking matters), a run shorter than one block and a single new token."""
+    load_kernels()
+    ctx, new = [300, 1000, 300, 17, 5, 130], [300, 45, 250, 17, 2, 1]
+    q_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
+    _, kc, vc, slots, offsets = _decode_inputs(ctx, h, hkv, d, dtype, dtype, seed=d + h, capacity=3000)
+    q = torch.randn(int(q_offsets[-1]), h, d, generator=torch.Generator().manual_seed(d)).to(dtype)
+    scale = d ** -0.5
+    out, lse = torch.ops.lockgate.prefill_attention(q, kc, vc, slots, offsets, q_offsets, scale)
+    t = 0
+    for b, (n_ctx, n_new) in enumerate(zip(ctx, new)):
+        lo = int(offsets[b])
+        for i in range(n_new):
+            n = n_ctx - n_new + 1 + i  # this token's keys
+            one, one_lse = torch.ops.lockgate.decode_attention(q[t:t + 1], kc, vc, slots[lo:lo + n],
+                                                               torch.tensor([0, n]), scale)
+            assert torch.equal(one[0], out[t]) and torch.equal(one_lse[0], lse[t]), (b, i)
+            if i % 7 == 0 or i == n_new - 1:  # float64 reference on a sample of the tokens
+                want, want_lse = _dense_decode(q[t:t + 1], kc, vc, slots[lo:lo + n], torch.tensor([0, n]), scale)
+                tol = 2e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+                torch.testing.assert_close(out[t:t + 1].double(), want, atol=tol, rtol=tol)
+                torch.testing.assert_close(lse[t:t + 1].double(), want_lse, atol=1e-5, rtol=1e-5)
+            t += 1
+
+
 def test_prefill_kernel_rejects_bad_input() -> None:
     op = load_kernels().prefill_attention
     q, kc, vc, slots, offsets = _decode_inputs([3, 4], 9, 3, 16, torch.float32, torch.float32, seed=0)

@@ -21,29 +21,35 @@
 // is a function of its own query and its own keys only**, bitwise: the same whether it is a
 // decode row, one row of a prefill chunk (of any length, cut anywhere), a speculative guess row,
 // alone or in a batch, on any thread count. Every token is computed with one fixed sequence of
-// float32 operations:
+// operations (per build: which sequence depends on the CPU and dtypes, below):
 //
 //   * its keys are cut into chunks of kChunkKeys (0..127, 128..255, ...);
-//   * per chunk and query head: score_j = sum over d = 0 .. D-1 of q_d * scale * k_jd, accumulated
-//     in d order (one FMA per d); the chunk's softmax statistics (max m, sum of exp(score - m) in
-//     a fixed lane order) and its weighted value sum, accumulated in key order;
+//   * per chunk and query head: its scores (q . k * scale, summed in a fixed order), the chunk's
+//     softmax statistics (max m, sum of exp(score - m) in a fixed lane order) and its weighted
+//     value sum, accumulated in key order;
 //   * the chunks' partials merged by their maxima, in chunk order.
 //
 // How the work is grouped does not enter that sequence. A work item is (a run of up to
 // kTokenBlock tokens of one sequence, one key chunk), all kv heads: per kv head it reads each
 // key's K and V row once from the pool, by slot (no gathered copy, no padding to the longest
 // sequence), for every query row of the run (the run's tokens x the G query heads sharing the kv
-// head). That is what makes prefill cheap: a key row is widened and transposed once for up to 16
-// tokens x G heads instead of once per token (2x faster than one token per item at 256 and 1,024
-// tokens, on the Zen 5 class CPU of docs/performance.md). Rows of one item that see fewer keys (the
-// causal diagonal) skip the keys beyond theirs with masked FMAs, which leave them bitwise as if the
-// loop had stopped there. Items are handed to threads from a shared counter.
+// head). That is what makes prefill cheap: a key row is prepared once (widened or paired, and
+// transposed: 16 keys to a vector, so a score needs no horizontal sum) for up to 16 tokens x G
+// heads instead of once per token. Rows of one item that see fewer keys (the causal diagonal)
+// leave the keys beyond theirs out exactly (masked FMAs, or probability 0 times a finite value).
+// Items are handed to threads from a shared counter.
 //
-// Math is float32 whatever the storage dtype; bf16 is widened by a shift. Vector paths: AVX-512
-// (zmm, keys 16 to a vector, transposed so that a score needs no horizontal sum) for head sizes
-// 32, 64, 96, 128 and 256; AVX2 + FMA (ymm) for 32, 64, 128 and 256 on CPUs without AVX-512;
-// plain loops otherwise. Paths differ in summation order (last-bit differences between CPU types),
-// never within one build.
+// Arithmetic by path:
+//   * bf16 q and pool on a CPU with AVX512-BF16: VDPBF16PS (two exact bf16 products added to a
+//     float32 lane): scores over dimension pairs in order, then * scale; probabilities rounded to
+//     bf16 for P V (as torch's CPU flash attention does), float32 sums; see item_avx512_bf16.
+//     3.1x faster than one token per item at 1,024 tokens (docs/performance.md, round 14).
+//   * otherwise on AVX-512: float32 math whatever the storage (bf16 widened by a shift); scores
+//     summed over d in order (one FMA per d), probabilities float32; 2.1x at 256 and 1,024 tokens.
+//   * AVX2 + FMA (no AVX-512): one token at a time, float32, lane partial sums; plain loops for
+//     head sizes without a vector path.
+// Vector paths exist for head sizes 32, 64, 96, 128 and 256 (AVX-512) and 32, 64, 128 and 256
+// (AVX2). Paths differ in rounding (last-bit differences between CPU types), never within one build.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -59,6 +65,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -461,6 +468,7 @@ struct Scratch {
   std::vector<float> kt, vf, qf, sc;
   std::vector<int64_t> n;
   std::vector<float*> out;
+  std::vector<uint32_t> kp, vp, qp, pb;  // the AVX512-BF16 path's bf16 pairs
 };
 
 // One item on AVX-512: every kv head, every row (token x query head of the kv group). A single
@@ -546,6 +554,192 @@ void item_avx512(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0, in
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// bf16 queries on a bf16 pool, on a CPU with AVX512-BF16: VDPBF16PS adds two bf16 products to a
+// float32 lane per instruction (the products are exact in float32), twice the work of an FMA, and
+// needs no widening. The order of operations per token, fixed as on the float32 path:
+//   * score_j = (sum over dimension pairs p = 0 .. D/2 - 1, in order, of q_2p k_2p + q_2p+1 k_2p+1,
+//     one VDPBF16PS each, from 0) * scale;
+//   * softmax statistics as softmax_row (float32), then each exp(score - max) rounded to bf16 (round
+//     to nearest even, what torch's CPU flash attention does to its probabilities before P V);
+//   * acc = sum over key pairs (2i, 2i + 1), in order, of p_2i v_2i + p_2i+1 v_2i+1, one VDPBF16PS
+//     each, from 0; the sum of the float32 probabilities normalises it, as on the float32 path.
+// A row with fewer keys than its run (the causal diagonal) has probability 0 beyond its keys, so
+// those products add exact zeros (the value rows there are the sequence's own, finite).
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+// 16 floats rounded to bf16 (nearest even), stored as 8 pairs.
+inline void store_bf16x16(uint32_t* dst, __m512 x) {
+  __m256bh b = _mm512_cvtneps_pbh(x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i&>(b));
+}
+
+// 16 keys' bf16 rows (nullptr: padding, zeros) -> kp [D/2][16] u32: dimension pairs, one key per lane.
+template <int NV>
+inline void transpose_key_pairs(const c10::BFloat16* const* rows, uint32_t* kp) {
+  for (int half = 0; half < NV / 2; ++half) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = rows[i] ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i] + 32 * half)) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_ps(reinterpret_cast<float*>(kp + (16 * half + p) * 16), r[p]);
+  }
+}
+
+// Two keys' value rows (b may be nullptr: zeros) -> vp [D/16][16] u32: lane i of vector v holds
+// dimension 16 v + i of key a (low half) and of key b (high half).
+template <int NV>
+inline void interleave_values(const c10::BFloat16* a, const c10::BFloat16* b, uint32_t* vp) {
+  for (int v = 0; v < NV; ++v) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * v)));
+    const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * v)))
+                         : _mm512_setzero_si512();
+    _mm512_storeu_si512(vp + 16 * v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// Scores of R rows x KB blocks of 16 keys (qp: each row's D/2 bf16 pairs as u32).
+template <int NV, int R, int KB>
+inline void score_block_bf16(const uint32_t* qp, const uint32_t* kp, float scale, float* sc, int64_t sc_stride) {
+  constexpr int64_t pairs = 8 * NV;
+  __m512 acc[R][KB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512i k[KB];
+    for (int b = 0; b < KB; ++b) k[b] = _mm512_loadu_si512(kp + (b * pairs + i) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qi = as_bh(_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i])));
+      for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], as_bh(k[b]), qi);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) _mm512_storeu_ps(sc + r * sc_stride + 16 * b, _mm512_mul_ps(acc[r][b], sv));
+}
+
+template <int NV, int R>
+inline void score_rows_bf16(const uint32_t* qp, const uint32_t* kp, int64_t blocks, float scale, float* sc,
+                            int64_t sc_stride) {
+  constexpr int64_t pairs = 8 * NV;
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) score_block_bf16<NV, R, 4>(qp, kp + b * pairs * 16, scale, sc + 16 * b, sc_stride);
+  for (; b + 2 <= blocks; b += 2) score_block_bf16<NV, R, 2>(qp, kp + b * pairs * 16, scale, sc + 16 * b, sc_stride);
+  if (b < blocks) score_block_bf16<NV, R, 1>(qp, kp + b * pairs * 16, scale, sc + 16 * b, sc_stride);
+}
+
+// Probabilities (pb: each row's bf16 key pairs as u32, zeros beyond its keys) x values for R rows
+// over key pairs [0, pairs).
+template <int NV, int R>
+inline void value_rows_bf16(const uint32_t* pb, int64_t pb_stride, const uint32_t* vp, int64_t pairs,
+                            float* const* out) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512i val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = _mm512_loadu_si512(vp + (j * NV + v) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(pb[r * pb_stride + j])));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], as_bh(val[v]), w);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[r] + 2 + 16 * v, acc[r][v]);
+}
+
+template <int NV>
+void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, int64_t q_s0, int64_t q_s1,
+                      const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* slots, int64_t h,
+                      int64_t hkv, float scale, float* parts, Scratch& s) {
+  constexpr int64_t d = 16 * NV, pairs = 8 * NV;
+  const int64_t g = h / hkv, nt = it.t1 - it.t0, rows = nt * g, begin = it.chunk * kChunkKeys;
+  const int64_t nk = std::min(kChunkKeys, tk.count[it.t1 - 1] - begin);
+  const int64_t blocks = (nk + 15) / 16, sc_stride = blocks * 16, key_pairs = (nk + 1) / 2;
+  const int64_t pb_stride = sc_stride / 2;
+  const int64_t* sl = slots + tk.base[it.t0] + begin;
+  s.kp.resize(static_cast<size_t>(blocks * 16 * pairs));
+  s.vp.resize(static_cast<size_t>(key_pairs * d));
+  s.qp.resize(static_cast<size_t>(rows * pairs));
+  s.sc.resize(static_cast<size_t>(rows * sc_stride));
+  s.pb.resize(static_cast<size_t>(rows * pb_stride));
+  s.n.resize(static_cast<size_t>(rows));
+  s.out.resize(static_cast<size_t>(rows));
+  for (int64_t kv = 0; kv < hkv; ++kv) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const c10::BFloat16* krows[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t j = b * 16 + i;
+        if (j >= nk) {
+          krows[i] = nullptr;
+          continue;
+        }
+        if (j + kPrefetch < nk) {  // this kv head's K and V rows ahead
+          const char* ka = reinterpret_cast<const char*>(kc + (sl[j + kPrefetch] * hkv + kv) * d);
+          const char* va = reinterpret_cast<const char*>(vc + (sl[j + kPrefetch] * hkv + kv) * d);
+          for (int64_t o = 0; o < d * 2; o += 64) {
+            _mm_prefetch(ka + o, _MM_HINT_T0);
+            _mm_prefetch(va + o, _MM_HINT_T0);
+          }
+        }
+        krows[i] = kc + (sl[j] * hkv + kv) * d;
+        if (j % 2 == 0)
+          interleave_values<NV>(vc + (sl[j] * hkv + kv) * d, j + 1 < nk ? vc + (sl[j + 1] * hkv + kv) * d : nullptr,
+                                s.vp.data() + (j / 2) * d);
+      }
+      transpose_key_pairs<NV>(krows, s.kp.data() + b * 16 * pairs);
+    }
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      const int64_t n = std::min(kChunkKeys, tk.count[t] - begin);
+      for (int64_t gg = 0; gg < g; ++gg) {
+        const int64_t r = (t - it.t0) * g + gg, head = kv * g + gg;
+        std::memcpy(s.qp.data() + r * pairs, q + t * q_s0 + head * q_s1, d * sizeof(c10::BFloat16));
+        s.n[r] = n;
+        s.out[r] = part_of(parts, tk, t, it.chunk, h, head, d);
+      }
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, rows - r0);
+      const int64_t rb = (s.n[r0 + rr - 1] + 15) / 16;
+      const uint32_t* qr = s.qp.data() + r0 * pairs;
+      float* sr = s.sc.data() + r0 * sc_stride;
+      switch (rr) {
+        case 1: score_rows_bf16<NV, 1>(qr, s.kp.data(), rb, scale, sr, sc_stride); break;
+        case 2: score_rows_bf16<NV, 2>(qr, s.kp.data(), rb, scale, sr, sc_stride); break;
+        case 3: score_rows_bf16<NV, 3>(qr, s.kp.data(), rb, scale, sr, sc_stride); break;
+        default: score_rows_bf16<NV, 4>(qr, s.kp.data(), rb, scale, sr, sc_stride); break;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* p = s.sc.data() + r * sc_stride;
+      const auto [m, sum] = softmax_row(p, s.n[r]);  // zeros up to the next multiple of 16
+      s.out[r][0] = m;
+      s.out[r][1] = sum;
+      uint32_t* pr = s.pb.data() + r * pb_stride;
+      const int64_t filled = (s.n[r] + 15) / 16;
+      for (int64_t b = 0; b < filled; ++b)
+        store_bf16x16(pr + 8 * b, _mm512_loadu_ps(p + 16 * b));
+      std::fill(pr + 8 * filled, pr + pb_stride, 0u);  // probability 0 beyond the row's keys
+    }
+    constexpr int RV = kValueRows<NV>;
+    for (int64_t r0 = 0; r0 < rows; r0 += RV) {
+      const int64_t rr = std::min<int64_t>(RV, rows - r0);
+      const int64_t kp_rows = (s.n[r0 + rr - 1] + 1) / 2;  // key pairs the rows see
+      const uint32_t* pr = s.pb.data() + r0 * pb_stride;
+      float* const* o = s.out.data() + r0;
+      switch (rr) {
+        case 1: value_rows_bf16<NV, 1>(pr, pb_stride, s.vp.data(), kp_rows, o); break;
+        case 2: if constexpr (RV >= 2) value_rows_bf16<NV, 2>(pr, pb_stride, s.vp.data(), kp_rows, o); break;
+        case 3: if constexpr (RV >= 3) value_rows_bf16<NV, 3>(pr, pb_stride, s.vp.data(), kp_rows, o); break;
+        case 4: if constexpr (RV >= 4) value_rows_bf16<NV, 4>(pr, pb_stride, s.vp.data(), kp_rows, o); break;
+        case 5: if constexpr (RV >= 5) value_rows_bf16<NV, 5>(pr, pb_stride, s.vp.data(), kp_rows, o); break;
+        default: if constexpr (RV >= 6) value_rows_bf16<NV, RV>(pr, pb_stride, s.vp.data(), kp_rows, o); break;
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
 #endif  // __AVX512F__
 
 // One item on the per-token paths: each token of the run by itself, per kv head.
@@ -602,6 +796,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t i = next++; i < ni; i = next++) {
       const Item& it = items[i];
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
+        switch (d) {
+          case 64: item_avx512_bf16<4>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+          case 128: item_avx512_bf16<8>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+          case 256: item_avx512_bf16<16>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+          case 96: item_avx512_bf16<6>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+          case 32: item_avx512_bf16<2>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
+          default: break;
+        }
+      }
+#endif
       switch (d) {
         case 64: item_avx512<4>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
         case 128: item_avx512<8>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.data(), scratch); continue;
