@@ -31,7 +31,7 @@ from lockgate import kernels
 def csr(ctx: list[torch.Tensor], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slots, key offsets and query offsets for sequences with these key slots and new tokens."""
     offsets, q_offsets = [0], [0]
-    for s, n in zip(ctx, new):
+    for s, n in zip(ctx, new, strict=True):
         offsets.append(offsets[-1] + len(s))
         q_offsets.append(q_offsets[-1] + n)
     return torch.cat(ctx), torch.tensor(offsets), torch.tensor(q_offsets)

@@ -469,7 +469,7 @@ def test_prefill_kernel_runs_give_each_token_its_decode_result_bitwise(d: int, h
     scale = d ** -0.5
     out, lse = torch.ops.lockgate.prefill_attention(q, kc, vc, slots, offsets, q_offsets, scale)
     t = 0
-    for b, (n_ctx, n_new) in enumerate(zip(ctx, new)):
+    for b, (n_ctx, n_new) in enumerate(zip(ctx, new, strict=True)):
         lo = int(offsets[b])
         for i in range(n_new):
             n = n_ctx - n_new + 1 + i  # this token's keys
