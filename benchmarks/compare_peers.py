@@ -59,8 +59,10 @@ fit at once and peak admission makes the last ones wait, which is a different ex
 system has it (Debian: libtcmalloc-minimal4) and libiomp5.so from the peer venv. ``VLLM_CPU_OMP_THREADS_BIND``
 is left to vLLM for the server ``vllm`` (``auto``: on 2 cores it keeps one for its scheduler and runs torch on 1
 thread); ``vllm-allcores`` sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` and ``VLLM_CPU_OMP_THREADS_BIND=auto`` (torch on
-every core). Both run by default; each workload's ratios are against the better of the two (by output tok/s), and
-the JSON's ``ratios`` name which one. vLLM's dtype (``--vllm-dtype``, else ``--dtype``) follows its CPU backend:
+every core). Both run by default; each workload's ratios are against the better vLLM run (by output tok/s), and
+the JSON's ``ratios`` name which one. ``vllm-ngram`` (on request) is ``vllm-allcores`` with vLLM's n-gram
+speculation (``--speculative-config``: 2 tokens, lookup 2-4, lockgate's defaults): the peer of lockgate's own
+speculation at c = 1 (compare ``lockgate-nospec`` with ``vllm-allcores`` for both without it). vLLM's dtype (``--vllm-dtype``, else ``--dtype``) follows its CPU backend:
 bf16 where it has native bf16 kernels, float32 elsewhere.
 Started through ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of vllm-cpu
 0.32.0 fails: it asks for the version of a distribution named ``vllm``). The first start compiles the model
@@ -99,11 +101,15 @@ PY = sys.executable
 # lockgate-nospec: --speculative-tokens 0; vllm: vLLM's own thread binding (on 2 cores it keeps one
 # for its engine process and runs torch on 1 thread); vllm-allcores: torch on every core
 # (VLLM_CPU_NUM_OF_RESERVED_CPU=0), what a user tuning it for a small machine would keep.
-SERVERS = ("lockgate", "lockgate-nospec", "lockgate-inexact", "lockgate-deterministic", "vllm", "vllm-allcores")
+SERVERS = ("lockgate", "lockgate-nospec", "lockgate-inexact", "lockgate-deterministic", "vllm", "vllm-allcores",
+           "vllm-ngram")
 # lockgate-inexact: --no-exact-prefill, lockgate-deterministic: --deterministic (what each costs, issue 19)
 LOCKGATE_VARIANTS = {"lockgate": [], "lockgate-nospec": ["--speculative-tokens", "0"],
                      "lockgate-inexact": ["--no-exact-prefill"], "lockgate-deterministic": ["--deterministic"]}
 VLLM_ALLCORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+# vllm-ngram: vllm-allcores with vLLM's n-gram (prompt lookup) speculation, sized as lockgate's defaults
+# (--speculative-tokens 2, --speculative-ngram-min 2, --speculative-ngram-max 4)
+VLLM_NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 WORKLOADS = ("uniform", "uniform-c1", "uniform-high", "mixed", "shared-prefix")
 DEFAULT_PEER_VENV = "~/.cache/lockgate/peers/vllm-cpu"
 SERVED_NAME = "default"
@@ -281,6 +287,8 @@ def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str, name: str = 
     argv = [str(peer_bin(venv, "python")), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", vllm_dtype(a),
             "--max-model-len", str(a.max_model_len), "--disable-uvicorn-access-log", *shlex.split(a.vllm_args)]
+    if name == "vllm-ngram":
+        argv += ["--speculative-config", json.dumps(VLLM_NGRAM_CONFIG)]
     env = dict(os.environ)
     for k in ("PYTHONPATH", "PYTHONHOME"):
         env.pop(k, None)
@@ -291,7 +299,7 @@ def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str, name: str = 
         libs = preload_libs(venv)
         if libs:
             env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [env.get("LD_PRELOAD")])])
-    if name == "vllm-allcores":
+    if name in ("vllm-allcores", "vllm-ngram"):
         env.update(VLLM_ALLCORES_ENV)
     env.update(a.vllm_env)
     srv = Server(name, argv, env, port, workdir / f"serve-{name}.log")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -182,6 +183,28 @@ def test_only_the_scheduler_process_loads_torch(server) -> None:
     assert "libtorch" not in open(f"/proc/{server.proc.pid}/maps").read()
     assert "libtorch" not in open(f"/proc/{pids['detokenizer']}/maps").read()
     assert "libtorch" in open(f"/proc/{pids['scheduler']}/maps").read()
+
+
+def test_the_scheduler_process_runs_with_huge_page_malloc(server) -> None:
+    """Only the scheduler (KV pool, weights) asks glibc for transparent huge pages; a user's own
+    GLIBC_TUNABLES are kept, and one that sets glibc.malloc.hugetlb itself is left alone."""
+    from lockgate.server.launch import HUGE_PAGES_TUNABLE, scheduler_env
+
+    def environ(pid: int) -> list[str]:
+        return open(f"/proc/{pid}/environ", "rb").read().decode().split("\0")
+
+    def tunables(pid: int) -> str | None:
+        return next((v.partition("=")[2] for v in environ(pid) if v.startswith("GLIBC_TUNABLES=")), None)
+
+    pids = server.child_pids()
+    ours = os.environ.get("GLIBC_TUNABLES")  # the server was started with this process's environment
+    assert tunables(pids["scheduler"]) == scheduler_env(os.environ).get("GLIBC_TUNABLES", ours)
+    assert "glibc.malloc.hugetlb" in (tunables(pids["scheduler"]) or "")
+    assert tunables(pids["detokenizer"]) == ours
+    assert scheduler_env({}) == {"GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}
+    assert scheduler_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}"}
+    assert scheduler_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
 
 
 def test_tgi_stream_gives_each_token_its_own_text_and_top_tokens_under_speculation(server) -> None:

@@ -24,6 +24,11 @@ Lifecycle:
   silence the API process does the same as for a death, naming the silent process and its
   state (``/health`` answers 503 from then until the server is gone). Exit code 1. Children also exit by themselves when this
   process disappears (they watch their parent pid), so no orphans remain.
+
+The scheduler process starts with glibc's malloc asked to put its large allocations on
+transparent huge pages (``scheduler_env``): the KV pool, the packed weights and a step's
+activations are hundreds of MB read every step, and on 4 KB pages their TLB misses cost a decode
+step of 32 rows about 3% (docs/performance.md, round 14).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -73,6 +79,20 @@ class Endpoints:
     @staticmethod
     def in_dir(d: str) -> Endpoints:
         return Endpoints(f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/api")
+
+
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"  # malloc madvises its mmap'd chunks MADV_HUGEPAGE
+
+
+def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the scheduler process's environment adds to ``environ``: ``GLIBC_TUNABLES`` with
+    ``glibc.malloc.hugetlb=1`` (glibc 2.35+: large allocations advised onto transparent huge
+    pages; older glibc and kernels with THP off ignore it), appended to the user's tunables unless
+    they already set ``glibc.malloc.hugetlb`` themselves (``=0`` opts out)."""
+    current = environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in current:
+        return {}
+    return {"GLIBC_TUNABLES": f"{current}:{HUGE_PAGES_TUNABLE}" if current else HUGE_PAGES_TUNABLE}
 
 
 @dataclass
@@ -183,7 +203,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
         sup.start("scheduler", SCHEDULER_MODULE, SchedulerProcArgs(
             engine=engine, model_name=name, in_endpoint=ep.scheduler, detok_endpoint=ep.detokenizer,
             watchdog_timeout=server.watchdog_timeout, decode_log_interval=server.decode_log_interval,
-            parent_pid=os.getpid(), log_level=log_level))
+            parent_pid=os.getpid(), log_level=log_level), env=scheduler_env(os.environ))
         sup.start("detokenizer", DETOKENIZER_MODULE, DetokProcArgs(
             model=engine.model.model, in_endpoint=ep.detokenizer, api_endpoint=ep.api,
             scheduler_endpoint=ep.scheduler, parent_pid=os.getpid(), log_level=log_level))
