@@ -159,18 +159,20 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
         assert torch.equal(a, b)
 
 
-def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch) -> None:
-    # A float32 run whose projections pick the integer GEMM (lockgate::int_linear) takes the
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
+    # A run whose projections pick the integer GEMM (lockgate::int_linear, float32 in and out: a
+    # bf16 run widens x for it and rounds the biased result) takes the
     # one-call path for decode steps of any size (kinds 104: its few-row path at 1-6 rows, its
     # tiles above), exactly as the per-op path picks per call; where the table picks dense
-    # (here: steps of more than 3 sequences) the step runs per op.
-    from lockgate.layers.forms import int_gemm_available, int_gemm_isa
+    # (here: steps of more than 3 sequences) the one call runs dense (kind 200 or 201).
+    from lockgate.layers.forms import int_gemm_available, int_gemm_isa, onednn_packs
 
     build(tmp_path, "llama_bias_mha", tie=False)
     assert cpu_kernels.load(), cpu_kernels.error()
     if not int_gemm_available():
         pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
-    model = DecoderModel.from_pretrained(tmp_path, torch.float32, quantization="int4", cpu_kernels=True)
+    model = DecoderModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
     assert all("int-gemm" in lin.forms for layer in model.layers for lin in layer.projections().values())
     model.choose_forms({role: FormChoice.parse("int-gemm:3,dense") for role in ("qkv", "o", "gate_up", "down")})
     seqs = 5
@@ -179,7 +181,31 @@ def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool
     steps += [{0: PROMPT[8:9], 1: PROMPT[9:10], 2: PROMPT[10:11]}, {0: PROMPT[9:10], 1: PROMPT[10:11]},
               {0: PROMPT[10:11]}]  # three sequences, two, one
     per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 4, steps)
-    assert kinds == [{104}] * 3  # the 5-sequence steps ran per op (dense)
+    dense = 200 if onednn_packs(dtype, torch.device("cpu")) else 201
+    assert kinds == [{dense}] * 3 + [{104}] * 3  # the 5-sequence steps on dense, then the integer GEMM
+    for a, b in zip(per_op, one_call, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_with_dense_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
+    # Decode steps whose projections pick the dense form (what a batch of 32 picks on a CPU with
+    # fast bf16 GEMMs) run in one call too: kind 200 for a bf16 weight packed for oneDNN
+    # (mkldnn::_linear_pointwise through the dispatcher, bias fused as in DenseWeight), 201 for
+    # F.linear (float32, or bf16 where oneDNN has no bf16 kernels); bitwise what the per-op path gives.
+    from lockgate.layers.forms import onednn_packs
+
+    build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
+    assert cpu_kernels.load(), cpu_kernels.error()
+    model = DecoderModel.from_pretrained(tmp_path, dtype, cpu_kernels=True)
+    model.choose_forms({role: FormChoice.parse("dense") for role in ("qkv", "o", "gate_up", "down")})
+    seqs = 4
+    steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
+    steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 9)]
+    steps += [{0: PROMPT[9:10], 2: PROMPT[11:12]}, {0: PROMPT[10:11]}]  # fewer sequences
+    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 5, steps)
+    kind = 200 if onednn_packs(dtype, torch.device("cpu")) else 201
+    assert kinds == [{kind}] * 6
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 

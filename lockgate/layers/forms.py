@@ -92,7 +92,11 @@ class DenseWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
-        return None
+        """Kind and tensors for ``lockgate::decode_layers_``: 200 (the oneDNN-packed weight, run as
+        here) or 201 (F.linear on the weight)."""
+        if self.packed is None:
+            return 201, [self.weight, _NONE, _NONE]
+        return 200, [self.packed, _NONE, _NONE]
 
 
 class Fp32Weight:
@@ -370,8 +374,8 @@ class IntGemmWeight:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
-        """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``);
-        float32 runs only (the operator passes x to ``int_linear`` as it is)."""
+        """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``;
+        the operator widens a 16-bit x and rounds the result as here)."""
         return 100 + self.bits, [self.packed, self.scales, _NONE if self.zeros is None else self.zeros]
 
     def dequantize(self, n: int, k: int) -> torch.Tensor:

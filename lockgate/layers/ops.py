@@ -139,7 +139,7 @@ class KernelOps:
         """An all-decode step in one call (``lockgate::decode_layers_``: the layer loop's very ops on
         this backend, without returning to Python between them), or None when the step is not one:
         every sequence decodes on the attention kernel without a shared prefix, and every
-        projection's picked form for this row count is a quantized one the operator runs."""
+        projection's picked form for this row count is one the operator runs (quantized or dense)."""
         t = x.shape[0]
         if len(meta.groups) != 1:
             return None
@@ -163,8 +163,8 @@ class KernelOps:
     def _pack(layers: Iterable[LayerWeights], rows: int,
               dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
         """The layers' tensors in ``decode_layers_``' order, and each projection's kind, for the
-        forms picked at ``rows`` rows; () when some picked form has no kind (dense, fp32) or is
-        the integer GEMM in a 16-bit run (the operator hands it x as it is)."""
+        forms picked at ``rows`` rows; () when some picked form has no kind (the float32 copy of
+        a 16-bit run)."""
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
         for layer in layers:
@@ -173,7 +173,7 @@ class KernelOps:
                 if lin.prompt is not None and lin.choice.pick(rows) == lin.prompt.name and rows < lin.prompt.min_rows:
                     return ()  # the layer loop pads such calls (Linear), the operator would not
                 args = lin.form_for(rows).decode_layers_args()
-                if args is None or (args[0] >= 100 and dtype != torch.float32):
+                if args is None:
                     return ()
                 kinds.append(args[0])
                 weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]

@@ -14,7 +14,10 @@
 //   kinds      per layer and projection: 0 = torch's int4 (a: packed codes, b: scales_and_zeros,
 //              groups of 32, bf16 activations), 4 / 8 = lockgate::quant_linear with that many bits
 //              (a: codes, b: scales, c: zeros), 104 / 108 = lockgate::int_linear with 4 / 8 bits
-//              (a: packed codes, b: scales, c: zeros; float32 x)
+//              (a: packed codes, b: scales, c: zeros; a bf16 x widened for it), 200 = the dense weight packed for
+//              oneDNN (a: what mkldnn::_reorder_linear_weight made; run by mkldnn::_linear_pointwise with
+//              the bias fused, as lockgate.layers.forms.DenseWeight), 201 = the dense weight (a) by
+//              at::linear (F.linear)
 //
 // It does exactly what lockgate.models.llama.LlamaModel._layers does on KernelOps for such a step (the
 // same functions, in the same order, rounding in the same places), without returning to Python
@@ -23,6 +26,8 @@
 // a quantized form and every sequence decodes one token without a shared prefix.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
 #include <torch/library.h>
 
@@ -36,13 +41,28 @@ namespace {
 constexpr int64_t kTensorsPerLayer = 2 + 4 * 4;
 constexpr int64_t kInt4Group = 32;
 constexpr int64_t kIntGemmKind = 100;  // kinds 104 / 108: int_linear with kind - 100 bits
+constexpr int64_t kOneDnnKind = 200;   // the oneDNN-packed dense weight
+constexpr int64_t kDenseKind = 201;    // the dense weight, at::linear
 
 std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
 }
 
-// y = x W^T + bias through the projection's quantized form.
+// mkldnn::_linear_pointwise(x, packed, bias, "none", [], "") through the dispatcher (the operator
+// torch registers for oneDNN-packed weights; boxed, so its C++ signature is not restated here).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::optional<std::string>(std::string())};
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+// y = x W^T + bias through the projection's form.
 at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
+  if (kind == kOneDnnKind) return onednn_linear(x, p[0], opt(p[3]));
+  if (kind == kDenseKind) return at::linear(x, p[0], opt(p[3]));
   if (kind == 0) {
     // torch's kernel checks the codes' shape but not the scales' first dimension: check both here
     const int64_t k = x.size(1), n = p[0].size(0);
@@ -57,8 +77,11 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
     return p[3].numel() ? y.add_(p[3]) : y;
   }
   if (kind >= kIntGemmKind) {
-    at::Tensor y = lockgate::int_linear(x, p[0], p[1], opt(p[2]), kind - kIntGemmKind);
-    return p[3].numel() ? y.add_(p[3]) : y;
+    // float32 in and out (as IntGemmWeight: a 16-bit x widened exactly, the biased result rounded once)
+    const bool narrow = x.scalar_type() != at::kFloat;
+    at::Tensor y = lockgate::int_linear(narrow ? x.to(at::kFloat) : x, p[0], p[1], opt(p[2]), kind - kIntGemmKind);
+    if (p[3].numel()) y.add_(p[3]);
+    return narrow ? y.to(x.scalar_type()) : y;
   }
   return lockgate::quant_linear(x, p[0], p[1], opt(p[2]), opt(p[3]), kind);
 }
@@ -80,7 +103,9 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
               weights.size());
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers * 4, "kinds: expected 4 per layer");
   for (int64_t kind : kinds) {
-    TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108, "kinds must be 0, 4, 8, 104 or 108");
+    TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108 || kind == kOneDnnKind ||
+                    kind == kDenseKind,
+                "kinds must be 0, 4, 8, 104, 108, 200 or 201");
   }
   std::optional<at::Tensor> pending;  // the previous layer's MLP output, not yet added to x
   for (int64_t l = 0; l < layers; ++l) {
@@ -110,3 +135,5 @@ TORCH_LIBRARY_FRAGMENT(lockgate, m) {
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_layers_", &lockgate::decode_layers_); }
+// oneDNN-packed weights (kind 200) are MkldnnCPU tensors: a call holding one dispatches there
+TORCH_LIBRARY_IMPL(lockgate, MkldnnCPU, m) { m.impl("decode_layers_", &lockgate::decode_layers_); }
