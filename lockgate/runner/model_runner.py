@@ -9,7 +9,8 @@ Invariants:
 * The runner never sees requests: per step it gets plain arrays (``ForwardPlan``) and returns
   plain arrays (``ForwardResult``). Which slots are free or cached is the scheduler's
   business; the runner only writes the step's K/V to ``plan.out_slots`` and reads
-  ``plan.kv_slots``. The pool is ``torch.empty``: a slot is meaningful once some step wrote it.
+  ``plan.kv_slots``. A slot is meaningful once some step wrote it; the pool's memory is zero-filled
+  and resident from the start (``pool_memory.allocate_pool``).
 * Facts learned at start-up (``capacity``, ``max_model_len``, ``vocab_size``,
   ``eos_token_ids``) are attributes, never edits of the config.
 * ``execute`` computes logits only for ``plan.sample_rows`` (the last token of each sampled
@@ -46,6 +47,7 @@ from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import row_invariance, tuning
+from lockgate.runner.pool_memory import allocate_pool
 from lockgate.runner.sampler import sample
 
 log = logging.getLogger("lockgate.runner")
@@ -143,13 +145,15 @@ class ModelRunner:
                 raise ValueError(f"--kv-cache-memory {cache_cfg.kv_cache_memory} holds no token "
                                  f"({bytes_per_token} bytes per token)")
         shape = self.model.kv_shape(self.capacity)  # [layers, capacity, Hkv, D]
-        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        t_pool = time.perf_counter()
+        self.k_cache = allocate_pool(shape, self.dtype, self.device)
+        self.v_cache = allocate_pool(shape, self.dtype, self.device)
+        t_pool = time.perf_counter() - t_pool
         log.info("model %s (%s, %d layers) on %s in %s, loaded in %.2fs; max_model_len %d",
                  self.model_dir, args.model_type, args.num_layers, self.device, self.dtype,
                  time.perf_counter() - t0, self.max_model_len)
-        log.info("KV pool: %d tokens x %d bytes = %.1f MiB", self.capacity, bytes_per_token,
-                 self.capacity * bytes_per_token / 2**20)
+        log.info("KV pool: %d tokens x %d bytes = %.1f MiB (allocated and faulted in in %.2fs)", self.capacity,
+                 bytes_per_token, self.capacity * bytes_per_token / 2**20, t_pool)
         self.lora_slots: LoraSlots | None = None  # LoRA: the adapters the scheduler put in slots
         self.max_lora_rank = 0
         self._adapters: dict[int, AdapterWeights] = {}  # uid -> weights of every loaded adapter

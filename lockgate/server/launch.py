@@ -26,9 +26,9 @@ Lifecycle:
   process disappears (they watch their parent pid), so no orphans remain.
 
 The scheduler process starts with glibc's malloc asked to put its large allocations on
-transparent huge pages (``scheduler_env``): the KV pool, the packed weights and a step's
-activations are hundreds of MB read every step, and on 4 KB pages their TLB misses cost a decode
-step of 32 rows about 3% (docs/performance.md, round 14).
+transparent huge pages (``scheduler_env``): the packed weights and a step's activations are
+hundreds of MB read every step, and on 4 KB pages their TLB misses cost a decode step of 32 rows
+about 3% (docs/performance.md, round 14). The KV pool opts out (``lockgate.runner.pool_memory``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"  # malloc madvises its mmap'd chun
 
 def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What the scheduler process's environment adds to ``environ``: ``GLIBC_TUNABLES`` with
-    ``glibc.malloc.hugetlb=1`` (glibc 2.35+: large allocations advised onto transparent huge
+    ``glibc.malloc.hugetlb=1`` (glibc 2.35+: malloc's mmap'd chunks advised onto transparent huge
     pages; older glibc and kernels with THP off ignore it), appended to the user's tunables unless
     they already set ``glibc.malloc.hugetlb`` themselves (``=0`` opts out)."""
     current = environ.get("GLIBC_TUNABLES", "")
