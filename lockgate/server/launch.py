@@ -28,7 +28,8 @@ Lifecycle:
 The scheduler process starts with glibc's malloc asked to put its large allocations on
 transparent huge pages (``scheduler_env``): the packed weights and a step's activations are
 hundreds of MB read every step, and on 4 KB pages their TLB misses cost a decode step of 32 rows
-about 3% (docs/performance.md, round 14). The KV pool opts out (``lockgate.runner.pool_memory``).
+about 3%; the KV pool on them (faulted in at start, ``lockgate.runner.pool_memory``) makes decode
+attention over long contexts faster (docs/performance.md, round 14).
 """
 
 from __future__ import annotations
