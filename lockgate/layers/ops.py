@@ -149,7 +149,7 @@ class KernelOps:
         if g.kernel_offsets.shape[0] - 1 != t:  # a prefill on the prefill kernel's group: not one row per sequence
             return None
         if t not in self._packs:
-            self._packs[t] = self._pack(layers, t, x.dtype)
+            self._packs[t] = self._pack(layers, t)
         packed = self._packs[t]
         if not packed:
             return None
@@ -160,8 +160,7 @@ class KernelOps:
                                                  eps, scale)
 
     @staticmethod
-    def _pack(layers: Iterable[LayerWeights], rows: int,
-              dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+    def _pack(layers: Iterable[LayerWeights], rows: int) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
         """The layers' tensors in ``decode_layers_``' order, and each projection's kind, for the
         forms picked at ``rows`` rows; () when some picked form has no kind (the float32 copy of
         a 16-bit run)."""

@@ -146,8 +146,9 @@ class ModelRunner:
                                  f"({bytes_per_token} bytes per token)")
         shape = self.model.kv_shape(self.capacity)  # [layers, capacity, Hkv, D]
         t_pool = time.perf_counter()
-        self.k_cache = allocate_pool(shape, self.dtype, self.device)
-        self.v_cache = allocate_pool(shape, self.dtype, self.device)
+        sized_by = (f"--max-total-tokens {cache_cfg.max_total_tokens}" if cache_cfg.max_total_tokens is not None
+                    else f"--kv-cache-memory {cache_cfg.kv_cache_memory}")
+        self.k_cache, self.v_cache = allocate_pool(shape, self.dtype, self.device, sized_by)
         t_pool = time.perf_counter() - t_pool
         log.info("model %s (%s, %d layers) on %s in %s, loaded in %.2fs; max_model_len %d",
                  self.model_dir, args.model_type, args.num_layers, self.device, self.dtype,
