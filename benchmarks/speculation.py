@@ -35,19 +35,22 @@ from lockgate.runner.model_runner import ModelRunner
 I64 = np.int64
 
 
-def guess_rows_plan(rows: int, context: int, vocab: int) -> ForwardPlan:
-    """One sequence of ``context`` tokens in slots 0.. fed ``rows`` one-token rows."""
-    seq = np.arange(rows, dtype=I64) + context  # row j: the context plus guesses 1..j
-    kv = np.concatenate([np.arange(s, dtype=I64) for s in seq])
-    off = np.zeros(rows + 1, I64)
+def guess_rows_plan(rows: int, context: int, vocab: int, batch: int = 1) -> ForwardPlan:
+    """``batch`` sequences of ``context`` tokens (sequence b in slots b * (context + rows) ..), each
+    fed ``rows`` one-token rows, as the scheduler lays out a request and its guesses."""
+    seq = np.tile(np.arange(rows, dtype=I64) + context, batch)  # row j: the context plus guesses 1..j
+    first = np.repeat(np.arange(batch, dtype=I64) * (context + rows), rows)
+    kv = np.concatenate([f + np.arange(s, dtype=I64) for f, s in zip(first, seq, strict=True)])
+    off = np.zeros(rows * batch + 1, I64)
     np.cumsum(seq, out=off[1:])
-    return ForwardPlan(input_ids=(np.arange(rows, dtype=I64) * 7919) % vocab, positions=seq - 1, out_slots=seq - 1,
-                       query_lens=np.ones(rows, I64), seq_lens=seq, kv_slots=kv, kv_offsets=off,
-                       sample_rows=np.arange(rows, dtype=I64), sampling=greedy(rows))
+    n = rows * batch
+    return ForwardPlan(input_ids=(np.arange(n, dtype=I64) * 7919) % vocab, positions=seq - 1,
+                       out_slots=first + seq - 1, query_lens=np.ones(n, I64), seq_lens=seq, kv_slots=kv,
+                       kv_offsets=off, sample_rows=np.arange(n, dtype=I64), sampling=greedy(n))
 
 
-def row_costs(runner: ModelRunner, context: int, max_rows: int, rounds: int) -> dict[str, float]:
-    plans = {q: guess_rows_plan(q, context, runner.vocab_size) for q in range(1, max_rows + 1)}
+def row_costs(runner: ModelRunner, context: int, max_rows: int, rounds: int, batch: int = 1) -> dict[str, float]:
+    plans = {q: guess_rows_plan(q, context, runner.vocab_size, batch) for q in range(1, max_rows + 1)}
     times: dict[int, list[float]] = {q: [] for q in plans}
     for p in plans.values():
         runner.execute(p)

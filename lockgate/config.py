@@ -201,6 +201,11 @@ class SchedulerConfig:
     speculative_max_rows: int = option(3, "speculate only while the step's decode rows (one per decoding request "
                                        "plus its guesses) stay within this; where a step is bound by reading the "
                                        "weights, up to about 3 rows cost little more than one")
+    speculative_min_acceptance: float = option(0.4, "n-gram speculation beyond --speculative-max-rows: a "
+                                               "request feeds its j-th guess only while its guesses' recent hit "
+                                               "rate to the power j (the chance the model takes that guess) is at "
+                                               "least this, and only while no request waits for admission; 1 = "
+                                               "never beyond --speculative-max-rows")
     speculative_ngram_min: int = option(2, "n-gram speculation: shortest suffix looked up in the request's tokens")
     speculative_ngram_max: int = option(4, "n-gram speculation: longest suffix looked up in the request's tokens")
 
@@ -224,6 +229,8 @@ class SchedulerConfig:
             raise ValueError(f"--speculative-tokens must be >= 0 (0 = off), got {self.speculative_tokens}")
         if self.speculative_max_rows < 1:
             raise ValueError(f"--speculative-max-rows must be >= 1, got {self.speculative_max_rows}")
+        if not 0.0 <= self.speculative_min_acceptance <= 1.0:
+            raise ValueError(f"--speculative-min-acceptance must be in [0, 1], got {self.speculative_min_acceptance}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             raise ValueError("need 1 <= --speculative-ngram-min <= --speculative-ngram-max, got "
                              f"{self.speculative_ngram_min} and {self.speculative_ngram_max}")

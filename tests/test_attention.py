@@ -484,6 +484,34 @@ def test_prefill_kernel_runs_give_each_token_its_decode_result_bitwise(d: int, h
             t += 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_of_one_sequence_and_its_guesses_give_each_row_its_own_result(dtype: torch.dtype) -> None:
+    """A request and its speculative guesses come as decode rows whose key lists extend each other
+    (row j + 1: row j's slots and one more); the kernel runs them as one sequence, reading each key
+    once. Every row must still be bitwise its result alone. Rows whose counts also rise by one but
+    whose slots differ (another sequence, or the same slots in another order) are not joined."""
+    load_kernels()
+    h, hkv, d = 9, 3, 64
+    rng = np.random.default_rng(3)
+    capacity = 2000
+    kc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    vc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    seq = rng.permutation(capacity)[:400]  # one request's slots, scattered
+    other = rng.permutation(capacity)[:400]
+    swapped = seq.copy()
+    swapped[[5, 6]] = swapped[[6, 5]]  # same slot set, another order: other keys at those positions
+    lists = [seq[:300], seq[:301], seq[:302], seq[:303],  # a newest token and three guesses
+             other[:304], seq[:305], swapped[:306], seq[:129], seq[:130]]  # counts +1 each, slots not a prefix
+    slots = torch.from_numpy(np.concatenate(lists).astype(np.int64))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64))
+    q = torch.randn(len(lists), h, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, d ** -0.5)
+    for b, keys in enumerate(lists):
+        one, one_lse = torch.ops.lockgate.decode_attention(q[b:b + 1], kc, vc, torch.from_numpy(keys.astype(np.int64)),
+                                                           torch.tensor([0, len(keys)]), d ** -0.5)
+        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
+
+
 def test_prefill_kernel_rejects_bad_input() -> None:
     op = load_kernels().prefill_attention
     q, kc, vc, slots, offsets = _decode_inputs([3, 4], 9, 3, 16, torch.float32, torch.float32, seed=0)

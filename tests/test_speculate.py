@@ -86,9 +86,9 @@ class CycleRunner(SimRunner):
         return res
 
 
-def cycle_engine(capacity: int = 10_000, **sched) -> EngineCore:  # type: ignore[no-untyped-def]
+def cycle_engine(capacity: int = 10_000, runner: type[CycleRunner] | None = None, **sched) -> EngineCore:  # type: ignore[no-untyped-def]
     cfg = EngineConfig.build(model="sim", max_total_tokens=capacity, sim_step_ms=0.0, sim_token_ms=0.0, **sched)
-    return EngineCore(cfg, runner=CycleRunner(cfg.model, cfg.cache), check_invariants=True)
+    return EngineCore(cfg, runner=(runner or CycleRunner)(cfg.model, cfg.cache), check_invariants=True)
 
 
 def drain(eng: EngineCore) -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -126,7 +126,8 @@ def test_speculation_gives_the_same_tokens_in_fewer_steps() -> None:
 
 
 def test_guess_rows_stay_within_the_row_budget() -> None:
-    eng = cycle_engine(speculative_tokens=4, speculative_max_rows=3)
+    # min_acceptance 1: only the free rows (speculative_max_rows) take guesses
+    eng = cycle_engine(speculative_tokens=4, speculative_max_rows=3, speculative_min_acceptance=1.0)
     for p in ([3, 4, 5, 6, 7, 8, 9, 3], [6, 7, 8, 9, 3, 4, 5, 6]):
         eng.add_request(p, greedy(30))
     drain(eng)
@@ -134,10 +135,72 @@ def test_guess_rows_stay_within_the_row_budget() -> None:
     assert all(int((p.query_lens == 1).sum()) <= 3 for p in plans if decode_rows_beyond_requests(p))
     assert any(decode_rows_beyond_requests(p) for p in plans)
     # A lone request may use the whole budget: newest token + 2 guesses.
-    solo = cycle_engine(speculative_tokens=4, speculative_max_rows=3)
+    solo = cycle_engine(speculative_tokens=4, speculative_max_rows=3, speculative_min_acceptance=1.0)
     solo.add_request([3, 4, 5, 6, 7, 8, 9, 3], greedy(30))
     drain(solo)
     assert max(decode_rows_beyond_requests(p) for p in solo.runner.plans) == 2  # type: ignore[attr-defined]
+
+
+PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 3], [6, 7, 8, 9, 3, 4, 5, 6], [4, 5, 6, 7, 8, 9, 3, 4, 5], [9, 3, 4, 5, 6, 7, 8, 9],
+           [5, 6, 7, 8, 9, 3, 4, 5, 6, 7], [7, 8, 9, 3, 4, 5, 6, 7]]
+
+
+class RandomRunner(CycleRunner):
+    """Next token: from a fixed random table of 3..9 by (position, last token): the history's
+    n-grams recur (seven tokens) but what follows them seldom does."""
+
+    table = np.random.default_rng(7).integers(3, 10, 4096)
+
+    def next_tokens(self, last_ids: np.ndarray, last_pos: np.ndarray) -> np.ndarray:  # type: ignore[override]
+        return self.table[(last_pos * 31 + last_ids) % 4096].astype(np.int64)
+
+
+def run_six(twist: int, **sched) -> tuple[list[list[int]], EngineCore, list[int]]:  # type: ignore[no-untyped-def]
+    """Six greedy requests at once (more rows than the 3 free ones); outputs, engine and each step's
+    guess rows."""
+    eng = cycle_engine(runner=RandomRunner if twist == 0 else None,  # twist 0: no cycle at all
+                       **{"speculative_tokens": 2, "speculative_max_rows": 3, **sched})
+    eng.runner.twist = twist  # type: ignore[attr-defined]
+    reqs = [eng.add_request(p, greedy(60)) for p in PROMPTS]
+    outs, _ = drain(eng)
+    eng.requests = reqs  # type: ignore[attr-defined]
+    return [outs[r.rid] for r in reqs], eng, [decode_rows_beyond_requests(p) for p in eng.runner.plans]  # type: ignore[attr-defined]
+
+
+def test_guesses_beyond_the_free_rows_go_where_they_are_taken() -> None:
+    want, _, _ = run_six(10**9, speculative_tokens=0)
+    # A request that repeats itself: its hit rate climbs, and it guesses with five others running.
+    outs, eng, guess_rows = run_six(10**9, speculative_min_acceptance=0.4)
+    assert outs == want
+    assert max(guess_rows) > 3  # more guess rows than the free rows allow
+    spec = eng.scheduler.speculator
+    assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens
+    assert eng.num_steps < 0.6 * 60
+    # min_acceptance 1: six requests leave no free row, so nothing is guessed
+    outs, eng, guess_rows = run_six(10**9, speculative_min_acceptance=1.0)
+    assert outs == want and max(guess_rows) == 0
+    # One whose continuations seldom repeat: its first guesses miss, its hit rate falls below
+    # min_acceptance and it stops feeding guesses (the misses are scored unfed)
+    outs, eng, guess_rows = run_six(0, speculative_min_acceptance=0.4)
+    want_twisted, _, _ = run_six(0, speculative_tokens=0)
+    assert outs == want_twisted
+    steps = len(guess_rows)
+    assert sum(guess_rows[steps // 2:]) == 0, guess_rows
+    assert all(r.guess_hit_rate < 0.4 for r in eng.requests)  # type: ignore[attr-defined]
+
+
+def test_no_guesses_beyond_the_free_rows_while_a_request_waits() -> None:
+    eng = cycle_engine(speculative_tokens=2, speculative_max_rows=3, max_running_requests=4)
+    eng.runner.twist = 10**9  # type: ignore[attr-defined]
+    for p in PROMPTS:
+        eng.add_request(p, greedy(40))
+    waited, free = [], []
+    while eng.has_work:
+        waiting = bool(eng.scheduler.waiting)
+        eng.step()
+        (waited if waiting else free).append(decode_rows_beyond_requests(eng.runner.plans[-1]))  # type: ignore[attr-defined]
+    assert waited and max(waited) == 0  # four decoding + guesses would pass the 3 free rows
+    assert max(free) > 0
 
 
 def test_stop_token_among_accepted_guesses_ends_the_output_there() -> None:

@@ -76,6 +76,8 @@ class Request:
     drafter: NgramIndex | None = None
     num_drafted: int = 0  # guessed tokens fed to the model
     num_accepted: int = 0  # of those, the ones the model agreed with (extra tokens gained)
+    guess_hit_rate: float = 0.5  # how often the drafter's first guess was the next token (moving average)
+    open_guess: tuple[int, int] | None = None  # (position, token): the drafter's last first guess, not yet scored
     grammar: Grammar | None = None  # constrained decoding: what the output must match (set by the engine)
     # LoRA: the adapter's number (0: the base model; also the request's prefix-cache namespace)
     # and, while running, the runner slot it sits in (-1: none)

@@ -239,7 +239,8 @@ class Scheduler:
         decode = [r for r in self.running if not r.is_prefilling and id(r) not in chosen]
         if not decode and not prefill:
             return None
-        drafts = self.speculator.propose(decode, self.running, self.ledger.protected, self.capacity)
+        drafts = self.speculator.propose(decode, self.running, self.ledger.protected, self.capacity,
+                                         waiting=bool(self.waiting))
         step = build_step(decode, drafts, prefill, self.ledger)
         step.num_new_seqs = len(prefill) - n_old
         step.num_cached_tokens = self._step_cached

@@ -25,11 +25,22 @@ A constrained request's guesses are cut at the first one its grammar forbids (th
 carry the grammar's mask after the guesses before them, ``build_sampling``).
 
 When it may speculate (``propose``): a greedy request without penalties (each row's token is then
-the argmax of its own logits, whatever the rows before it), while the step's decode rows stay within
-``speculative_max_rows``, and while the pool could hold every running request at its full
+the argmax of its own logits, whatever the rows before it), and while the pool could hold every
+running request at its full
 ``prompt + max_tokens`` at once: a request that gains several tokens in one step breaks the
 lockstep the peak admission estimate assumes, and only that condition keeps "decode never runs out
 of KV" true (admission.py).
+
+How many guesses (``propose``): up to ``speculative_tokens``, fed freely while the step's decode
+rows stay within ``speculative_max_rows`` (where a step is bound by reading the weights, such rows
+cost little). Beyond that a guess row costs about what the GEMMs spend on any row (on the Zen 5
+class CPU at 32 rows, ~0.4 of a decode token's share of the step), so a request feeds its j-th
+guess only while ``hit_rate ** j >= speculative_min_acceptance``, where ``hit_rate`` is a moving
+average of how often the drafter's first guess was the token that came next, scored on every step
+whether the guess was fed or not (so a request that starts repeating itself is noticed). No guess
+goes beyond the free rows while a request waits for admission: a longer step would delay its
+first token. The guess rows of one request read their keys once (the attention kernel runs rows
+whose key lists extend each other as one sequence).
 
 Invariants: ``NgramIndex.propose`` returns tokens that follow an earlier occurrence of the
 sequence's suffix, in order, at most ``k`` of them; the index is a pure function of the tokens
@@ -45,6 +56,12 @@ from lockgate.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from lockgate.scheduler.request import Request
+
+
+# Weight of the newest outcome in a request's guess hit rate (exponential moving average): about
+# the last ten guesses decide, so a request that starts or stops repeating itself is followed
+# within a few steps.
+HIT_RATE_WEIGHT = 0.2
 
 
 class NgramIndex:
@@ -88,29 +105,56 @@ class Speculator:
         self.num_accepted_tokens = 0  # of those, the ones it agreed with
 
     def propose(self, decode: list[Request], running: list[Request], protected: int,
-                capacity: int) -> list[list[int]]:
+                capacity: int, waiting: bool = False) -> list[list[int]]:
         """Guesses for each decoding request (``[]`` for most), earlier requests first.
-        ``protected``: cache slots the running requests lock (counted once)."""
+        ``protected``: cache slots the running requests lock (counted once); ``waiting``: some
+        request waits for admission (then only the free rows take guesses)."""
         cfg = self.cfg
         out: list[list[int]] = [[] for _ in decode]
-        room = cfg.speculative_max_rows - len(decode)
-        if cfg.speculative_tokens == 0 or room <= 0:
+        room = cfg.speculative_max_rows - len(decode)  # rows that cost little more than none
+        wide = cfg.speculative_min_acceptance < 1.0 and not waiting
+        if cfg.speculative_tokens == 0 or (room <= 0 and not wide):
             return out
         if protected + sum(r.resident + r.left for r in running) > capacity:  # the worst case must fit
             return out
         for i, r in enumerate(decode):
-            k = min(cfg.speculative_tokens, room, r.left - 1)
-            if k <= 0 or not may_speculate(r):
+            limit = min(cfg.speculative_tokens, r.left - 1)
+            if limit <= 0 or not may_speculate(r):
                 continue
             if r.drafter is None:
                 r.drafter = NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
             if len(r.drafter) < r.num_tokens:
                 r.drafter.extend(r.token_at(len(r.drafter), r.num_tokens).tolist())
-            out[i] = r.drafter.propose(k)
+            guess = self._guess(r, limit)
+            k = max(min(room, limit), self._paying(r, limit) if wide else 0)
+            out[i] = guess[:k]
             if r.grammar is not None and out[i]:  # only guesses the grammar allows are fed
                 out[i] = out[i][:r.grammar.valid_prefix(out[i])]
             room -= len(out[i])
         return out
+
+    def _guess(self, r: Request, k: int) -> list[int]:
+        """The drafter's ``k`` guesses for ``r``; scores its previous first guess against the token
+        that came (whether or not that guess was fed) and opens this one's."""
+        assert r.drafter is not None
+        toks = r.drafter.tokens
+        if r.open_guess is not None and r.open_guess[0] < len(toks):
+            pos, tok = r.open_guess
+            r.guess_hit_rate += HIT_RATE_WEIGHT * (float(toks[pos] == tok) - r.guess_hit_rate)
+            r.open_guess = None
+        guess = r.drafter.propose(k)
+        if guess:
+            r.open_guess = (len(toks), guess[0])
+        return guess
+
+    def _paying(self, r: Request, limit: int) -> int:
+        """Guesses worth feeding beyond the free rows: the j-th while hit_rate ** j >= min_acceptance
+        (the chance all j are right, treating guesses as independent)."""
+        j, chance = 0, r.guess_hit_rate
+        while j < limit and chance >= self.cfg.speculative_min_acceptance:
+            j += 1
+            chance *= r.guess_hit_rate
+        return j
 
     def accept(self, r: Request, guesses: list[int], num_new: int) -> int:
         """``r`` was fed ``guesses`` and kept ``num_new`` tokens (the model's agreement with them plus

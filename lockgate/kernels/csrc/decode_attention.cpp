@@ -885,12 +885,27 @@ const int64_t* checked_offsets(const at::Tensor& offsets, int64_t rows, int64_t 
   return off;
 }
 
+// Rows that are one sequence's newest token and its speculative guesses come as separate rows
+// whose key lists are prefixes of each other (row j + 1: row j's keys and one more). Point each such
+// row at its successor's list, so the rows form one run of plan_items and every key row is read
+// once for all of them. Only where the lists' slots are equal, so what a token sees is unchanged;
+// the check is one comparison per row unless the counts rise by exactly one.
+void join_prefix_rows(std::vector<int64_t>& base, const std::vector<int64_t>& count, const int64_t* slots) {
+  for (int64_t t = static_cast<int64_t>(base.size()) - 2; t >= 0; --t) {
+    if (count[t + 1] != count[t] + 1 || base[t + 1] == base[t]) continue;
+    if (std::memcmp(slots + base[t], slots + base[t + 1], static_cast<size_t>(count[t]) * sizeof(int64_t)) == 0) {
+      base[t] = base[t + 1];
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& q, const at::Tensor& k_cache,
                                             const at::Tensor& v_cache, const at::Tensor& slots,
                                             std::vector<int64_t> base, std::vector<int64_t> count,
                                             double scale, const char* name) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  join_prefix_rows(base, count, slots.data_ptr<int64_t>());
   const Tokens tk = index_tokens(std::move(base), std::move(count));
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   if (qt == at::kFloat && kt == at::kFloat) {
