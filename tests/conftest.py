@@ -50,9 +50,10 @@ class PoolDriver:
         self.free = [int(s) for s in np.random.default_rng(seed).permutation(capacity)]  # scattered
         self.slots: dict[int, list[int]] = {}
 
-    def step(self, chunks: dict[int, list[int]], all_rows: bool = False) -> dict[int, torch.Tensor]:
+    def step(self, chunks: dict[int, list[int]], all_rows: bool = False,
+             logits_out: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """One step: sequence id -> new tokens. Returns id -> logits [V] of the last new token
-        (or [q, V] for every new token when ``all_rows``)."""
+        (or [q, V] for every new token when ``all_rows``); ``logits_out``: the model's logits buffer."""
         ids, pos, out, qlens, slens, kv = [], [], [], [], [], []
         for sid, toks in chunks.items():
             ctx = self.slots.setdefault(sid, [])
@@ -75,7 +76,7 @@ class PoolDriver:
         rows = list(range(len(ids))) if all_rows else list(np.cumsum(qlens) - 1)
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.k_cache, self.v_cache,
-                                torch.tensor(rows, dtype=torch.long))
+                                torch.tensor(rows, dtype=torch.long), logits_out=logits_out)
         res, r = {}, 0
         for sid, toks in chunks.items():
             n = len(toks) if all_rows else 1

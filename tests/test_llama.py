@@ -91,6 +91,21 @@ def test_matches_transformers_whole_and_chunked(tmp_path, pool_driver, kind: str
         torch.testing.assert_close(r[0], want[i], atol=2e-5, rtol=1e-5)
 
 
+def test_logits_into_a_buffer_in_blocks_of_rows(tmp_path, pool_driver, monkeypatch) -> None:
+    """The runner's logits buffer: the LM head runs in blocks of rows (HEAD_BLOCK_BYTES, made tiny
+    here: blocks of 3 rows, the last one shorter) written into the buffer, which the model returns a
+    view of; rows past the step's are left alone."""
+    from lockgate.models import decoder
+
+    hf, ours = build(tmp_path, "llama", tie=False)
+    monkeypatch.setattr(decoder, "HEAD_BLOCK_BYTES", 3 * ours.args.vocab_size * 4)
+    buf = torch.full((40, ours.args.vocab_size), float("nan"))
+    got = pool_driver(ours).step({0: PROMPT}, all_rows=True, logits_out=buf)[0]
+    torch.testing.assert_close(got, hf_logits(hf, PROMPT), atol=2e-5, rtol=1e-5)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:len(PROMPT)], got)
+    assert buf[len(PROMPT):].isnan().all()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_kernels_round_like_torch_in_bf16(tmp_path, pool_driver, kind: str) -> None:
     # bf16 is where rounding shows. The fused layer ops round each intermediate where the torch ops

@@ -132,6 +132,7 @@ class ModelRunner:
             self._check_deterministic()
         args = self.model.args
         self.vocab_size: int = args.vocab_size
+        self._logits = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)  # _logits_buffer
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
         self.max_model_len: int = self._context_length(model_cfg)
 
@@ -434,7 +435,8 @@ class ModelRunner:
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
                                 meta, self.k_cache, self.v_cache, rows, lora,
-                                plan.decode_rows if self.prompt_forms else None)  # [S, V] f32 or None
+                                plan.decode_rows if self.prompt_forms else None,
+                                self._logits_buffer(s))  # [S, V] f32 or None
             if logits is None:
                 return ForwardResult(tokens=np.zeros(0, np.int64), logprobs=np.zeros(0, np.float32),
                                      top_ids=np.zeros((0, 0), np.int64), top_logprobs=np.zeros((0, 0), np.float32),
@@ -442,6 +444,13 @@ class ModelRunner:
             tokens, logprobs, top_ids, top_logprobs = sample(logits, plan.sampling, self.generator).to_numpy()
         return ForwardResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
                              step_seconds=time.perf_counter() - t0)
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """float32 [>= rows, V] kept from step to step (grown, never shrunk) for the model's logits."""
+        if self._logits.shape[0] < rows:
+            self._logits = torch.empty(max(rows, 2 * self._logits.shape[0]), self.vocab_size,
+                                       dtype=torch.float32, device=self.device)
+        return self._logits
 
     def warmup(self) -> None:
         """One tiny prefill and one decode step on slots 0..n (their contents are garbage after)."""
