@@ -2,7 +2,7 @@
 
 Prints one JSON line (machine, command, two parts):
 
-1. ``rows``: the runner's step time for decode rows of one sequence at ``--context`` tokens, 1 to
+1. ``rows``: the runner's step time for ``--batch`` sequences at ``--context`` tokens, each fed 1 to
    ``--max-rows`` rows (row j sees the keys through row j, as the scheduler lays out a request
    and its guesses), median over ``--rounds`` interleaved rounds. This is the price of a guess.
 2. ``engine``: the offline engine on ``lockgate bench``'s ``random`` workload (the same real-text
@@ -12,7 +12,8 @@ Prints one JSON line (machine, command, two parts):
    are checked equal across the variants.
 
 Usage:  .venv/bin/python benchmarks/speculation.py [--num-requests 8] [--input-len 256]
-        [--output-len 128] [--speculative-tokens 0,1,2,3] [--context 321] [--max-rows 6] [--rounds 5]
+        [--output-len 128] [--speculative-tokens 0,1,2,3] [--context 321] [--max-rows 6] [--batch 1]
+        [--rounds 5]
 """
 
 from __future__ import annotations
@@ -71,16 +72,18 @@ def main() -> None:
     ap.add_argument("--speculative-tokens", default="0,1,2,3")
     ap.add_argument("--context", type=int, default=321)
     ap.add_argument("--max-rows", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=1, help="part 1: sequences per step, each fed 1..max-rows rows")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     ks = [int(k) for k in a.speculative_tokens.split(",")]
 
-    llms = {k: LLM("default", max_total_tokens=4096, speculative_tokens=k, speculative_max_rows=k + 1)
-            for k in ks}
+    pool = max(4096, a.batch * (a.context + a.max_rows) + 64)
+    llms = {k: LLM("default", max_total_tokens=pool, speculative_tokens=k, speculative_max_rows=k + 1,
+                   speculative_min_acceptance=1.0) for k in ks}
     runner = next(iter(llms.values())).engine.runner
     assert isinstance(runner, ModelRunner)
-    rows = row_costs(runner, a.context, a.max_rows, a.rounds)
+    rows = row_costs(runner, a.context, a.max_rows, a.rounds, a.batch)
 
     tok = load_bench_tokenizer("default", "", None, {})
     wl = build_workload(WorkloadSpec("random", a.num_requests, a.input_len, a.output_len), tok, a.seed)
@@ -112,7 +115,7 @@ def main() -> None:
                            "ms_per_token": round(decode_s[k] / made * 1e3, 2)}
     print(json.dumps({"benchmark": "speculation", "command": command(), "machine": machine(),
                       "setup": {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
-                                "context": a.context, "rounds": a.rounds, "seed": a.seed},
+                                "context": a.context, "batch": a.batch, "rounds": a.rounds, "seed": a.seed},
                       "rows_ms": rows, "engine": engine}))
 
 
