@@ -512,6 +512,55 @@ def test_decode_rows_of_one_sequence_and_its_guesses_give_each_row_its_own_resul
         assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequences_on_a_shared_prefix_keep_their_own_results(dtype: torch.dtype) -> None:
+    """Decode rows of sequences whose key lists start with the same slots (prefix-cache hits) share
+    the work items of the whole 128-key chunks they have in common (read once for up to 16 rows).
+    Each row must still be bitwise its result alone: with 20 sequences on one prefix (more than an
+    item holds), a sequence differing in one slot of its second chunk, one whose prefix is shorter
+    than a chunk boundary, the prefix's own guess rows, and a prefill chunk on the prefix."""
+    load_kernels()
+    h, hkv, d = 9, 3, 64
+    rng = np.random.default_rng(5)
+    capacity = 6000
+    kc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    vc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    perm = rng.permutation(capacity)
+    prefix, rest = perm[:300], perm[300:]
+    own = [rest[i * 60:(i + 1) * 60] for i in range(40)]
+    lists = [np.concatenate([prefix, own[i][:1 + i % 50]]) for i in range(20)]  # 20 on the prefix
+    changed = prefix.copy()
+    changed[200] = own[39][0]  # one slot of chunk 1 differs: chunk 0 shared, chunk 1 not
+    lists += [np.concatenate([changed, own[20][:5]]), np.concatenate([prefix[:250], own[21][:40]])]
+    lists += [np.concatenate([prefix, own[22][:j]]) for j in (10, 11, 12)]  # a request and its guesses
+    slots = torch.from_numpy(np.concatenate(lists).astype(np.int64))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64))
+    q = torch.randn(len(lists), h, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, d ** -0.5)
+    for b, keys in enumerate(lists):
+        one, one_lse = torch.ops.lockgate.decode_attention(q[b:b + 1], kc, vc, torch.from_numpy(keys.astype(np.int64)),
+                                                           torch.tensor([0, len(keys)]), d ** -0.5)
+        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
+    # prefill: a 40-token chunk on the prefix next to two decode rows on it
+    seqs = [np.concatenate([prefix, own[30][:3]]), np.concatenate([prefix, own[31][:40]]),
+            np.concatenate([prefix, own[32][:2]])]
+    new = [1, 40, 1]
+    slots = torch.from_numpy(np.concatenate(seqs).astype(np.int64))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64))
+    q_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
+    q = torch.randn(int(q_offsets[-1]), h, d, generator=torch.Generator().manual_seed(6)).to(dtype)
+    out, lse = torch.ops.lockgate.prefill_attention(q, kc, vc, slots, offsets, q_offsets, d ** -0.5)
+    t = 0
+    for keys, n_new in zip(seqs, new, strict=True):
+        for i in range(n_new):
+            n = len(keys) - n_new + 1 + i
+            one, one_lse = torch.ops.lockgate.decode_attention(q[t:t + 1], kc, vc,
+                                                               torch.from_numpy(keys[:n].astype(np.int64)),
+                                                               torch.tensor([0, n]), d ** -0.5)
+            assert torch.equal(one[0], out[t]) and torch.equal(one_lse[0], lse[t]), (t, i)
+            t += 1
+
+
 def test_prefill_kernel_rejects_bad_input() -> None:
     op = load_kernels().prefill_attention
     q, kc, vc, slots, offsets = _decode_inputs([3, 4], 9, 3, 16, torch.float32, torch.float32, seed=0)

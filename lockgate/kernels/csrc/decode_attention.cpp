@@ -114,17 +114,43 @@ Tokens index_tokens(std::vector<int64_t> base, std::vector<int64_t> count) {
   return tk;
 }
 
-std::vector<Item> plan_items(const Tokens& tk) {
+// Work items in token order: per sequence (tokens with the same keys, one more each) and key chunk,
+// runs of up to kTokenBlock tokens. A chunk that every token of a sequence sees whole and that holds
+// the same slots as the previous sequence's (a shared prompt prefix: the prefix cache hands requests
+// the same slots) joins that sequence's item for it while the item has room, so the chunk's key rows
+// are read and prepared once for the tokens of several sequences. Whole chunks only: every row of
+// such an item sees all kChunkKeys keys, so no row's keys are cut by another's.
+std::vector<Item> plan_items(const Tokens& tk, const int64_t* slots) {
   std::vector<Item> items;
+  std::vector<int64_t> whole_item;  // per chunk: the item that took the previous sequence's whole chunk, or -1
   const int64_t n = static_cast<int64_t>(tk.count.size());
   for (int64_t s0 = 0; s0 < n;) {
     int64_t s1 = s0 + 1;  // tokens s0 .. s1 - 1: one sequence (same keys, one more each)
     while (s1 < n && tk.base[s1] == tk.base[s0] && tk.count[s1] == tk.count[s1 - 1] + 1) ++s1;
-    for (int64_t c = 0; c < chunks_of(tk.count[s1 - 1]); ++c) {
+    const int64_t chunks = chunks_of(tk.count[s1 - 1]);
+    if (static_cast<int64_t>(whole_item.size()) < chunks) whole_item.resize(static_cast<size_t>(chunks), -1);
+    for (int64_t c = 0; c < chunks; ++c) {
       int64_t first = s0;  // the first token that sees chunk c
       while (tk.count[first] <= c * kChunkKeys) ++first;
-      for (int64_t t = first; t < s1; t += kTokenBlock) items.push_back({t, std::min(t + kTokenBlock, s1), c});
+      const bool whole = tk.count[s0] >= (c + 1) * kChunkKeys;  // every token of the sequence sees all of it
+      int64_t t = first;
+      if (whole && whole_item[c] >= 0) {
+        Item& prev = items[static_cast<size_t>(whole_item[c])];
+        if (prev.t1 == s0 && prev.t1 - prev.t0 < kTokenBlock &&
+            std::memcmp(slots + tk.base[prev.t0] + c * kChunkKeys, slots + tk.base[s0] + c * kChunkKeys,
+                        kChunkKeys * sizeof(int64_t)) == 0) {
+          prev.t1 = std::min(s1, prev.t0 + kTokenBlock);
+          t = prev.t1;
+        }
+      }
+      int64_t last = whole && t == s1 ? whole_item[c] : -1;  // the item now ending at s1 with chunk c whole
+      for (; t < s1; t += kTokenBlock) {
+        items.push_back({t, std::min(t + kTokenBlock, s1), c});
+        last = whole ? static_cast<int64_t>(items.size()) - 1 : -1;
+      }
+      whole_item[c] = last;
     }
+    for (int64_t c = chunks; c < static_cast<int64_t>(whole_item.size()); ++c) whole_item[c] = -1;
     s0 = s1;
   }
   return items;
@@ -776,7 +802,7 @@ template <typename TQ, typename TKV>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
          const Tokens& tk, double scale, at::Tensor& out, at::Tensor& lse) {
   const int64_t nt = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1);
-  const std::vector<Item> items = plan_items(tk);
+  const std::vector<Item> items = plan_items(tk, slots.data_ptr<int64_t>());
   const int64_t ni = static_cast<int64_t>(items.size());
   std::vector<float> parts(static_cast<size_t>(tk.parts * h * (d + 2)));
   const TQ* qp = q.data_ptr<TQ>();
