@@ -1,4 +1,5 @@
-"""lockgate's attention kernel at serving shapes, per layer: prefill runs, decode batches, a mixed step.
+"""lockgate's attention kernel at serving shapes, per layer: prefill runs, decode batches, a mixed step,
+guess rows, decode rows on shared prefixes.
 
 Prints one JSON line (machine, command, median milliseconds per layer for every case and build).
 The KV pool has ``--layers`` layers and every timing cycles through them, as a step does, so the
@@ -49,6 +50,13 @@ def cases(heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, tuple]:
         return [torch.cat([own[b], steps + torch.arange(decoded) * batch + b]) for b in range(batch)]
 
     dec = decode_ctx(32, 256, 65, 0)
+    # 32 decode rows in 4 groups of 8 on 1,024-token prompt prefixes (one slot run each, as the prefix
+    # cache hands them out), 100 keys of their own each; and the same key counts with no prefix shared
+    prefixes = [prompt(g * 1024, 1024) for g in range(4)]
+    shared = [torch.cat([prefixes[b // 8], prompt(4096 + b * 100, 100)]) for b in range(32)]
+    unshared = [prompt(b * 1124, 1124) for b in range(32)]
+    # 32 requests each fed its newest token and 2 guesses: rows whose keys extend each other by one
+    guessed = [c[:len(c) - 2 + j] for c in decode_ctx(32, 256, 67, 0) for j in range(3)]
     out = {
         "prefill_256": ([prompt(0, 256)], [256]),
         "prefill_4x256": ([prompt(i * 256, 256) for i in range(4)], [256] * 4),
@@ -57,6 +65,9 @@ def cases(heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, tuple]:
         "decode_b1_ctx321": (decode_ctx(1, 256, 65, 0), [1]),
         "decode_b32_ctx321": (dec, [1] * 32),
         "mixed_b32_ctx321+256": (dec + [prompt(20000, 256)], [1] * 32 + [256]),
+        "decode_b32_x3_guess_rows": (guessed, [1] * 96),
+        "decode_b32_shared_4x1024+100": (shared, [1] * 32),
+        "decode_b32_unshared_1124": (unshared, [1] * 32),
     }
     gen = torch.Generator().manual_seed(0)
     built = {}
@@ -74,7 +85,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--capacity", type=int, default=24000, help="pool slots per layer")
+    ap.add_argument("--capacity", type=int, default=36000, help="pool slots per layer")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
                     help="another build of the operators, its namespace renamed to NAME")
