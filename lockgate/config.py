@@ -198,9 +198,10 @@ class SchedulerConfig:
     new_token_ratio_decay_steps: int = option(600, "ratio admission: decode steps to decay from start to floor")
     speculative_tokens: int = option(2, "n-gram speculation (prompt lookup): most tokens guessed per greedy "
                                      "request and decode step, verified in the same step; 0 turns it off")
-    speculative_max_rows: int = option(3, "speculate only while the step's decode rows (one per decoding request "
-                                       "plus its guesses) stay within this; where a step is bound by reading the "
-                                       "weights, up to about 3 rows cost little more than one")
+    speculative_max_rows: int = option(3, "guesses are fed freely while the step's decode rows (one per decoding "
+                                       "request plus its guesses) stay within this (where a step is bound by "
+                                       "reading the weights, up to about 3 rows cost little more than one); "
+                                       "beyond it, see --speculative-min-acceptance")
     speculative_min_acceptance: float = option(0.4, "n-gram speculation beyond --speculative-max-rows: a "
                                                "request feeds its j-th guess only while its guesses' recent hit "
                                                "rate to the power j (the chance the model takes that guess) is at "

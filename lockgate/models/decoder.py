@@ -275,7 +275,7 @@ class DecoderModel(nn.Module):
             for lo in range(0, s, step):
                 logits[lo:lo + step].copy_(self.head(x[lo:lo + step], sampled_prompt))
         if a.final_softcap is not None:
-            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+            logits = logits.div_(a.final_softcap).tanh_().mul_(a.final_softcap)  # in place: the buffer stays
         return logits
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

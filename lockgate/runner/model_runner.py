@@ -448,7 +448,7 @@ class ModelRunner:
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [>= rows, V] kept from step to step (grown, never shrunk) for the model's logits."""
         if self._logits.shape[0] < rows:
-            self._logits = torch.empty(max(rows, 2 * self._logits.shape[0]), self.vocab_size,
+            self._logits = torch.empty(-(-rows // 64) * 64, self.vocab_size,
                                        dtype=torch.float32, device=self.device)
         return self._logits
 

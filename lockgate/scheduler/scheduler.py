@@ -34,8 +34,9 @@ Each call to ``schedule()`` builds one step:
    prefix is matched in its adapter's own namespace of the tree.
 3. **Decode** every running request whose prefill is done: one token each, in the same
    step as the prefill chunks, so a long prompt never stalls running decodes.
-4. **Speculate** while the step's decode rows are few: a greedy request is fed its newest
-   token and up to ``speculative_tokens`` guesses from its own history, one plan row each.
+4. **Speculate**: a greedy request is fed its newest token and up to ``speculative_tokens``
+   guesses from its own history, one plan row each (freely while the step's decode rows are few,
+   beyond that where its guesses have been taken often enough: speculate.py).
    ``update`` keeps the sampled tokens while they agree with the guesses (plus the first one
    that does not) and gives back the slots of the guesses the model did not take. Greedy
    results are the same tokens as without speculation where a row's logits do not depend on the

@@ -37,10 +37,11 @@ cost little). Beyond that a guess row costs about what the GEMMs spend on any ro
 class CPU at 32 rows, ~0.4 of a decode token's share of the step), so a request feeds its j-th
 guess only while ``hit_rate ** j >= speculative_min_acceptance``, where ``hit_rate`` is a moving
 average of how often the drafter's first guess was the token that came next, scored on every step
-whether the guess was fed or not (so a request that starts repeating itself is noticed). No guess
+the speculator runs, whether the guess was fed or not (so a request that starts repeating itself is
+noticed; while ``propose`` returns early the rate stays as it was). No guess
 goes beyond the free rows while a request waits for admission: a longer step would delay its
-first token. The guess rows of one request read their keys once (the attention kernel runs rows
-whose key lists extend each other as one sequence).
+first token. On the AVX-512 kernel paths the guess rows of one request read their keys once (the attention
+kernel runs rows whose key lists extend each other as one sequence; the AVX2 path reads per token).
 
 Invariants: ``NgramIndex.propose`` returns tokens that follow an earlier occurrence of the
 sequence's suffix, in order, at most ``k`` of them; the index is a pure function of the tokens

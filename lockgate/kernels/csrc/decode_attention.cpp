@@ -30,7 +30,8 @@
 //   * the chunks' partials merged by their maxima, in chunk order.
 //
 // How the work is grouped does not enter that sequence. A work item is (a run of up to
-// kTokenBlock tokens of one sequence, one key chunk), all kv heads: per kv head it reads each
+// kTokenBlock tokens of one sequence, one key chunk), all kv heads (or, for a whole chunk that
+// adjacent sequences hold with the same slots, tokens of several sequences: plan_items): per kv head it reads each
 // key's K and V row once from the pool, by slot (no gathered copy, no padding to the longest
 // sequence), for every query row of the run (the run's tokens x the G query heads sharing the kv
 // head). That is what makes prefill cheap: a key row is prepared once (widened or paired, and
@@ -98,8 +99,12 @@ struct Tokens {
 };
 
 struct Item {
-  int64_t t0, t1;  // tokens t0 .. t1 - 1 of one sequence, all seeing key chunk `chunk`
-  int64_t chunk;   // keys chunk * kChunkKeys .. + kChunkKeys of that sequence
+  // Tokens t0 .. t1 - 1, all seeing key chunk `chunk` (keys chunk * kChunkKeys .. + kChunkKeys of
+  // token t0's list), counts non-decreasing: either one sequence's, or (a chunk every one of them
+  // sees whole, with the same slots) several sequences'. The item code takes the keys it reads from
+  // its last token's count and its slots from its first token's list, which both rules make right.
+  int64_t t0, t1;
+  int64_t chunk;
 };
 
 inline int64_t chunks_of(int64_t n) { return (n + kChunkKeys - 1) / kChunkKeys; }
