@@ -166,6 +166,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps per timing (default: by batch size)")
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown")
     args = ap.parse_args()
+    if args.shared_prefix and args.shared_prefix >= args.prompt_len:
+        ap.error(f"--shared-prefix ({args.shared_prefix}) is part of each prompt: give a longer --prompt-len "
+                 f"(got {args.prompt_len}), e.g. --prompt-len {args.shared_prefix + 64}")
     if args.no_prefix_attention:
         attention.MIN_SHARED_PREFIX = 1 << 40
 
