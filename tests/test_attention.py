@@ -484,6 +484,25 @@ def test_prefill_kernel_runs_give_each_token_its_decode_result_bitwise(d: int, h
             t += 1
 
 
+def _random_pool(capacity: int, dtype: torch.dtype, hkv: int = 3, d: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(1)).to(dtype),
+            torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(2)).to(dtype))
+
+
+def _decode_rows_equal_each_alone(lists: list[np.ndarray], kc: torch.Tensor, vc: torch.Tensor, h: int = 9) -> None:
+    """One decode_attention call over rows with these key lists; each row's output and log-sum-exp
+    must be bitwise those of the row alone."""
+    d = kc.shape[-1]
+    slots = torch.from_numpy(np.concatenate(lists).astype(np.int64))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64))
+    q = torch.randn(len(lists), h, d, generator=torch.Generator().manual_seed(4)).to(kc.dtype)
+    out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, d ** -0.5)
+    for b, keys in enumerate(lists):
+        one, one_lse = torch.ops.lockgate.decode_attention(q[b:b + 1], kc, vc, torch.from_numpy(keys.astype(np.int64)),
+                                                           torch.tensor([0, len(keys)]), d ** -0.5)
+        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rows_of_one_sequence_and_its_guesses_give_each_row_its_own_result(dtype: torch.dtype) -> None:
     """A request and its speculative guesses come as decode rows whose key lists extend each other
@@ -491,25 +510,15 @@ def test_decode_rows_of_one_sequence_and_its_guesses_give_each_row_its_own_resul
     once. Every row must still be bitwise its result alone. Rows whose counts also rise by one but
     whose slots differ (another sequence, or the same slots in another order) are not joined."""
     load_kernels()
-    h, hkv, d = 9, 3, 64
     rng = np.random.default_rng(3)
     capacity = 2000
-    kc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(1)).to(dtype)
-    vc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(2)).to(dtype)
     seq = rng.permutation(capacity)[:400]  # one request's slots, scattered
     other = rng.permutation(capacity)[:400]
     swapped = seq.copy()
     swapped[[5, 6]] = swapped[[6, 5]]  # same slot set, another order: other keys at those positions
     lists = [seq[:300], seq[:301], seq[:302], seq[:303],  # a newest token and three guesses
              other[:304], seq[:305], swapped[:306], seq[:129], seq[:130]]  # counts +1 each, slots not a prefix
-    slots = torch.from_numpy(np.concatenate(lists).astype(np.int64))
-    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64))
-    q = torch.randn(len(lists), h, d, generator=torch.Generator().manual_seed(4)).to(dtype)
-    out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, d ** -0.5)
-    for b, keys in enumerate(lists):
-        one, one_lse = torch.ops.lockgate.decode_attention(q[b:b + 1], kc, vc, torch.from_numpy(keys.astype(np.int64)),
-                                                           torch.tensor([0, len(keys)]), d ** -0.5)
-        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
+    _decode_rows_equal_each_alone(lists, *_random_pool(capacity, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -520,11 +529,10 @@ def test_sequences_on_a_shared_prefix_keep_their_own_results(dtype: torch.dtype)
     item holds), a sequence differing in one slot of its second chunk, one whose prefix is shorter
     than a chunk boundary, the prefix's own guess rows, and a prefill chunk on the prefix."""
     load_kernels()
-    h, hkv, d = 9, 3, 64
+    h, d = 9, 64
     rng = np.random.default_rng(5)
     capacity = 6000
-    kc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(1)).to(dtype)
-    vc = torch.randn(capacity, hkv, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    kc, vc = _random_pool(capacity, dtype)
     perm = rng.permutation(capacity)
     prefix, rest = perm[:300], perm[300:]
     own = [rest[i * 60:(i + 1) * 60] for i in range(40)]
@@ -533,14 +541,7 @@ def test_sequences_on_a_shared_prefix_keep_their_own_results(dtype: torch.dtype)
     changed[200] = own[39][0]  # one slot of chunk 1 differs: chunk 0 shared, chunk 1 not
     lists += [np.concatenate([changed, own[20][:5]]), np.concatenate([prefix[:250], own[21][:40]])]
     lists += [np.concatenate([prefix, own[22][:j]]) for j in (10, 11, 12)]  # a request and its guesses
-    slots = torch.from_numpy(np.concatenate(lists).astype(np.int64))
-    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64))
-    q = torch.randn(len(lists), h, d, generator=torch.Generator().manual_seed(4)).to(dtype)
-    out, lse = torch.ops.lockgate.decode_attention(q, kc, vc, slots, offsets, d ** -0.5)
-    for b, keys in enumerate(lists):
-        one, one_lse = torch.ops.lockgate.decode_attention(q[b:b + 1], kc, vc, torch.from_numpy(keys.astype(np.int64)),
-                                                           torch.tensor([0, len(keys)]), d ** -0.5)
-        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
+    _decode_rows_equal_each_alone(lists, kc, vc, h)
     # prefill: a 40-token chunk on the prefix next to two decode rows on it
     seqs = [np.concatenate([prefix, own[30][:3]]), np.concatenate([prefix, own[31][:40]]),
             np.concatenate([prefix, own[32][:2]])]
