@@ -182,6 +182,10 @@ class SchedulerConfig:
     max_running_requests: int = option(256, "most requests decoding together in one batch (vLLM's --max-num-seqs)",
                                        aliases=("max_num_seqs",))
     max_prefill_tokens: int = option(1024, "prompt tokens prefilled per step; longer prompts are chunked")
+    max_decode_stall: float = option(0.5, "during a burst (a step's --max-prefill-tokens spent and requests still "
+                                     "waiting for admission) a decoding request sits steps out, so the waiting "
+                                     "prompts get their first tokens sooner, until its newest token is this many "
+                                     "seconds old; 0 = decode every step")
 
     schedule_policy: str = option("fcfs", "waiting-queue order: fcfs, lpm (longest prefix match), dfs-weight "
                                 "(heaviest radix subtree first), lof (longest output first), random",
@@ -226,6 +230,8 @@ class SchedulerConfig:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not 0.0 <= self.max_decode_stall < float("inf"):
+            raise ValueError(f"--max-decode-stall must be a finite number of seconds >= 0, got {self.max_decode_stall}")
         if self.speculative_tokens < 0:
             raise ValueError(f"--speculative-tokens must be >= 0 (0 = off), got {self.speculative_tokens}")
         if self.speculative_max_rows < 1:

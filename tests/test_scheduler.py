@@ -124,6 +124,45 @@ def test_prefill_first_new_request_runs_next_step():
     assert a.num_output == 4
 
 
+def _burst(stall: float) -> tuple[EngineCore, object, list[object]]:
+    """One request decoding, then a burst of 6 prompts of 64 tokens against a 128-token budget."""
+    eng = make_engine(10_000, max_prefill_tokens=128, max_decode_stall=stall, speculative_tokens=0)
+    a = eng.add_request([5] * 10, SamplingParams(max_tokens=100))
+    eng.step()
+    burst = [eng.add_request(np.arange(64) + 100 * i + 3, SamplingParams(max_tokens=4)) for i in range(6)]
+    return eng, a, burst
+
+
+def test_a_burst_of_prompts_goes_before_decode_rows_within_the_stall_bound():
+    eng, a, burst = _burst(stall=1000.0)
+    for _ in range(2):  # 2 prompts per step; 4 of the 6 still wait after the first, 2 after the second
+        eng.step()
+        plan = eng.runner.plans[-1]  # type: ignore[attr-defined]
+        assert int(plan.query_lens.min()) == 64, "a decode row ran while prompts waited"
+    assert a.num_output == 1 and sum(r.num_output for r in burst) == 4
+    eng.step()  # the last two prompts: nobody waits any more, so the decode row rides along again
+    assert int(eng.runner.plans[-1].query_lens.min()) == 1 and a.num_output == 2  # type: ignore[attr-defined]
+    assert [r.num_output for r in burst] == [2, 2, 2, 2, 1, 1]
+
+
+def test_a_decode_row_stalled_for_the_bound_runs_in_the_burst():
+    eng, a, burst = _burst(stall=1000.0)
+    eng.step()
+    assert a.num_output == 1
+    a.last_token_time -= 1000.0  # its newest token is now as old as the bound
+    eng.step()
+    assert a.num_output == 2, "a request stalled for max_decode_stall got no row"
+    assert eng.scheduler.waiting, "the burst was over: this did not test the bound"
+
+
+def test_no_decode_stall_when_the_bound_is_zero():
+    eng, a, _ = _burst(stall=0.0)
+    for _ in range(3):
+        eng.step()
+        assert int(eng.runner.plans[-1].query_lens.min()) == 1  # type: ignore[attr-defined]
+    assert a.num_output == 4
+
+
 def test_outputs_independent_of_batching():
     solo = make_engine(10_000)
     r = solo.add_request([11, 12, 13, 14], SamplingParams(max_tokens=20))

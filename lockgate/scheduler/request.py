@@ -62,6 +62,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + params.stop_token_ids
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when its newest output token was sampled
     admit_time: float | None = None
     enqueue_step: int = 0  # scheduler step at which it (re)joined the waiting queue
     # Prefix-cache bookkeeping (scheduler-side; the tree knows nothing of requests):

@@ -33,7 +33,13 @@ Each call to ``schedule()`` builds one step:
    by other adapters it waits in the queue, keeping its place, and the others go on. Its cached
    prefix is matched in its adapter's own namespace of the tree.
 3. **Decode** every running request whose prefill is done: one token each, in the same
-   step as the prefill chunks, so a long prompt never stalls running decodes.
+   step as the prefill chunks, so a long prompt never stalls running decodes. **Except in a
+   burst**: when this step's prefill budget is spent and requests still wait for admission, a
+   decoding request sits the step out unless its newest token is ``max_decode_stall`` seconds
+   old. Every decode row in a prefill step delays the waiting prompts by what it costs (at a few
+   hundred tokens of context a row costs about two prompt tokens: its attention reads the whole
+   context), so a burst's last first token comes much sooner, and the rows deferred run later in
+   fuller, cheaper decode steps; a running request waits at most the bound plus a step or two.
 4. **Speculate**: a greedy request is fed its newest token and up to ``speculative_tokens``
    guesses from its own history, one plan row each (freely while the step's decode rows are few,
    beyond that where its guesses have been taken often enough: speculate.py).
@@ -238,6 +244,8 @@ class Scheduler:
             return None
         chosen = {id(r) for r, _ in prefill}
         decode = [r for r in self.running if not r.is_prefilling and id(r) not in chosen]
+        if decode and budget <= 0 and self.waiting and self.cfg.max_decode_stall > 0:
+            decode = self._due(decode)  # a burst: its prompts first, within the stall bound
         if not decode and not prefill:
             return None
         drafts = self.speculator.propose(decode, self.running, self.ledger.protected, self.capacity,
@@ -295,12 +303,20 @@ class Scheduler:
                 self.ledger.drop_tail(r, self.speculator.accept(r, guesses, len(new)))
             if r.first_token_time is None:
                 r.first_token_time = now
+            r.last_token_time = now
             step.num_generated += len(new)
             if reason is not None:
                 self._finish(r, reason)
             outs.append(StepOutput(r.rid, new, new_lps, new_top, reason, r.num_prompt, r.num_output,
                                    r.cached_tokens))
         return outs
+
+    # ---- decode stall ----------------------------------------------------------------
+    def _due(self, decode: list[Request]) -> list[Request]:
+        """The decoding requests whose newest token is at least ``max_decode_stall`` seconds old."""
+        now = time.monotonic()
+        stall = self.cfg.max_decode_stall
+        return [r for r in decode if r.last_token_time is None or now - r.last_token_time >= stall]
 
     # ---- admission -------------------------------------------------------------------
     def _admit(self, budget: int, prefill: list[tuple[Request, int]]) -> int:
