@@ -228,3 +228,17 @@ def test_stats_report_headroom():
     s = eng.scheduler.stats()
     assert (s.running, s.waiting, s.capacity) == (1, 0, 1000)
     assert s.slots_used == 100 and s.headroom == 1000 - 200
+
+
+def test_requests_waiting_for_a_prefix_in_flight_do_not_stall_decodes():
+    """A group sharing a long prompt prefix: the siblings wait for the first to put the prefix in
+    the cache, not for prefill budget, so the decoding request keeps its row."""
+    eng = make_engine(10_000, max_prefill_tokens=128, max_decode_stall=1000.0, speculative_tokens=0)
+    a = eng.add_request([5] * 10, SamplingParams(max_tokens=100))
+    eng.step()
+    prefix = list(np.arange(200) + 3)
+    group = [eng.add_request(prefix + [900 + i] * 8, SamplingParams(max_tokens=4)) for i in range(4)]
+    for _ in range(2):  # the first of the group prefills its 208 tokens in two chunks
+        eng.step()
+        assert int(eng.runner.plans[-1].query_lens.min()) == 1  # type: ignore[attr-defined]
+    assert a.num_output == 3 and group[0].num_output == 1 and eng.scheduler.waiting

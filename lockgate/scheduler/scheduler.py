@@ -34,9 +34,9 @@ Each call to ``schedule()`` builds one step:
    prefix is matched in its adapter's own namespace of the tree.
 3. **Decode** every running request whose prefill is done: one token each, in the same
    step as the prefill chunks, so a long prompt never stalls running decodes. **Except in a
-   burst**: when this step's prefill budget is spent and requests still wait for admission, a
-   decoding request sits the step out unless its newest token is ``max_decode_stall`` seconds
-   old. Every decode row in a prefill step delays the waiting prompts by what it costs (at a few
+   burst**: when requests still wait for admission only because this step's prefill budget is
+   spent (not for KV, a running or adapter slot, or a prefix in flight), a decoding request sits
+   the step out unless its newest token is ``max_decode_stall`` seconds old. Every decode row in a prefill step delays the waiting prompts by what it costs (at a few
    hundred tokens of context a row costs about two prompt tokens: its attention reads the whole
    context), so a burst's last first token comes much sooner, and the rows deferred run later in
    fuller, cheaper decode steps; a running request waits at most the bound plus a step or two.
@@ -147,6 +147,7 @@ class Scheduler:
         # the last admission left requests waiting for room (the KV estimate or --max-running-requests),
         # not for prefill budget: the queue moves only when a running request finishes
         self.admission_blocked = False
+        self.budget_bound = False  # this step's admission stopped only for want of prefill budget
         self.lora: AdapterSlots | None = None  # the runner's adapter slots (set by the engine when LoRA is on)
 
     # ---- intake ----------------------------------------------------------------------
@@ -244,7 +245,7 @@ class Scheduler:
             return None
         chosen = {id(r) for r, _ in prefill}
         decode = [r for r in self.running if not r.is_prefilling and id(r) not in chosen]
-        if decode and budget <= 0 and self.waiting and self.cfg.max_decode_stall > 0:
+        if decode and self.budget_bound and self.cfg.max_decode_stall > 0:
             decode = self._due(decode)  # a burst: its prompts first, within the stall bound
         if not decode and not prefill:
             return None
@@ -330,6 +331,9 @@ class Scheduler:
         budget left.
         """
         self.admission_blocked = bool(self.waiting) and len(self.running) >= self.cfg.max_running_requests
+        # Requests wait only because this step's prefill budget is spent (not for KV, a running
+        # slot, an adapter slot or a prefix another request is computing): a burst.
+        self.budget_bound = bool(self.waiting) and budget <= 0 and not self.admission_blocked
         if not self.waiting or budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
             return budget
         if len(self.waiting) > 1:
@@ -379,6 +383,9 @@ class Scheduler:
             self.running.append(cand)
             prefill.append((cand, n))
             budget -= n
+        # the next candidate would have been tried with more budget (and not set aside for a prefix in flight)
+        self.budget_bound = (budget <= 0 and bool(self.waiting) and len(self.running) < self.cfg.max_running_requests
+                             and not self._shares_inflight(self.waiting[0], 0))
         self.waiting.extendleft(reversed(deferred))
         if self.waiting and len(self.running) >= self.cfg.max_running_requests:
             self.admission_blocked = True
