@@ -40,7 +40,7 @@ import zmq
 from lockgate.config import HEARTBEAT_SECONDS
 from lockgate.engine.core import EngineCore
 from lockgate.ipc.channel import Receiver, Sender
-from lockgate.ipc.child import WATCHDOG_EXIT_CODE, SchedulerProcArgs, child_startup
+from lockgate.ipc.child import WATCHDOG_EXIT_CODE, SchedulerProcArgs, child_startup, freeze_heap
 from lockgate.ipc.messages import (
     AbortRequest,
     AdapterCard,
@@ -125,6 +125,7 @@ class SchedulerProcess:
         self.decode_t0 = time.monotonic()
         r = self.engine.runner
         self._heartbeats()
+        freeze_heap()
         self.out.send(Ready(model=args.model_name, model_dir=str(getattr(r, "model_dir", "") or "") or None,
                             max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,
                             eos_token_ids=list(r.eos_token_ids), dtype=str(getattr(r, "dtype", "sim")),

@@ -11,10 +11,12 @@ never imports a child's module (and with it the engine or the tokenizer stack):
   and ignore SIGINT/SIGTERM. Ctrl-C or a TERM sent to the whole process group reaches the
   children too; the API process coordinates shutdown (a Shutdown message, then SIGKILL), so
   children must not die on their own.
+* ``freeze_heap``: what each of the three processes calls once it is ready to serve.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -59,3 +61,13 @@ def child_startup(argv: list[str] | None, args_type: type[A], name: str) -> A:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     return args
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object made so far (modules, the model's Python objects, the
+    tokenizer, the web framework) out of the garbage collector's reach (``gc.freeze``, as vLLM's
+    engine does after start-up). A full collection then scans only what serving has made since:
+    in the scheduler process it took 83 ms over 175,000 start-up objects (Zen 5 class CPU), a
+    pause that lands on whichever step or token happens to trigger it."""
+    gc.collect()
+    gc.freeze()

@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from lockgate.config import HEARTBEAT_SECONDS, read_chat_template
 from lockgate.ipc.channel import AsyncReceiver, AsyncSender
+from lockgate.ipc.child import freeze_heap
 from lockgate.ipc.messages import (
     AbortRequest,
     AdapterCard,
@@ -282,6 +283,7 @@ class EngineClient:
         self.adapters = {a.name: a for a in info.adapters}
         self.metrics.on_ready(info.max_model_len)
         self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}
+        freeze_heap()
         self.ready.set()
         log.info("ready: model %s (%s), context %d tokens, KV capacity %d tokens", info.model, info.dtype,
                  info.max_model_len, info.capacity)

@@ -29,7 +29,7 @@ import zmq
 
 from lockgate.config import HEARTBEAT_SECONDS
 from lockgate.ipc.channel import Receiver, Sender
-from lockgate.ipc.child import DetokProcArgs, child_startup
+from lockgate.ipc.child import DetokProcArgs, child_startup, freeze_heap
 from lockgate.ipc.messages import (
     AbortRequest,
     AdapterReply,
@@ -93,6 +93,7 @@ class DetokenizerProcess:
             log.exception("cannot load the tokenizer")
             self.api.send(Fatal("detokenizer", f"cannot load the tokenizer: {e}"))
             return
+        freeze_heap()
         self.api.send(DetokenizerReady(m, os.getpid()))
 
     def convert(self, o: TokenOut) -> TextOut | None:
