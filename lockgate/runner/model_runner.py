@@ -452,9 +452,18 @@ class ModelRunner:
                                        dtype=torch.float32, device=self.device)
         return self._logits
 
+    # Tokens of the warm-up prefill: the default --max-prefill-tokens, the largest step the
+    # scheduler makes by default.
+    WARMUP_PREFILL_TOKENS = 1024
+
     def warmup(self) -> None:
-        """One tiny prefill and one decode step on slots 0..n (their contents are garbage after)."""
-        n = min(8, self.capacity - 1)
+        """A prefill of up to ``WARMUP_PREFILL_TOKENS`` and one decode step on slots 0..n (their
+        contents are garbage after). The prefill's activations take their memory from the OS now:
+        glibc maps a large block afresh (and the kernel faults its pages in) until a free of that
+        size has raised its mmap threshold, so without it the first long prompt a user sent paid
+        that inside its first token (the first 256-token request after a short one: 8-15 ms slower
+        than the next, on the Zen 5 class CPU of docs/performance.md round 16)."""
+        n = min(self.WARMUP_PREFILL_TOKENS, self.capacity - 1, self.max_model_len - 1)
         if n < 1:
             return
         t0 = time.perf_counter()
