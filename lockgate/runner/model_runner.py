@@ -469,7 +469,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         ids = np.arange(1, n + 1, dtype=np.int64) % self.vocab_size
         self.execute(_single_seq_plan(ids, start=0))
-        self.execute(_single_seq_plan(ids[:1], start=n))
+        decode = _single_seq_plan(ids[:1], start=n)
+        self.execute(decode)
+        # once more through the sampler's general path (a banned token, as min_tokens bans EOS; a
+        # seeded draw with top-k / top-p and logprobs): its first use cost 8-10 ms of a first token
+        s = decode.sampling
+        decode.sampling = dataclasses.replace(
+            s, temperature=np.ones(1, np.float32), top_p=np.full(1, 0.9, np.float32), top_k=np.full(1, 50, np.int64),
+            has_seed=np.ones(1, bool), num_logprobs=np.full(1, 1, np.int64), suppress_ids=np.zeros(1, np.int64),
+            suppress_offsets=np.array([0, 1], np.int64))
+        self.execute(decode)
         log.info("warmup done in %.2fs", time.perf_counter() - t0)
 
 
