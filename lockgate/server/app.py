@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -62,11 +62,16 @@ from lockgate.server.protocol import (
 log = logging.getLogger("lockgate.api")
 
 
-def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, metrics: Metrics) -> FastAPI:
+def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, metrics: Metrics,
+               on_stopping: Callable[[], None] | None = None) -> FastAPI:
+    """``on_stopping`` runs once the server starts shutting down, before the children are told to
+    exit (so whoever watches them knows their exits are expected)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
         yield
+        if on_stopping is not None:
+            on_stopping()
         live = list(client.streams)
         if live:
             log.info("shutting down: aborting %d unfinished requests", len(live))

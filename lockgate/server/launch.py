@@ -217,7 +217,8 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             client = EngineClient(name, engine.model.model, ep.scheduler, ep.api, metrics,
                                   heartbeat_timeout=server.heartbeat_timeout, on_unresponsive=on_unresponsive,
                                   chat_template=engine.model.chat_template)
-            app = create_app(client, server, api_key, metrics)
+            # the children's exits from here on are the shutdown's, not deaths to report
+            app = create_app(client, server, api_key, metrics, on_stopping=lambda: setattr(sup, "stopping", True))
             config = uvicorn.Config(app, host=server.host, port=server.port, log_level=log_level.lower(),
                                     access_log=False, timeout_graceful_shutdown=math.ceil(server.shutdown_timeout),
                                     lifespan="on")
