@@ -562,6 +562,47 @@ def test_sequences_on_a_shared_prefix_keep_their_own_results(dtype: torch.dtype)
             t += 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_interleaved_across_prefixes_keep_their_own_results_and_places(dtype: torch.dtype) -> None:
+    """The scheduler's batch mixes requests on different cached prefixes (a shared-prefix workload's
+    groups arrive interleaved); the kernel regroups whole sequences by their first slot so those on
+    one prefix share its chunks. Each row must still be bitwise its result alone and come back in
+    the caller's row order: decode rows on three prefixes taken in turn (some with guess rows), a
+    sequence with no prefix between them, then prefill chunks and decode rows on two prefixes mixed."""
+    load_kernels()
+    h, d = 9, 64
+    rng = np.random.default_rng(11)
+    capacity = 8000
+    kc, vc = _random_pool(capacity, dtype)
+    perm = rng.permutation(capacity)
+    prefixes = [perm[i * 400:(i + 1) * 400][:n] for i, n in enumerate((300, 260, 390))]
+    own = [perm[1200 + i * 40:1200 + (i + 1) * 40] for i in range(60)]
+    lists = []
+    for i in range(18):  # A, B, C, A, B, C, ...: no two neighbours share a prefix
+        keys = np.concatenate([prefixes[i % 3], own[i][:1 + i]])
+        lists += [keys[:len(keys) - 2], keys[:len(keys) - 1], keys] if i % 4 == 1 else [keys]  # guess rows
+        if i == 7:
+            lists.append(own[40][:33])  # no prefix
+    _decode_rows_equal_each_alone(lists, kc, vc, h)
+    seqs = [np.concatenate([prefixes[0], own[50][:2]]), np.concatenate([prefixes[1], own[51][:20]]),
+            np.concatenate([prefixes[0], own[52][:30]]), np.concatenate([prefixes[1], own[53][:1]])]
+    new = [1, 20, 30, 1]
+    slots = torch.from_numpy(np.concatenate(seqs).astype(np.int64))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64))
+    q_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
+    q = torch.randn(int(q_offsets[-1]), h, d, generator=torch.Generator().manual_seed(12)).to(dtype)
+    out, lse = torch.ops.lockgate.prefill_attention(q, kc, vc, slots, offsets, q_offsets, d ** -0.5)
+    t = 0
+    for keys, n_new in zip(seqs, new, strict=True):
+        for i in range(n_new):
+            n = len(keys) - n_new + 1 + i
+            one, one_lse = torch.ops.lockgate.decode_attention(q[t:t + 1], kc, vc,
+                                                               torch.from_numpy(keys[:n].astype(np.int64)),
+                                                               torch.tensor([0, n]), d ** -0.5)
+            assert torch.equal(one[0], out[t]) and torch.equal(one_lse[0], lse[t]), (t, i)
+            t += 1
+
+
 def test_prefill_kernel_rejects_bad_input() -> None:
     op = load_kernels().prefill_attention
     q, kc, vc, slots, offsets = _decode_inputs([3, 4], 9, 3, 16, torch.float32, torch.float32, seed=0)

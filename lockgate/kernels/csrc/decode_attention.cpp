@@ -31,7 +31,8 @@
 //
 // How the work is grouped does not enter that sequence. A work item is (a run of up to
 // kTokenBlock tokens of one sequence, one key chunk), all kv heads (or, for a whole chunk that
-// adjacent sequences hold with the same slots, tokens of several sequences: plan_items): per kv head it reads each
+// sequences hold with the same slots, tokens of several sequences: plan_items, after index_tokens has put
+// sequences that start on the same slot next to each other): per kv head it reads each
 // key's K and V row once from the pool, by slot (no gathered copy, no padding to the longest
 // sequence), for every query row of the run (the run's tokens x the G query heads sharing the kv
 // head). That is what makes prefill cheap: a key row is prepared once (widened or paired, and
@@ -91,10 +92,12 @@ constexpr int64_t kChunkKeys = 128;
 // Tokens per work item (prefill): up to this many of one sequence share each key row read.
 constexpr int64_t kTokenBlock = 16;
 
-// The step's tokens: token t attends to slots[base[t] .. base[t] + count[t]); tokens of one
-// sequence are adjacent with count rising by one; part_row[t] is its first partial (one per chunk).
+// The step's tokens, in work order: the token at position p is row row[p] of q and out and attends
+// to slots[base[p] .. base[p] + count[p]); tokens of one sequence are adjacent with count rising by
+// one; part_row[p] is its first partial (one per chunk). Work order is the rows' order with whole
+// sequences regrouped so that sequences starting on the same slot are adjacent (group_sequences).
 struct Tokens {
-  std::vector<int64_t> base, count, part_row;
+  std::vector<int64_t> base, count, part_row, row;
   int64_t parts = 0;  // partials in all
 };
 
@@ -110,17 +113,43 @@ struct Item {
 
 inline int64_t chunks_of(int64_t n) { return (n + kChunkKeys - 1) / kChunkKeys; }
 
-Tokens index_tokens(std::vector<int64_t> base, std::vector<int64_t> count) {
-  Tokens tk{std::move(base), std::move(count), {}, 0};
-  tk.part_row.resize(tk.count.size());
-  for (size_t t = 0; t < tk.count.size(); ++t) {
-    tk.part_row[t] = tk.parts;
-    tk.parts += chunks_of(tk.count[t]);
+// Sequences (runs of rows with the same key list start and one more key each) in the rows' order,
+// stably regrouped by their first key slot: requests on one cached prompt prefix start on the same
+// slots, and plan_items reads a whole chunk once for adjacent sequences that share it. The batch
+// comes in the scheduler's order, where such requests are mixed with others (a shared-prefix
+// workload's groups arrive interleaved): regrouped, a decode step of 32 rows on 4 prefixes of 1,024
+// tokens reads each prefix once instead of once per row (0.65 -> 0.31 ms per layer, Zen 5 class).
+// The order only decides which rows share reads, never a row's arithmetic.
+Tokens index_tokens(const std::vector<int64_t>& base, const std::vector<int64_t>& count, const int64_t* slots) {
+  const int64_t n = static_cast<int64_t>(count.size());
+  std::vector<std::pair<int64_t, int64_t>> seqs;  // (first row, end row) in the rows' order
+  for (int64_t s0 = 0; s0 < n;) {
+    int64_t s1 = s0 + 1;
+    while (s1 < n && base[s1] == base[s0] && count[s1] == count[s1 - 1] + 1) ++s1;
+    seqs.emplace_back(s0, s1);
+    s0 = s1;
+  }
+  std::stable_sort(seqs.begin(), seqs.end(), [&](const auto& a, const auto& b) {
+    return slots[base[a.first]] < slots[base[b.first]];
+  });
+  Tokens tk;
+  tk.base.reserve(static_cast<size_t>(n));
+  tk.count.reserve(static_cast<size_t>(n));
+  tk.row.reserve(static_cast<size_t>(n));
+  tk.part_row.reserve(static_cast<size_t>(n));
+  for (const auto& [s0, s1] : seqs) {
+    for (int64_t t = s0; t < s1; ++t) {
+      tk.base.push_back(base[t]);
+      tk.count.push_back(count[t]);
+      tk.row.push_back(t);
+      tk.part_row.push_back(tk.parts);
+      tk.parts += chunks_of(count[t]);
+    }
   }
   return tk;
 }
 
-// Work items in token order: per sequence (tokens with the same keys, one more each) and key chunk,
+// Work items in work order (Tokens): per sequence (tokens with the same keys, one more each) and key chunk,
 // runs of up to kTokenBlock tokens. A chunk that every token of a sequence sees whole and that holds
 // the same slots as the previous sequence's (a shared prompt prefix: the prefix cache hands requests
 // the same slots) joins that sequence's item for it while the item has room, so the chunk's key rows
@@ -576,7 +605,7 @@ void item_avx512(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0, in
       const int64_t n = std::min(kChunkKeys, tk.count[t] - begin);
       for (int64_t gg = 0; gg < g; ++gg) {
         const int64_t r = (t - it.t0) * g + gg, head = kv * g + gg;
-        const TQ* src = q + t * q_s0 + head * q_s1;
+        const TQ* src = q + tk.row[t] * q_s0 + head * q_s1;
         for (int64_t i = 0; i < d; ++i) s.qf[r * d + i] = widen(src[i]) * scale;
         s.n[r] = n;
         s.out[r] = part_of(parts, tk, t, it.chunk, h, head, d);
@@ -751,7 +780,7 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
       const int64_t n = std::min(kChunkKeys, tk.count[t] - begin);
       for (int64_t gg = 0; gg < g; ++gg) {
         const int64_t r = (t - it.t0) * g + gg, head = kv * g + gg;
-        std::memcpy(s.qp.data() + r * pairs, q + t * q_s0 + head * q_s1, d * sizeof(c10::BFloat16));
+        std::memcpy(s.qp.data() + r * pairs, q + tk.row[t] * q_s0 + head * q_s1, d * sizeof(c10::BFloat16));
         s.n[r] = n;
         s.out[r] = part_of(parts, tk, t, it.chunk, h, head, d);
       }
@@ -814,7 +843,7 @@ void item_per_token(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0,
     const int64_t* sl = slots + tk.base[t] + begin;
     for (int64_t kv = 0; kv < hkv; ++kv) {
       for (int64_t r = 0; r < g; ++r) {
-        const TQ* src = q + t * q_s0 + (kv * g + r) * q_s1;
+        const TQ* src = q + tk.row[t] * q_s0 + (kv * g + r) * q_s1;
         for (int64_t i = 0; i < d; ++i) qf[r * d + i] = widen(src[i]) * scale;
       }
       float* part = part_of(parts, tk, t, it.chunk, h, kv * g, d);
@@ -896,10 +925,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           sum += w * pr[1];
           for (int64_t k = 0; k < d; ++k) acc[k] += w * pr[2 + k];
         }
-        TQ* dst = op + (t * h + head) * d;
+        const int64_t row = tk.row[t];
+        TQ* dst = op + (row * h + head) * d;
         const float inv = 1.f / sum;
         for (int64_t k = 0; k < d; ++k) narrow(acc[k] * inv, dst + k);
-        lp[t * h + head] = m + std::log(sum);
+        lp[row * h + head] = m + std::log(sum);
       }
     }
   });
@@ -963,7 +993,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& q, const at::Tenso
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   join_prefix_rows(base, count, slots.data_ptr<int64_t>());
-  const Tokens tk = index_tokens(std::move(base), std::move(count));
+  const Tokens tk = index_tokens(base, count, slots.data_ptr<int64_t>());
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   if (qt == at::kFloat && kt == at::kFloat) {
     run<float, float>(q, k_cache, v_cache, slots, tk, scale, out, lse);
