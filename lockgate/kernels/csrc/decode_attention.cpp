@@ -191,6 +191,40 @@ std::vector<Item> plan_items(const Tokens& tk, const int64_t* slots) {
   return items;
 }
 
+// Threads take work in stripes: runs of consecutive items (item boundaries into `items`, one more
+// than the stripes), about kStripesPerWorker per thread, cut where their cost (token rows x keys
+// read, plus a fixed share per item for its preparation) reaches an equal share. Consecutive items
+// read neighbouring memory (a sequence's chunks in order, a prefill chunk's token runs over the
+// same keys), so a thread walking a stripe streams through memory the hardware prefetchers follow,
+// and a prefill chunk's keys are read into one core's cache instead of both: one item at a time
+// from a shared counter sent neighbours to alternating threads. Zen 5 class, kernel alone: decode
+// b = 128 at 321 keys 1.14x, b = 32 1.14x, prefill 4 x 256 1.2x (docs/performance.md, round 17).
+constexpr int64_t kStripesPerWorker = 4;
+constexpr int64_t kItemOverheadKeys = 32;
+
+std::vector<int64_t> stripes(const std::vector<Item>& items, const Tokens& tk, int64_t workers) {
+  const int64_t ni = static_cast<int64_t>(items.size());
+  std::vector<int64_t> cost(static_cast<size_t>(ni));
+  int64_t total = 0;
+  for (int64_t i = 0; i < ni; ++i) {
+    const Item& it = items[static_cast<size_t>(i)];
+    const int64_t keys = std::min(kChunkKeys, tk.count[it.t1 - 1] - it.chunk * kChunkKeys);
+    cost[static_cast<size_t>(i)] = (it.t1 - it.t0) * keys + kItemOverheadKeys;
+    total += cost[static_cast<size_t>(i)];
+  }
+  const int64_t share = std::max<int64_t>(1, total / (workers * kStripesPerWorker));
+  std::vector<int64_t> bounds{0};
+  int64_t acc = 0;
+  for (int64_t i = 0; i < ni; ++i) {
+    acc += cost[static_cast<size_t>(i)];
+    if (acc >= share || i == ni - 1) {
+      bounds.push_back(i + 1);
+      acc = 0;
+    }
+  }
+  return bounds;
+}
+
 // Softmax statistics of a chunk's partial: part = [max, sum, acc[D]].
 inline float* part_of(float* parts, const Tokens& tk, int64_t t, int64_t chunk, int64_t h, int64_t head,
                       int64_t d) {
@@ -870,16 +904,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const TKV* vc = v_cache.data_ptr<TKV>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  // Items are taken from a shared counter (their sizes differ); which thread runs an item changes
-  // nothing in its result.
-  std::atomic<int64_t> next{0};
+  // Stripes of items are taken from a shared counter; which thread runs an item changes nothing in
+  // its result.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(ni, at::get_num_threads()));
+  const std::vector<int64_t> stripe = stripes(items, tk, workers);
+  const int64_t ns = static_cast<int64_t>(stripe.size()) - 1;
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
 #if defined(__AVX512F__)
     Scratch scratch;
 #endif
     std::vector<float> token_scratch;
-    for (int64_t i = next++; i < ni; i = next++) {
+    for (int64_t st = next++; st < ns; st = next++)
+    for (int64_t i = stripe[st]; i < stripe[st + 1]; ++i) {
       const Item& it = items[i];
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
