@@ -195,7 +195,8 @@ def test_decode_layers_rejects_mismatched_weights(ops) -> None:
 
     good = [torch.ones(hidden), torch.ones(hidden), *int4((h + 2 * hkv) * d, hidden), *int4(hidden, h * d),
             *int4(2 * f, hidden), *int4(hidden, f)]
-    args = (torch.zeros(1, d), torch.zeros(1, d), kc, vc, torch.tensor([3]), torch.tensor([3]), torch.tensor([0, 1]))
+    args = (torch.zeros(1, d), torch.zeros(1, d), kc, vc, torch.tensor([3]), torch.tensor([3]), torch.tensor([0, 1]),
+            None)
     out = ops.decode_layers_(torch.randn(1, hidden), *args, good, [0, 0, 0, 0], h, hkv, 1e-5, 0.25)
     assert out.shape == (1, hidden) and torch.isfinite(out).all()
     bad = list(good)

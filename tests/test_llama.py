@@ -137,7 +137,7 @@ def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int, steps: lis
     kinds_seen: list[set[int]] = []
     real = torch.ops.lockgate.decode_layers_
     monkeypatch.setattr(torch.ops.lockgate, "decode_layers_",
-                        lambda *a: kinds_seen.append(set(a[9])) or real(*a), raising=False)
+                        lambda *a: kinds_seen.append(set(a[10])) or real(*a), raising=False)
 
     whole_step = KernelOps.whole_step
 
@@ -167,12 +167,44 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
         layer.down.forms["group-quant"] = GroupQuantWeight.from_weight(layer.down_weight.float(), 4)
     model.choose_forms({"qkv": FormChoice.parse("torch-int4:16,dense"), "gate_up": FormChoice.parse("torch-int4:16,dense"),
                         "o": FormChoice.parse("group-quant:16,dense"), "down": FormChoice.parse("group-quant:16,dense")})
-    steps = [{0: PROMPT[:9], 1: OTHER[:4]}]  # prefill: never the one-call path
+    steps = [{0: PROMPT[:9], 1: OTHER[:4]}]  # prefill
     steps += [{0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]} for i in range(9, 14)]
-    # (with the prefill kernel every step is one attention group: the prefill must still not go
-    # through the one-call decode path, which takes one row per sequence)
+    # several new tokens of a decoding sequence (what its guess rows are to attention) next to a
+    # decode row, then a decode row next to a prompt chunk
+    steps += [{0: PROMPT[14:16] + [21], 1: OTHER[9:10]}, {0: [22], 1: OTHER[10:11] + [23, 24, 25]}]
+    # with the prefill kernel every step is one attention group and takes the one call (prefill
+    # included, on the prompt rows' forms); with SDPA for prompt rows only the decode steps do
     per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 3, steps, prefill_kernel)
-    assert kinds == [{0, 4, 8}] * 5  # every decode step, not the prefill
+    assert kinds == [{0, 4, 8}] * (8 if prefill_kernel else 5)
+    for a, b in zip(per_op, one_call, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_steps_in_one_call_run_the_prompt_forms(tmp_path, pool_driver, monkeypatch, dtype) -> None:
+    # With exact prefill (the runner's default) every projection serves prompt rows on one prompt
+    # form, padded up to its min_rows. Steps with prompt rows (a prefill, a prompt chunk next to
+    # decode rows) take the one call on those forms, bitwise what the layer loop gives; a step
+    # with fewer rows than a prompt form's min_rows stays on the layer loop (which pads, the
+    # operator would not); decode-only steps keep their per-count forms.
+    from lockgate.layers.forms import onednn_packs
+    from lockgate.layers.linear import PromptForm
+
+    build(tmp_path, "llama_bias_mha", tie=False)
+    assert cpu_kernels.load(), cpu_kernels.error()
+    model = DecoderModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
+    model.choose_forms({role: FormChoice.parse("torch-int4:2,dense") for role in ("qkv", "o", "gate_up", "down")})
+    for layer in model.layers:
+        for lin in layer.projections().values():
+            lin.set_prompt_form(PromptForm("dense", min_rows=4))
+    dense = 200 if onednn_packs(dtype, torch.device("cpu")) else 201
+    steps = [{0: PROMPT[:9], 1: OTHER[:4]}]  # prefill, 13 rows: dense
+    steps += [{0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]} for i in range(9, 11)]  # 2 rows: int4
+    steps += [{0: PROMPT[11:12], 1: OTHER[6:9]}]  # 4 rows with a prompt chunk: dense
+    steps += [{0: PROMPT[12:13], 1: OTHER[9:11]}]  # 3 rows with a prompt chunk: below min_rows, layer loop
+    steps += [{0: PROMPT[13:14], 1: [30]}, {0: PROMPT[14:16] + [21], 1: [31, 32]}]  # decode; a chunk of 5 rows
+    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 7, steps, prefill_kernel=True)
+    assert kinds == [{dense}, {0}, {0}, {dense}, {0}, {dense}]
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 

@@ -12,10 +12,12 @@ against ``LayerOps`` and runs on either backend:
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` of the fused gate/up projection;
 
 and one fast path: ``whole_step(...)`` runs every layer of a step in one call, or returns None
-for the layer loop to run instead (always None on torch; on the kernels, an all-decode step whose
-projections' picked forms ``lockgate::decode_layers_`` can run). The kernel backend packs the
-layers' tensors for that operator once per step size; ``forget()`` drops the packs when the
-projections' forms or choices change.
+for the layer loop to run instead (always None on torch; on the kernels, a step whose attention is
+one kernel call and whose projections' forms ``lockgate::decode_layers_`` can run: decode steps,
+with or without guess rows, and steps with prompt rows alike). The kernel backend packs the
+layers' tensors for that operator once per step size (once for all prompt steps, when every
+projection serves prompt rows on one form); ``forget()`` drops the packs when the projections'
+forms or choices change.
 
 Invariant: both backends round where the other does (each fused kernel rounds at the points the
 torch ops round), so a model gives the same results on either, up to the kernels' documented
@@ -70,7 +72,7 @@ class LayerOps(Protocol):
 
     def whole_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, layers: Iterable[LayerWeights], heads: int,
-                   kv_heads: int, eps: float, scale: float) -> torch.Tensor | None: ...
+                   kv_heads: int, eps: float, scale: float, prompt_rows: bool = False) -> torch.Tensor | None: ...
 
     def forget(self) -> None: ...
 
@@ -112,9 +114,15 @@ class KernelOps:
     name = "kernels"
 
     def __init__(self) -> None:
-        # decode_layers_' weights per step size (rows), packed on first use from the forms each
-        # projection's choice picks for that many rows; () when some cannot go through it
-        self._packs: dict[int, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
+        # decode_layers_' weights and kinds, packed on first use from the forms the layer loop
+        # would call: per (rows, prompt_rows) key, or under PROMPT_KEY for every prompt step when
+        # each projection serves prompt rows on its one prompt form; () when some cannot go
+        # through it
+        self._packs: dict[tuple[int, bool] | str, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
+        self._prompt_min_rows = 0  # the most rows any prompt form pads to (PROMPT_KEY's pack is for steps >= it)
+
+    PROMPT_KEY = "prompt"
+    MAX_PACKS = 256  # packs kept per size (decode steps: one per batch size; prompt steps by count: one per size seen)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -132,46 +140,70 @@ class KernelOps:
 
     def forget(self) -> None:
         self._packs.clear()
+        self._prompt_min_rows = 0
 
     def whole_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, layers: Iterable[LayerWeights], heads: int,
-                   kv_heads: int, eps: float, scale: float) -> torch.Tensor | None:
-        """An all-decode step in one call (``lockgate::decode_layers_``: the layer loop's very ops on
-        this backend, without returning to Python between them), or None when the step is not one:
-        every sequence decodes on the attention kernel without a shared prefix, and every
-        projection's picked form for this row count is one the operator runs (quantized or dense)."""
+                   kv_heads: int, eps: float, scale: float, prompt_rows: bool = False) -> torch.Tensor | None:
+        """The step's layers in one call (``lockgate::decode_layers_``: the layer loop's very ops on
+        this backend, without returning to Python between them), or None when the step cannot take
+        it: its attention must be one kernel group (every sequence read by slot, no cascade over a
+        shared prefix), and every projection's form for the step (``prompt_rows``: its prompt form,
+        as ``Linear`` calls it) one the operator runs, on the step's rows as they are (no padding
+        up to a prompt form's ``min_rows``)."""
         t = x.shape[0]
         if len(meta.groups) != 1:
             return None
         g = meta.groups[0]
         if g.kernel_slots is None or g.kernel_offsets is None or g.prefixes or g.token_idx is not None:
             return None
-        if g.kernel_offsets.shape[0] - 1 != t:  # a prefill on the prefill kernel's group: not one row per sequence
+        one_each = g.kernel_offsets.shape[0] - 1 == t  # one new token per sequence: the decode kernel
+        if not one_each and g.kernel_q_offsets is None:
             return None
-        if t not in self._packs:
-            self._packs[t] = self._pack(layers, t)
-        packed = self._packs[t]
+        packed = self._pack_for(list(layers), t, prompt_rows)
         if not packed:
             return None
         weights, kinds = packed
         d = cos.shape[-1]
         return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
-                                                 g.kernel_slots, g.kernel_offsets, weights, kinds, heads, kv_heads,
-                                                 eps, scale)
+                                                 g.kernel_slots, g.kernel_offsets,
+                                                 None if one_each else g.kernel_q_offsets, weights, kinds, heads,
+                                                 kv_heads, eps, scale)
+
+    def _pack_for(self, layers: list[LayerWeights], rows: int,
+                  prompt_rows: bool) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+        if prompt_rows and self.PROMPT_KEY in self._packs:
+            return self._packs[self.PROMPT_KEY] if rows >= self._prompt_min_rows else ()
+        key = (rows, prompt_rows)
+        if key not in self._packs:
+            if prompt_rows and all(lin.prompt is not None for layer in layers for lin in layer.projections().values()):
+                # one pack for every prompt step: the same forms whatever the rows (padded below min_rows)
+                self._prompt_min_rows = max(lin.prompt.min_rows for layer in layers  # type: ignore[union-attr]
+                                            for lin in layer.projections().values())
+                self._packs[self.PROMPT_KEY] = self._pack(layers, self._prompt_min_rows, True)
+                return self._packs[self.PROMPT_KEY] if rows >= self._prompt_min_rows else ()
+            if len(self._packs) >= self.MAX_PACKS:
+                self._packs.pop(next(k for k in self._packs if k != self.PROMPT_KEY))  # the oldest
+            self._packs[key] = self._pack(layers, rows, prompt_rows)
+        return self._packs[key]
 
     @staticmethod
-    def _pack(layers: Iterable[LayerWeights], rows: int) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+    def _pack(layers: Iterable[LayerWeights], rows: int,
+              prompt_rows: bool) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
         """The layers' tensors in ``decode_layers_``' order, and each projection's kind, for the
-        forms picked at ``rows`` rows; () when some picked form has no kind (the float32 copy of
-        a 16-bit run)."""
+        forms ``Linear`` calls at ``rows`` rows (``prompt_rows``: a step with prompt rows); () when
+        some such form has no kind (the float32 copy of a 16-bit run) or the call would be padded."""
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
         for layer in layers:
             weights += [layer.attn_norm, layer.mlp_norm]
             for lin in layer.projections().values():
-                if lin.prompt is not None and lin.choice.pick(rows) == lin.prompt.name and rows < lin.prompt.min_rows:
+                p = lin.prompt
+                on_prompt = p is not None and (prompt_rows or lin.choice.pick(rows) == p.name)
+                if on_prompt and rows < p.min_rows:  # type: ignore[union-attr]
                     return ()  # the layer loop pads such calls (Linear), the operator would not
-                args = lin.form_for(rows).decode_layers_args()
+                form = lin.forms[p.name] if on_prompt else lin.form_for(rows)  # type: ignore[union-attr]
+                args = form.decode_layers_args()
                 if args is None:
                     return ()
                 kinds.append(args[0])

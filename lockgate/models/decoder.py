@@ -22,7 +22,7 @@ Invariants:
   ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
   ``out_slots`` and returns float32 logits only for ``logits_rows`` (the last token of each
   sampled sequence), skipping the final norm and LM head for everything else.
-* The one-call fused decode step (``LayerOps.whole_step``) runs only for the plain Llama layout
+* The one-call fused step (``LayerOps.whole_step``) runs only for the plain Llama layout
   (``ModelArgs.plain``) and steps without LoRA adapters; a windowed layer whose step has a context
   longer than its window, or a soft-capped one, attends with ``windowed_attention``.
 * Unsupported architectures or features raise ``ValueError`` at load naming the key, and a
@@ -253,8 +253,9 @@ class DecoderModel(nn.Module):
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
         layers = typing.cast(list[DecoderLayer], self.layers)
         prompt_rows = decode_rows is not None and decode_rows < x.shape[0]  # the step has prompt rows
-        whole = None if lora is not None or not a.plain or prompt_rows else self.ops.whole_step(
-            x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads, a.rms_norm_eps, self.scale)
+        whole = None if lora is not None or not a.plain else self.ops.whole_step(
+            x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads, a.rms_norm_eps, self.scale,
+            prompt_rows)
         if whole is not None:
             x = whole
         else:

@@ -1,14 +1,18 @@
-// A whole all-decode step's decoder layers in one operator call.
+// A whole step's decoder layers in one operator call.
 //
 // lockgate::decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache,
-//                          Tensor out_slots, Tensor slots, Tensor offsets, Tensor[] weights, int[] kinds,
-//                          int heads, int kv_heads, float eps, float scale) -> Tensor
+//                          Tensor out_slots, Tensor slots, Tensor offsets, Tensor? q_offsets,
+//                          Tensor[] weights, int[] kinds, int heads, int kv_heads, float eps,
+//                          float scale) -> Tensor
 //
-//   x          [B, hidden] the step's embeddings (run dtype: float32 or bf16), one token per sequence;
-//              used as the residual stream, returned after the last layer (every MLP output added)
-//   cos, sin   [B, D] rope (cos, signed sin) in the run dtype
-//   k_cache, v_cache  [L, C, Hkv, D] the pool; the step's K/V are written at out_slots [B]
+//   x          [T, hidden] the step's embeddings (run dtype: float32 or bf16); used as the residual
+//              stream, returned after the last layer (every MLP output added)
+//   cos, sin   [T, D] rope (cos, signed sin) in the run dtype
+//   k_cache, v_cache  [L, C, Hkv, D] the pool; the step's K/V are written at out_slots [T]
 //   slots, offsets    each sequence's keys (CSR, as lockgate::decode_attention)
+//   q_offsets  None: one token per sequence (lockgate::decode_attention); else each sequence's new
+//              tokens (CSR over x's rows, as lockgate::prefill_attention: prompt chunks, decode
+//              rows with their speculative guesses, or both)
 //   weights    per layer: attn_norm, mlp_norm, then for qkv, o, gate_up, down four tensors
 //              (a, b, c, bias); an empty tensor (numel 0) stands for "none"
 //   kinds      per layer and projection: 0 = torch's int4 (a: packed codes, b: scales_and_zeros,
@@ -22,10 +26,11 @@
 // It does exactly what lockgate.models.decoder.DecoderModel._layers does on KernelOps for such a step
 // (the same functions, in the same order, rounding in the same places), without returning to Python
 // between the ~12 calls of each layer: at decode batch 1 those returns, not the arithmetic, were a
-// quarter of the step, at batch 32 on dense bf16 forms still 1-1.5 ms of ~30. The Python side
-// (KernelOps.whole_step) only takes this path when every projection's picked form has a kind here
-// (all but the float32 copy of a 16-bit run) and every sequence decodes one token without a shared
-// prefix.
+// quarter of the step, at batch 32 on dense bf16 forms still 1-1.5 ms of ~30, and a 256-token prompt
+// paid ~3 ms of them. The Python side (KernelOps.whole_step) only takes this path when every
+// projection's form for the step (its prompt form where the step has prompt rows) has a kind here
+// (all but the float32 copy of a 16-bit run) and needs no padding, and the step's attention is one
+// kernel call (one group read by slot, no cascade over shared prefixes).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -94,7 +99,8 @@ namespace lockgate {
 
 at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& slots,
-                          const at::Tensor& offsets, at::TensorList weights, at::IntArrayRef kinds, int64_t heads,
+                          const at::Tensor& offsets, const std::optional<at::Tensor>& q_offsets,
+                          at::TensorList weights, at::IntArrayRef kinds, int64_t heads,
                           int64_t kv_heads, double eps, double scale) {
   const int64_t layers = k_cache.size(0), b = x.size(0), d = k_cache.size(3);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [B, hidden]");
@@ -116,7 +122,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
     at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
     at::Tensor y = add_rms_norm_(x, pending, w[0], eps);
     at::Tensor q = rope_write_kv(project(y, w + 2, kind[0]), cos, sin, heads, kv_heads, kc, vc, out_slots);
-    at::Tensor o = std::get<0>(decode_attention(q, kc, vc, slots, offsets, scale));
+    at::Tensor o = std::get<0>(q_offsets ? prefill_attention(q, kc, vc, slots, offsets, *q_offsets, scale)
+                                         : decode_attention(q, kc, vc, slots, offsets, scale));
     y = add_rms_norm_(x, project(o.view({b, heads * d}), w + 6, kind[1]), w[1], eps);
     pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
   }
@@ -132,8 +139,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor out_slots, Tensor slots, Tensor offsets, Tensor[] weights, int[] kinds, int heads, int kv_heads, "
-        "float eps, float scale) -> Tensor(a!)");
+        "Tensor out_slots, Tensor slots, Tensor offsets, Tensor? q_offsets, Tensor[] weights, int[] kinds, "
+        "int heads, int kv_heads, float eps, float scale) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_layers_", &lockgate::decode_layers_); }
