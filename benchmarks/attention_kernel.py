@@ -55,6 +55,8 @@ def cases(heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, tuple]:
     prefixes = [prompt(g * 1024, 1024) for g in range(4)]
     shared = [torch.cat([prefixes[b // 8], prompt(4096 + b * 100, 100)]) for b in range(32)]
     unshared = [prompt(b * 1124, 1124) for b in range(32)]
+    # the same rows in the order a shared-prefix workload's batch has them: the groups taken in turn
+    interleaved = [shared[(i % 4) * 8 + i // 4] for i in range(32)]
     # 32 requests each fed its newest token and 2 guesses: rows whose keys extend each other by one
     guessed = [c[:len(c) - 2 + j] for c in decode_ctx(32, 256, 67, 0) for j in range(3)]
     out = {
@@ -64,9 +66,11 @@ def cases(heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, tuple]:
         "chunk_1024_on_2048": ([prompt(0, 2048)], [1024]),
         "decode_b1_ctx321": (decode_ctx(1, 256, 65, 0), [1]),
         "decode_b32_ctx321": (dec, [1] * 32),
+        "decode_b128_ctx321": (decode_ctx(128, 256, 65, 0), [1] * 128),
         "mixed_b32_ctx321+256": (dec + [prompt(20000, 256)], [1] * 32 + [256]),
         "decode_b32_x3_guess_rows": (guessed, [1] * 96),
         "decode_b32_shared_4x1024+100": (shared, [1] * 32),
+        "decode_b32_shared_interleaved": (interleaved, [1] * 32),
         "decode_b32_unshared_1124": (unshared, [1] * 32),
     }
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +89,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--capacity", type=int, default=36000, help="pool slots per layer")
+    ap.add_argument("--capacity", type=int, default=48000, help="pool slots per layer")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
                     help="another build of the operators, its namespace renamed to NAME")

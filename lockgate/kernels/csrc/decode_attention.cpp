@@ -768,6 +768,47 @@ inline void value_rows_bf16(const uint32_t* pb, int64_t pb_stride, const uint32_
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[r] + 2 + 16 * v, acc[r][v]);
 }
 
+// The same for a single token's rows (decode), its values read in place: key pair (2j, 2j + 1)'s rows
+// (the second zeros past the keys) paired in registers (unpack: lane k of the low half of 128-bit
+// lane L holds dimension 8 L + k of both keys, of the high half 8 L + 4 + k) instead of staged in
+// vp: each accumulator lane does exactly the VDPBF16PS sequence its dimension has on the staged
+// path, and the lanes are put back in dimension order before the store. One token's rows use each
+// pair once, so staging it cost a write and a read per key for nothing.
+template <int NV, int R>
+inline void value_rows_bf16_in_place(const uint32_t* pb, int64_t pb_stride, const c10::BFloat16* vk,
+                                     const int64_t* sl, int64_t row_stride, int64_t nk, float* const* out) {
+  static_assert(NV % 2 == 0, "a 512-bit register holds 32 bf16 dimensions");
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t pairs = (nk + 1) / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const c10::BFloat16* a = vk + sl[2 * j] * row_stride;
+    const bool has_b = 2 * j + 1 < nk;
+    const c10::BFloat16* b = has_b ? vk + sl[2 * j + 1] * row_stride : a;
+    __m512i val[NV];
+    for (int hv = 0; hv < NV / 2; ++hv) {
+      const __m512i ra = _mm512_loadu_si512(a + 32 * hv);
+      const __m512i rb = has_b ? _mm512_loadu_si512(b + 32 * hv) : _mm512_setzero_si512();
+      val[2 * hv] = _mm512_unpacklo_epi16(ra, rb);
+      val[2 * hv + 1] = _mm512_unpackhi_epi16(ra, rb);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(pb[r * pb_stride + j])));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], as_bh(val[v]), w);
+    }
+  }
+  // dimensions 32 hv + m: m < 16 from lanes of (lo, hi) = (acc[2 hv], acc[2 hv + 1]), in order
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < R; ++r)
+    for (int hv = 0; hv < NV / 2; ++hv) {
+      _mm512_storeu_ps(out[r] + 2 + 32 * hv, _mm512_permutex2var_ps(acc[r][2 * hv], first, acc[r][2 * hv + 1]));
+      _mm512_storeu_ps(out[r] + 2 + 32 * hv + 16,
+                       _mm512_permutex2var_ps(acc[r][2 * hv], second, acc[r][2 * hv + 1]));
+    }
+}
+
 template <int NV>
 void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, int64_t q_s0, int64_t q_s1,
                       const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* slots, int64_t h,
@@ -778,8 +819,9 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
   const int64_t blocks = (nk + 15) / 16, sc_stride = blocks * 16, key_pairs = (nk + 1) / 2;
   const int64_t pb_stride = sc_stride / 2;
   const int64_t* sl = slots + tk.base[it.t0] + begin;
+  const bool single = nt == 1;  // one token (decode): values paired in registers, not staged
   s.kp.resize(static_cast<size_t>(blocks * 16 * pairs));
-  s.vp.resize(static_cast<size_t>(key_pairs * d));
+  if (!single) s.vp.resize(static_cast<size_t>(key_pairs * d));
   s.qp.resize(static_cast<size_t>(rows * pairs));
   s.sc.resize(static_cast<size_t>(rows * sc_stride));
   s.pb.resize(static_cast<size_t>(rows * pb_stride));
@@ -804,7 +846,7 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
           }
         }
         krows[i] = kc + (sl[j] * hkv + kv) * d;
-        if (j % 2 == 0)
+        if (!single && j % 2 == 0)
           interleave_values<NV>(vc + (sl[j] * hkv + kv) * d, j + 1 < nk ? vc + (sl[j + 1] * hkv + kv) * d : nullptr,
                                 s.vp.data() + (j / 2) * d);
       }
@@ -843,6 +885,22 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
       std::fill(pr + 8 * filled, pr + pb_stride, 0u);  // probability 0 beyond the row's keys
     }
     constexpr int RV = kValueRows<NV>;
+    if (single) {
+      const c10::BFloat16* vk = vc + kv * d;
+      for (int64_t r0 = 0; r0 < rows; r0 += RV) {
+        const uint32_t* pr = s.pb.data() + r0 * pb_stride;
+        float* const* o = s.out.data() + r0;
+        switch (std::min<int64_t>(RV, rows - r0)) {
+          case 1: value_rows_bf16_in_place<NV, 1>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
+          case 2: if constexpr (RV >= 2) value_rows_bf16_in_place<NV, 2>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
+          case 3: if constexpr (RV >= 3) value_rows_bf16_in_place<NV, 3>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
+          case 4: if constexpr (RV >= 4) value_rows_bf16_in_place<NV, 4>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
+          case 5: if constexpr (RV >= 5) value_rows_bf16_in_place<NV, 5>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
+          default: if constexpr (RV >= 6) value_rows_bf16_in_place<NV, RV>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
+        }
+      }
+      continue;  // next kv head
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += RV) {
       const int64_t rr = std::min<int64_t>(RV, rows - r0);
       const int64_t kp_rows = (s.n[r0 + rr - 1] + 1) / 2;  // key pairs the rows see
