@@ -191,35 +191,36 @@ std::vector<Item> plan_items(const Tokens& tk, const int64_t* slots) {
   return items;
 }
 
-// Threads take work in stripes: runs of consecutive items (item boundaries into `items`, one more
-// than the stripes), about kStripesPerWorker per thread, cut where their cost (token rows x keys
-// read, plus a fixed share per item for its preparation) reaches an equal share. Consecutive items
-// read neighbouring memory (a sequence's chunks in order, a prefill chunk's token runs over the
-// same keys), so a thread walking a stripe streams through memory the hardware prefetchers follow,
-// and a prefill chunk's keys are read into one core's cache instead of both: one item at a time
-// from a shared counter sent neighbours to alternating threads. Zen 5 class, kernel alone: decode
-// b = 128 at 321 keys 1.14x, b = 32 1.14x, prefill 4 x 256 1.2x (docs/performance.md, round 17).
-constexpr int64_t kStripesPerWorker = 4;
+// Threads take work in stripes: runs of consecutive items, from a shared counter (`stripes` gives
+// their item boundaries, one more than the stripes). Consecutive items read neighbouring memory (a
+// sequence's chunks in order, a prefill chunk's token runs over the same keys), so a thread walking
+// a stripe streams through memory the hardware prefetchers follow, and a prefill chunk's keys are
+// read into one core's cache instead of both; one item at a time from the counter sent neighbours
+// to alternating threads. Stripes shrink as the work left does (each about the work left over
+// 2 x threads, by cost: token rows x keys read, plus a fixed share per item for its preparation;
+// at least one item), so the first are long and the last short enough to end the threads together.
+// Zen 5 class, kernel alone: see docs/performance.md, round 17.
 constexpr int64_t kItemOverheadKeys = 32;
 
 std::vector<int64_t> stripes(const std::vector<Item>& items, const Tokens& tk, int64_t workers) {
   const int64_t ni = static_cast<int64_t>(items.size());
   std::vector<int64_t> cost(static_cast<size_t>(ni));
-  int64_t total = 0;
+  int64_t left = 0;
   for (int64_t i = 0; i < ni; ++i) {
     const Item& it = items[static_cast<size_t>(i)];
     const int64_t keys = std::min(kChunkKeys, tk.count[it.t1 - 1] - it.chunk * kChunkKeys);
     cost[static_cast<size_t>(i)] = (it.t1 - it.t0) * keys + kItemOverheadKeys;
-    total += cost[static_cast<size_t>(i)];
+    left += cost[static_cast<size_t>(i)];
   }
-  const int64_t share = std::max<int64_t>(1, total / (workers * kStripesPerWorker));
   std::vector<int64_t> bounds{0};
-  int64_t acc = 0;
+  int64_t acc = 0, share = left / (2 * workers);
   for (int64_t i = 0; i < ni; ++i) {
     acc += cost[static_cast<size_t>(i)];
     if (acc >= share || i == ni - 1) {
       bounds.push_back(i + 1);
+      left -= acc;
       acc = 0;
+      share = left / (2 * workers);
     }
   }
   return bounds;
