@@ -51,9 +51,11 @@ class PoolDriver:
         self.slots: dict[int, list[int]] = {}
 
     def step(self, chunks: dict[int, list[int]], all_rows: bool = False,
-             logits_out: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+             logits_out: torch.Tensor | None = None, decode_rows: int | None = None) -> dict[int, torch.Tensor]:
         """One step: sequence id -> new tokens. Returns id -> logits [V] of the last new token
-        (or [q, V] for every new token when ``all_rows``); ``logits_out``: the model's logits buffer."""
+        (or [q, V] for every new token when ``all_rows``); ``logits_out``: the model's logits buffer;
+        ``decode_rows``: the step's first rows that are decode rows, the rest prompt rows (as the
+        runner passes it with exact prefill; None: no prompt rows, every call by its row count)."""
         ids, pos, out, qlens, slens, kv = [], [], [], [], [], []
         for sid, toks in chunks.items():
             ctx = self.slots.setdefault(sid, [])
@@ -76,7 +78,8 @@ class PoolDriver:
         rows = list(range(len(ids))) if all_rows else list(np.cumsum(qlens) - 1)
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.k_cache, self.v_cache,
-                                torch.tensor(rows, dtype=torch.long), logits_out=logits_out)
+                                torch.tensor(rows, dtype=torch.long), logits_out=logits_out,
+                                decode_rows=decode_rows)
         res, r = {}, 0
         for sid, toks in chunks.items():
             n = len(toks) if all_rows else 1

@@ -131,9 +131,11 @@ def test_kernels_round_like_torch_in_bf16(tmp_path, pool_driver, kind: str) -> N
 
 
 def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int, steps: list[dict[int, list[int]]],
-                          prefill_kernel: bool = False) -> tuple[list, list, list[set[int]]]:
-    """The steps' outputs through the per-op path, then through the one-call decode path (same
-    pool contents), and the projection kinds of each decode_layers_ call."""
+                          prefill_kernel: bool = False,
+                          decode_rows: list[int | None] | None = None) -> tuple[list, list, list[set[int]]]:
+    """The steps' outputs through the per-op path, then through the one-call path (same pool
+    contents), and the projection kinds of each decode_layers_ call. ``decode_rows``: per step, as
+    ``PoolDriver.step`` takes it (None: no prompt rows)."""
     kinds_seen: list[set[int]] = []
     real = torch.ops.lockgate.decode_layers_
     monkeypatch.setattr(torch.ops.lockgate, "decode_layers_",
@@ -145,7 +147,8 @@ def _per_op_then_one_call(model, pool_driver, monkeypatch, seed: int, steps: lis
         # the layer loop on the same fused ops, or the whole-step path where it applies
         monkeypatch.setattr(KernelOps, "whole_step", whole_step if one_call else (lambda *a, **k: None))
         drv = pool_driver(model, seed=seed, kernels=True, prefill_kernel=prefill_kernel)
-        return [drv.step(step)[0] for step in steps]
+        rows = decode_rows or [None] * len(steps)
+        return [drv.step(step, decode_rows=r)[0] for step, r in zip(steps, rows, strict=True)]
 
     per_op = run(one_call=False)
     assert kinds_seen == []
@@ -183,28 +186,32 @@ def test_decode_layers_in_one_call_equal_the_fused_layers(tmp_path, pool_driver,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_steps_in_one_call_run_the_prompt_forms(tmp_path, pool_driver, monkeypatch, dtype) -> None:
     # With exact prefill (the runner's default) every projection serves prompt rows on one prompt
-    # form, padded up to its min_rows. Steps with prompt rows (a prefill, a prompt chunk next to
-    # decode rows) take the one call on those forms, bitwise what the layer loop gives; a step
-    # with fewer rows than a prompt form's min_rows stays on the layer loop (which pads, the
-    # operator would not); decode-only steps keep their per-count forms.
+    # form, padded up to its min_rows, whatever the row count picks (here int4 up to 8 rows, the
+    # prompt form dense). Steps with prompt rows (a prefill, a prompt chunk next to a decode row)
+    # take the one call on the prompt forms, bitwise what the layer loop gives; a step with fewer
+    # rows than min_rows stays on the layer loop (which pads, the operator would not), before and
+    # after the prompt pack exists; decode-only steps, guess rows included, keep their per-count forms.
     from lockgate.layers.forms import onednn_packs
     from lockgate.layers.linear import PromptForm
 
     build(tmp_path, "llama_bias_mha", tie=False)
     assert cpu_kernels.load(), cpu_kernels.error()
     model = DecoderModel.from_pretrained(tmp_path, dtype, quantization="int4", cpu_kernels=True)
-    model.choose_forms({role: FormChoice.parse("torch-int4:2,dense") for role in ("qkv", "o", "gate_up", "down")})
+    model.choose_forms({role: FormChoice.parse("torch-int4:8,dense") for role in ("qkv", "o", "gate_up", "down")})
     for layer in model.layers:
         for lin in layer.projections().values():
             lin.set_prompt_form(PromptForm("dense", min_rows=4))
     dense = 200 if onednn_packs(dtype, torch.device("cpu")) else 201
-    steps = [{0: PROMPT[:9], 1: OTHER[:4]}]  # prefill, 13 rows: dense
-    steps += [{0: PROMPT[i:i + 1], 1: OTHER[4 + i - 9:5 + i - 9]} for i in range(9, 11)]  # 2 rows: int4
-    steps += [{0: PROMPT[11:12], 1: OTHER[6:9]}]  # 4 rows with a prompt chunk: dense
-    steps += [{0: PROMPT[12:13], 1: OTHER[9:11]}]  # 3 rows with a prompt chunk: below min_rows, layer loop
-    steps += [{0: PROMPT[13:14], 1: [30]}, {0: PROMPT[14:16] + [21], 1: [31, 32]}]  # decode; a chunk of 5 rows
-    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 7, steps, prefill_kernel=True)
-    assert kinds == [{dense}, {0}, {0}, {dense}, {0}, {dense}]
+    steps = [({0: PROMPT[:2], 1: OTHER[:1]}, 0),  # a 3-row prefill: below min_rows, before any prompt pack
+             ({0: PROMPT[2:9], 1: OTHER[1:4]}, 0),  # prompt rows, 10: dense
+             ({0: PROMPT[9:10], 1: OTHER[4:5]}, 2),  # decode, 2 rows: int4
+             ({0: PROMPT[10:11], 1: OTHER[5:9]}, 1),  # a decode row and a 4-token chunk: dense (int4 by count)
+             ({0: PROMPT[11:12], 1: OTHER[9:11]}, 1),  # 3 rows with prompt rows: layer loop
+             ({0: PROMPT[12:15], 1: [30]}, 4),  # a decode row and its 2 guesses, and a decode row: int4
+             ({0: PROMPT[15:16], 1: [31, 32, 33, 34, 35]}, 1)]  # 6 rows with prompt rows: dense
+    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 7, [c for c, _ in steps],
+                                                    prefill_kernel=True, decode_rows=[r for _, r in steps])
+    assert kinds == [{dense}, {0}, {dense}, {0}, {dense}]
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 

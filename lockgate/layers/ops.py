@@ -122,7 +122,7 @@ class KernelOps:
         self._prompt_min_rows = 0  # the most rows any prompt form pads to (PROMPT_KEY's pack is for steps >= it)
 
     PROMPT_KEY = "prompt"
-    MAX_PACKS = 256  # packs kept per size (decode steps: one per batch size; prompt steps by count: one per size seen)
+    MAX_PACKS = 256  # packs kept in all (least recently used dropped first; steps by count: one per size)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -183,8 +183,10 @@ class KernelOps:
                 self._packs[self.PROMPT_KEY] = self._pack(layers, self._prompt_min_rows, True)
                 return self._packs[self.PROMPT_KEY] if rows >= self._prompt_min_rows else ()
             if len(self._packs) >= self.MAX_PACKS:
-                self._packs.pop(next(k for k in self._packs if k != self.PROMPT_KEY))  # the oldest
+                self._packs.pop(next(k for k in self._packs if k != self.PROMPT_KEY))  # least recently used
             self._packs[key] = self._pack(layers, rows, prompt_rows)
+        else:
+            self._packs[key] = self._packs.pop(key)  # most recently used last
         return self._packs[key]
 
     @staticmethod

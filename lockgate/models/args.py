@@ -10,7 +10,7 @@ Invariants: a ``ModelArgs`` only describes what the shared decoder (``models/dec
 computes exactly; anything it cannot (an activation, a rope type, partial rotary) is a
 ``ValueError`` at parse time naming the key, never a silently different model. ``layer_windows``
 has one entry per layer (None: full attention). ``plain`` is True only for the Llama layout the
-one-call fused decode step was written for.
+one-call fused step was written for.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class ModelArgs:
 
     @property
     def plain(self) -> bool:
-        """The Llama layout exactly (what the one-call fused decode step computes)."""
+        """The Llama layout exactly (what the one-call fused step computes)."""
         return (self.act == "silu" and not self.qk_norm and not self.sandwich_norms and self.embed_scale is None
                 and self.attn_scale is None and self.attn_softcap is None and self.final_softcap is None
                 and self.local_rope is None and self.moe is None and not any(self.layer_windows)

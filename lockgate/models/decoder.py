@@ -179,7 +179,7 @@ class DecoderModel(nn.Module):
             RotaryEmbedding(args.head_dim, args.local_rope[0], args.local_rope[1], embed.device)
         self.scale = args.scale
         # The layers' ops backend: lockgate's fused CPU ops when ``lockgate.kernels`` is loaded
-        # (with a whole-step fast path for decode steps), else plain torch.
+        # (with a one-call fast path for steps whose attention is one kernel group), else plain torch.
         self.ops: LayerOps = KernelOps() if cpu_kernels else TorchOps()
 
     def use_kernels(self, on: bool) -> None:

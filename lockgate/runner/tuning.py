@@ -29,7 +29,7 @@ and 256 rows (where the arithmetic decides): bf16 when its dense form beats the 
 form (dense sgemm or the integer GEMM) by more than ``DTYPE_MARGIN`` at both sizes, else float32
 (the more exact). Decode attention (``choose_attention``): lockgate's kernel unless SDPA is at
 least ``ATTENTION_MARGIN`` faster, since the kernel also makes a sequence's result independent
-of its batch and enables the one-call decode step. Prefill attention (``decide_prefill_attention``):
+of its batch and enables the one-call step. Prefill attention (``decide_prefill_attention``):
 the whole step on lockgate's kernel (``prefill_attention``: every token causal over its own keys)
 unless SDPA (causal, flash) is at least ``PREFILL_ATTENTION_MARGIN`` faster on fresh prompts of
 256 and 1,024 tokens (4 layers timed; on the Zen 5 class CPU the kernel took 0.61 vs 1.1 ms per

@@ -39,7 +39,7 @@
 // transposed: 16 keys to a vector, so a score needs no horizontal sum) for up to 16 tokens x G
 // heads instead of once per token. Rows of one item that see fewer keys (the causal diagonal)
 // leave the keys beyond theirs out exactly (masked FMAs, or probability 0 times a finite value).
-// Items are handed to threads from a shared counter.
+// Threads take stripes of neighbouring items from a shared counter (stripes).
 //
 // Arithmetic by path:
 //   * bf16 q and pool on a CPU with AVX512-BF16: VDPBF16PS (two exact bf16 products added to a
@@ -95,7 +95,7 @@ constexpr int64_t kTokenBlock = 16;
 // The step's tokens, in work order: the token at position p is row row[p] of q and out and attends
 // to slots[base[p] .. base[p] + count[p]); tokens of one sequence are adjacent with count rising by
 // one; part_row[p] is its first partial (one per chunk). Work order is the rows' order with whole
-// sequences regrouped so that sequences starting on the same slot are adjacent (group_sequences).
+// sequences regrouped so that sequences starting on the same slot are adjacent (index_tokens).
 struct Tokens {
   std::vector<int64_t> base, count, part_row, row;
   int64_t parts = 0;  // partials in all

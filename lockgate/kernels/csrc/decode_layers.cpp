@@ -103,7 +103,7 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                           at::TensorList weights, at::IntArrayRef kinds, int64_t heads,
                           int64_t kv_heads, double eps, double scale) {
   const int64_t layers = k_cache.size(0), b = x.size(0), d = k_cache.size(3);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [B, hidden]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be [L, C, Hkv, D]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kTensorsPerLayer,

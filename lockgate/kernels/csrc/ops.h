@@ -1,5 +1,5 @@
 // The operators of lockgate's CPU kernels as C++ functions, so that kernels can call each other
-// without the dispatcher (decode_layers.cpp runs whole decode steps on them). Contracts: at the
+// without the dispatcher (decode_layers.cpp runs whole steps on them). Contracts: at the
 // top of each implementing file.
 #pragma once
 
