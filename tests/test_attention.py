@@ -503,6 +503,28 @@ def _decode_rows_equal_each_alone(lists: list[np.ndarray], kc: torch.Tensor, vc:
         assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
 
 
+def _prefill_rows_equal_each_alone(seqs: list[np.ndarray], new: list[int], kc: torch.Tensor, vc: torch.Tensor,
+                                   h: int, seed: int) -> None:
+    """One prefill_attention call over sequences with these key lists, the last new[i] keys of
+    sequence i being its new tokens; each token's output and log-sum-exp must be bitwise those of
+    decode_attention on its own keys (key 0 up to its position), alone."""
+    d = kc.shape[-1]
+    slots = torch.from_numpy(np.concatenate(seqs).astype(np.int64))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64))
+    q_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
+    q = torch.randn(int(q_offsets[-1]), h, d, generator=torch.Generator().manual_seed(seed)).to(kc.dtype)
+    out, lse = torch.ops.lockgate.prefill_attention(q, kc, vc, slots, offsets, q_offsets, d ** -0.5)
+    t = 0
+    for keys, n_new in zip(seqs, new, strict=True):
+        for i in range(n_new):
+            n = len(keys) - n_new + 1 + i
+            one, one_lse = torch.ops.lockgate.decode_attention(q[t:t + 1], kc, vc,
+                                                               torch.from_numpy(keys[:n].astype(np.int64)),
+                                                               torch.tensor([0, n]), d ** -0.5)
+            assert torch.equal(one[0], out[t]) and torch.equal(one_lse[0], lse[t]), (t, i)
+            t += 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rows_of_one_sequence_and_its_guesses_give_each_row_its_own_result(dtype: torch.dtype) -> None:
     """A request and its speculative guesses come as decode rows whose key lists extend each other
@@ -529,7 +551,7 @@ def test_sequences_on_a_shared_prefix_keep_their_own_results(dtype: torch.dtype)
     item holds), a sequence differing in one slot of its second chunk, one whose prefix is shorter
     than a chunk boundary, the prefix's own guess rows, and a prefill chunk on the prefix."""
     load_kernels()
-    h, d = 9, 64
+    h = 9
     rng = np.random.default_rng(5)
     capacity = 6000
     kc, vc = _random_pool(capacity, dtype)
@@ -545,21 +567,7 @@ def test_sequences_on_a_shared_prefix_keep_their_own_results(dtype: torch.dtype)
     # prefill: a 40-token chunk on the prefix next to two decode rows on it
     seqs = [np.concatenate([prefix, own[30][:3]]), np.concatenate([prefix, own[31][:40]]),
             np.concatenate([prefix, own[32][:2]])]
-    new = [1, 40, 1]
-    slots = torch.from_numpy(np.concatenate(seqs).astype(np.int64))
-    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64))
-    q_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
-    q = torch.randn(int(q_offsets[-1]), h, d, generator=torch.Generator().manual_seed(6)).to(dtype)
-    out, lse = torch.ops.lockgate.prefill_attention(q, kc, vc, slots, offsets, q_offsets, d ** -0.5)
-    t = 0
-    for keys, n_new in zip(seqs, new, strict=True):
-        for i in range(n_new):
-            n = len(keys) - n_new + 1 + i
-            one, one_lse = torch.ops.lockgate.decode_attention(q[t:t + 1], kc, vc,
-                                                               torch.from_numpy(keys[:n].astype(np.int64)),
-                                                               torch.tensor([0, n]), d ** -0.5)
-            assert torch.equal(one[0], out[t]) and torch.equal(one_lse[0], lse[t]), (t, i)
-            t += 1
+    _prefill_rows_equal_each_alone(seqs, [1, 40, 1], kc, vc, h, seed=6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -570,7 +578,7 @@ def test_rows_interleaved_across_prefixes_keep_their_own_results_and_places(dtyp
     the caller's row order: decode rows on three prefixes taken in turn (some with guess rows), a
     sequence with no prefix between them, then prefill chunks and decode rows on two prefixes mixed."""
     load_kernels()
-    h, d = 9, 64
+    h = 9
     rng = np.random.default_rng(11)
     capacity = 8000
     kc, vc = _random_pool(capacity, dtype)
@@ -586,21 +594,7 @@ def test_rows_interleaved_across_prefixes_keep_their_own_results_and_places(dtyp
     _decode_rows_equal_each_alone(lists, kc, vc, h)
     seqs = [np.concatenate([prefixes[0], own[50][:2]]), np.concatenate([prefixes[1], own[51][:20]]),
             np.concatenate([prefixes[0], own[52][:30]]), np.concatenate([prefixes[1], own[53][:1]])]
-    new = [1, 20, 30, 1]
-    slots = torch.from_numpy(np.concatenate(seqs).astype(np.int64))
-    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64))
-    q_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
-    q = torch.randn(int(q_offsets[-1]), h, d, generator=torch.Generator().manual_seed(12)).to(dtype)
-    out, lse = torch.ops.lockgate.prefill_attention(q, kc, vc, slots, offsets, q_offsets, d ** -0.5)
-    t = 0
-    for keys, n_new in zip(seqs, new, strict=True):
-        for i in range(n_new):
-            n = len(keys) - n_new + 1 + i
-            one, one_lse = torch.ops.lockgate.decode_attention(q[t:t + 1], kc, vc,
-                                                               torch.from_numpy(keys[:n].astype(np.int64)),
-                                                               torch.tensor([0, n]), d ** -0.5)
-            assert torch.equal(one[0], out[t]) and torch.equal(one_lse[0], lse[t]), (t, i)
-            t += 1
+    _prefill_rows_equal_each_alone(seqs, [1, 20, 30, 1], kc, vc, h, seed=12)
 
 
 def test_prefill_kernel_rejects_bad_input() -> None:

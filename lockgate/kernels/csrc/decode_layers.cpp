@@ -102,7 +102,7 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                           const at::Tensor& offsets, const std::optional<at::Tensor>& q_offsets,
                           at::TensorList weights, at::IntArrayRef kinds, int64_t heads,
                           int64_t kv_heads, double eps, double scale) {
-  const int64_t layers = k_cache.size(0), b = x.size(0), d = k_cache.size(3);
+  const int64_t layers = k_cache.size(0), t = x.size(0), d = k_cache.size(3);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be [L, C, Hkv, D]");
@@ -124,7 +124,7 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
     at::Tensor q = rope_write_kv(project(y, w + 2, kind[0]), cos, sin, heads, kv_heads, kc, vc, out_slots);
     at::Tensor o = std::get<0>(q_offsets ? prefill_attention(q, kc, vc, slots, offsets, *q_offsets, scale)
                                          : decode_attention(q, kc, vc, slots, offsets, scale));
-    y = add_rms_norm_(x, project(o.view({b, heads * d}), w + 6, kind[1]), w[1], eps);
+    y = add_rms_norm_(x, project(o.view({t, heads * d}), w + 6, kind[1]), w[1], eps);
     pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
   }
   if (pending) {
