@@ -13,9 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Every form's name, most exact first: where two measure within noise, the earlier one is kept
-# (``lockgate.runner.tuning``). dense and fp32 are exact in their dtype; group-quant does float32
-# math on exact codes; int-gemm rounds x to int16 per block; torch-int4 rounds x to bf16.
-FORM_NAMES = ("dense", "fp32", "group-quant", "int-gemm", "torch-int4")
+# (``lockgate.runner.tuning``). dense, bf16-gemm (the same products on lockgate's kernel, with
+# its packed copy) and fp32 are exact in their dtype; group-quant does float32 math on exact
+# codes; int-gemm rounds x to int16 per block; torch-int4 rounds x to bf16.
+FORM_NAMES = ("dense", "bf16-gemm", "fp32", "group-quant", "int-gemm", "torch-int4")
 QUANTIZED_FORMS = ("group-quant", "int-gemm", "torch-int4")
 
 STATIC_SMALL_ROWS = 16  # FormChoice.static: quantized forms up to this many rows (decode), dense above

@@ -11,10 +11,12 @@ from lockgate.kernel_choice import STATIC_SMALL_ROWS, UNBOUNDED, FormChoice
 from lockgate.layers.forms import (
     INT4_GROUP,
     LOSSLESS_TOLERANCE,
+    Bf16GemmWeight,
     Fp32Weight,
     GroupQuantWeight,
     Int4Weight,
     IntGemmWeight,
+    bf16_gemm_available,
     grid_bits,
     int4_activation_dtype,
     int4_unfit_reason,
@@ -309,8 +311,10 @@ def test_make_forms_gives_the_smallest_lossless_grid(kernels_loaded) -> None:
     four = make_forms(grid4, f32, "auto", kernels=True)
     assert set(four) == quantized and all(getattr(f, "bits", 4) == 4 for f in four.values())
     eight = make_forms(grid8, bf16, "auto", kernels=True)
-    assert set(eight) == quantized - {"torch-int4"}  # torch has no 8-bit groups
-    assert all(f.bits == 8 and f.error <= LOSSLESS_TOLERANCE for f in eight.values())
+    # bf16 runs also get lockgate's bf16 kernel where it was built (not a quantized form: the same weight)
+    bf16_kernel = {"bf16-gemm"} if bf16_gemm_available() else set()
+    assert set(eight) == (quantized - {"torch-int4"}) | bf16_kernel  # torch has no 8-bit groups
+    assert all(f.bits == 8 and f.error <= LOSSLESS_TOLERANCE for n, f in eight.items() if n != "bf16-gemm")
     assert make_forms(dense, f32, "auto", kernels=True) == {}  # would lose precision
     forced = make_forms(dense, bf16, "int4", kernels=True)
     assert forced["group-quant"].bits == 4 and forced["group-quant"].error > 0.1
@@ -493,3 +497,73 @@ def test_int_gemm_rows_never_depend_on_the_call_size(kernels_loaded, dtype: torc
     torch.manual_seed(1)
     form = IntGemmWeight.from_weight(torch.randn(64, 128), bits=8)
     assert min_rows_for(form, None, 128, dtype, 300) == 1
+
+
+def _bf16_gemm_or_skip() -> None:
+    if not bf16_gemm_available():
+        pytest.skip("lockgate::bf16_linear is built only for CPUs with AVX512-BF16; this one has none, so "
+                    "bf16 runs do not get the form (test_make_forms_gives_the_smallest_lossless_grid checks that)")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_form_computes_the_dense_product(kernels_loaded, with_bias: bool) -> None:
+    """lockgate's bf16 kernel multiplies exactly the dense form's bf16 weight: every product exact,
+    float32 sums, one rounding, so each output is the float64 product of the same bf16 numbers
+    rounded once more (to within the float32 sums' error and one bf16 rounding). Shapes with
+    output blocks that do not fill a tile (N = 16 * 7) and row counts that leave uneven row blocks."""
+    _bf16_gemm_or_skip()
+    torch.manual_seed(5)
+    n, k = 112, 200
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    form = Bf16GemmWeight(w)
+    assert torch.equal(form.dequantize(n, k), w.float())  # the layout holds the weight unchanged
+    lin = Linear(w, b, {"bf16-gemm": form}, FormChoice.single("bf16-gemm"))
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 6, 7, 13, 32, 97):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            got = lin(x)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+            # one bf16 rounding (2^-8 relative) plus float32 sums over 200 products
+            err = (got.double() - exact).abs()
+            assert bool((err <= exact.abs() * 2.0 ** -8 + 1e-3 * (x.double().abs() @ w.double().abs().t())).all())
+            # and what the dense form gives, up to rounding differences
+            torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=0.05, rtol=0.02)
+
+
+def test_bf16_gemm_rows_never_depend_on_the_call_size_or_threads(kernels_loaded) -> None:
+    """Row-invariant by construction: a row's outputs are bitwise the same in a call of any size,
+    at any position, on one thread or two (the row check accepts it at floor 1)."""
+    from lockgate.runner.row_invariance import min_rows_for
+
+    _bf16_gemm_or_skip()
+    torch.manual_seed(2)
+    n, k = 80, 96
+    form = Bf16GemmWeight(torch.randn(n, k).to(torch.bfloat16))
+    x = torch.randn(61, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        whole = form(x, None)
+        for lo, hi in ((0, 1), (7, 8), (3, 9), (0, 32), (29, 61)):
+            assert torch.equal(form(x[lo:hi], None), whole[lo:hi])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(form(x, None), whole)
+        finally:
+            torch.set_num_threads(threads)
+    assert min_rows_for(form, None, k, torch.bfloat16, 300) == 1
+
+
+def test_bf16_gemm_rejects_bad_input(kernels_loaded) -> None:
+    _bf16_gemm_or_skip()
+    op = torch.ops.lockgate.bf16_linear
+    w = Bf16GemmWeight(torch.randn(32, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(torch.randn(2, 64), w.packed, None)  # float32 x
+    with pytest.raises(RuntimeError, match="K / 2"):
+        op(torch.randn(2, 32).to(torch.bfloat16), w.packed, None)  # K does not match
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.randn(2, 64).to(torch.bfloat16), w.packed, torch.randn(31))
+    with pytest.raises(ValueError, match="N % 16"):
+        Bf16GemmWeight(torch.randn(40, 64).to(torch.bfloat16))

@@ -267,6 +267,29 @@ def test_decode_layers_with_dense_forms_equal_the_fused_layers(tmp_path, pool_dr
         assert torch.equal(a, b)
 
 
+def test_decode_layers_with_bf16_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch) -> None:
+    # A bf16 run whose table picks lockgate's bf16 kernel (what the default model picks from a few
+    # rows up on a CPU with AVX512-BF16 and no AMX) runs its decode steps in one call on kind 202, the
+    # biases added in the kernel; bitwise what the per-op path gives, steps of 1 to 4 rows.
+    from lockgate.layers.forms import bf16_gemm_available
+
+    build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
+    assert cpu_kernels.load(), cpu_kernels.error()
+    if not bf16_gemm_available():
+        pytest.skip("lockgate::bf16_linear is built only for CPUs with AVX512-BF16")
+    model = DecoderModel.from_pretrained(tmp_path, torch.bfloat16, cpu_kernels=True)
+    assert all("bf16-gemm" in lin.forms for layer in model.layers for lin in layer.projections().values())
+    model.choose_forms({role: FormChoice.parse("bf16-gemm") for role in ("qkv", "o", "gate_up", "down")})
+    seqs = 4
+    steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
+    steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 9)]
+    steps += [{0: PROMPT[9:10], 2: PROMPT[11:12]}, {0: PROMPT[10:11]}]  # fewer sequences
+    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 5, steps)
+    assert kinds == [{202}] * 6  # the decode steps (the prefill runs SDPA here, outside the one call)
+    for a, b in zip(per_op, one_call, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_config_parsing_and_errors(tmp_path) -> None:
     base = {**COMMON, "model_type": "llama", "hidden_act": "silu"}
     a = args_from_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500.0})

@@ -11,6 +11,10 @@ give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and
   inductor uses for frozen CPU graphs) and run by ``mkldnn._linear_pointwise`` (``F.linear``
   re-packs the weight on every call; the packed form measured 1.6-2x faster at 1 row, equal from
   256 rows); everything else runs ``F.linear`` (MKL's sgemm for float32).
+* ``bf16-gemm`` (``Bf16GemmWeight``, bf16 runs on a CPU with AVX512-BF16): the same bf16 weight
+  packed for ``lockgate::bf16_linear`` (VDPBF16PS, float32 sums, one rounding): without AMX it
+  measured 1.2-1.7x oneDNN's bf16 matmul at 8-64 rows, 1.1-1.2x at 128-256, ~1.02x at 1,024
+  (Zen 5 class, docs/performance.md round 18); row-invariant by construction.
 * ``fp32`` (``Fp32Weight``, 16-bit runs only): a float32 copy made from the checkpoint's
   unrounded values, for CPUs whose bf16 matmul is slower than sgemm (AVX512-BF16 without AMX,
   measured 1.15-1.5x at 64-1,024 rows); activations cast up and the result back. +4 bytes per
@@ -97,6 +101,50 @@ class DenseWeight:
         if self.packed is None:
             return 201, [self.weight, _NONE, _NONE]
         return 200, [self.packed, _NONE, _NONE]
+
+
+def bf16_gemm_available() -> bool:
+    """Whether ``lockgate::bf16_linear`` is loaded and was built with AVX512-BF16 (call after
+    ``lockgate.kernels.load``); elsewhere the form is not made."""
+    try:
+        return bool(torch.ops.lockgate.bf16_linear_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Bf16GemmWeight:
+    """A bf16 weight [N, K] (N % 16 == 0, K even) in ``lockgate::bf16_linear``'s layout: [N / 16,
+    K / 2, 32], 16 output rows' column pairs side by side (documented in
+    ``kernels/csrc/bf16_gemm.cpp``). The products are those of the dense form (bf16 x bf16, float32
+    sums), only the kernel differs."""
+
+    name: typing.ClassVar[str] = "bf16-gemm"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        if not Bf16GemmWeight.fits((n, k)) or weight.dtype != torch.bfloat16:
+            raise ValueError(f"bf16_linear needs a bfloat16 [N, K] weight with N % 16 == 0 and K even, "
+                             f"got {weight.dtype} [{n}, {k}]")
+        with torch.no_grad():
+            self.packed = weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(
+                n // 16, k // 2, 32).contiguous()
+
+    @staticmethod
+    def fits(shape: tuple[int, ...]) -> bool:
+        n, k = shape
+        return n % 16 == 0 and k % 2 == 0 and k > 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] bf16 -> [M, N] bf16 (the bias added in float32 before the one rounding)."""
+        return torch.ops.lockgate.bf16_linear(x.contiguous(), self.packed, bias)
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """Kind 202 and the packed weight for ``lockgate::decode_layers_``."""
+        return 202, [self.packed, _NONE, _NONE]
+
+    def dequantize(self, n: int, k: int) -> torch.Tensor:
+        """The weight [N, K] float32 the kernel multiplies by (for tests)."""
+        return self.packed.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).float()
 
 
 class Fp32Weight:
@@ -393,7 +441,7 @@ class IntGemmWeight:
         return w.reshape(n, k)
 
 
-Form = DenseWeight | Fp32Weight | Int4Weight | GroupQuantWeight | IntGemmWeight
+Form = DenseWeight | Bf16GemmWeight | Fp32Weight | Int4Weight | GroupQuantWeight | IntGemmWeight
 
 
 def grid_bits(source: torch.Tensor, mode: str, kernels: bool) -> tuple[int, float] | None:
@@ -425,13 +473,16 @@ def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kern
     """A projection's forms besides ``dense`` for a run in ``dtype``: ``source`` [N, K] is the
     weight at full precision (before rounding to ``dtype``). ``fp32``: make the float32 copy
     (16-bit runs; the caller checked memory). ``kernels``: lockgate's kernels are loaded
-    (group-quant; int-gemm where ``int_linear`` is vectorized). ``want``: make only these (None:
-    every form the weight can have)."""
+    (group-quant; int-gemm where ``int_linear`` is vectorized; bf16-gemm in bf16 runs where
+    ``bf16_linear`` was built). ``want``: make only these (None: every form the weight can have)."""
 
     def wanted(name: str) -> bool:
         return want is None or name in want
 
     forms: dict[str, Form] = {}
+    if (kernels and dtype == torch.bfloat16 and source.device.type == "cpu" and wanted("bf16-gemm")
+            and Bf16GemmWeight.fits(tuple(source.shape)) and bf16_gemm_available()):
+        forms["bf16-gemm"] = Bf16GemmWeight(source.to(dtype))
     if fp32 and dtype != torch.float32 and wanted("fp32"):
         forms["fp32"] = Fp32Weight(source, source_bias)
     if not any(wanted(q) for q in QUANTIZED_FORMS):

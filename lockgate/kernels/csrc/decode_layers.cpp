@@ -21,7 +21,8 @@
 //              (a: packed codes, b: scales, c: zeros; a bf16 x widened for it), 200 = the dense weight packed for
 //              oneDNN (a: what mkldnn::_reorder_linear_weight made; run by mkldnn::_linear_pointwise with
 //              the bias fused, as lockgate.layers.forms.DenseWeight), 201 = the dense weight (a) by
-//              at::linear (F.linear)
+//              at::linear (F.linear), 202 = the bf16 weight packed for lockgate::bf16_linear (a, as
+//              lockgate.layers.forms.Bf16GemmWeight)
 //
 // It does exactly what lockgate.models.decoder.DecoderModel._layers does on KernelOps for such a step
 // (the same functions, in the same order, rounding in the same places), without returning to Python
@@ -50,6 +51,7 @@ constexpr int64_t kInt4Group = 32;
 constexpr int64_t kIntGemmKind = 100;  // kinds 104 / 108: int_linear with kind - 100 bits
 constexpr int64_t kOneDnnKind = 200;   // the oneDNN-packed dense weight
 constexpr int64_t kDenseKind = 201;    // the dense weight, at::linear
+constexpr int64_t kBf16GemmKind = 202; // the bf16 weight packed for lockgate::bf16_linear
 
 std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
@@ -70,6 +72,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
   if (kind == kOneDnnKind) return onednn_linear(x, p[0], opt(p[3]));
   if (kind == kDenseKind) return at::linear(x, p[0], opt(p[3]));
+  if (kind == kBf16GemmKind) return lockgate::bf16_linear(x, p[0], opt(p[3]));
   if (kind == 0) {
     // torch's kernel checks the codes' shape but not the scales' first dimension: check both here
     const int64_t k = x.size(1), n = p[0].size(0);
@@ -112,8 +115,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers * 4, "kinds: expected 4 per layer");
   for (int64_t kind : kinds) {
     TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108 || kind == kOneDnnKind ||
-                    kind == kDenseKind,
-                "kinds must be 0, 4, 8, 104, 108, 200 or 201");
+                    kind == kDenseKind || kind == kBf16GemmKind,
+                "kinds must be 0, 4, 8, 104, 108, 200, 201 or 202");
   }
   std::optional<at::Tensor> pending;  // the previous layer's MLP output, not yet added to x
   for (int64_t l = 0; l < layers; ++l) {

@@ -28,6 +28,10 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits);
 
+// bf16_gemm.cpp
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+bool bf16_linear_available();
+
 // int_gemm.cpp
 at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t bits);
