@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Every form's name, most exact first: where two measure within noise, the earlier one is kept
-# (``lockgate.runner.tuning``). dense, bf16-gemm (the same products on lockgate's kernel, with
-# its packed copy) and fp32 are exact in their dtype; group-quant does float32 math on exact
-# codes; int-gemm rounds x to int16 per block; torch-int4 rounds x to bf16.
-FORM_NAMES = ("dense", "bf16-gemm", "fp32", "group-quant", "int-gemm", "torch-int4")
+# (``lockgate.runner.tuning``). bf16-gemm, dense and fp32 are exact in their dtype; bf16-gemm
+# (lockgate's kernel) makes the same products as dense and is row-invariant at every row count
+# (oneDNN's is not at one row of some shapes), so a tie goes to it; group-quant does float32 math
+# on exact codes; int-gemm rounds x to int16 per block; torch-int4 rounds x to bf16.
+FORM_NAMES = ("bf16-gemm", "dense", "fp32", "group-quant", "int-gemm", "torch-int4")
 QUANTIZED_FORMS = ("group-quant", "int-gemm", "torch-int4")
 
 STATIC_SMALL_ROWS = 16  # FormChoice.static: quantized forms up to this many rows (decode), dense above

@@ -78,7 +78,7 @@ from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, quantize_int
 
 log = logging.getLogger("lockgate.tuning")
 
-TUNING_VERSION = 4  # bump when what is measured or how it is decided changes
+TUNING_VERSION = 5  # bump when what is measured or how it is decided changes
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEAD_MAX_ROWS = 256
 ROUNDS = 3
