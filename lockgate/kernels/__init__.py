@@ -11,6 +11,8 @@ contracts are documented at the top of each source file:
 * ``quant_linear`` (``quant_linear.cpp``): GGUF Q8_0 / Q4_1 blocks multiplied as they are (few rows).
 * ``int_linear`` (``int_gemm.cpp``): the same blocks against x rounded to int16 per 32 columns, on
   AVX512-VNNI int16 dot products (many rows: prefill, large decode batches, in float32 runs).
+* ``bf16_linear`` (``bf16_gemm.cpp``): a bf16 weight times bf16 rows on AVX512-BF16 dot products
+  (built only where the CPU has them; ``bf16_linear_available``), any row count.
 * ``decode_layers_`` (``decode_layers.cpp``): a step's layers in one call (decode, prompt and mixed steps).
 
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++
