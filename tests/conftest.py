@@ -51,11 +51,13 @@ class PoolDriver:
         self.slots: dict[int, list[int]] = {}
 
     def step(self, chunks: dict[int, list[int]], all_rows: bool = False,
-             logits_out: torch.Tensor | None = None, decode_rows: int | None = None) -> dict[int, torch.Tensor]:
+             logits_out: torch.Tensor | None = None, decode_rows: int | None = None,
+             argmax: bool = False) -> dict[int, torch.Tensor]:
         """One step: sequence id -> new tokens. Returns id -> logits [V] of the last new token
         (or [q, V] for every new token when ``all_rows``); ``logits_out``: the model's logits buffer;
         ``decode_rows``: the step's first rows that are decode rows, the rest prompt rows (as the
-        runner passes it with exact prefill; None: no prompt rows, every call by its row count)."""
+        runner passes it with exact prefill; None: no prompt rows, every call by its row count);
+        ``argmax``: the model's greedy path (each row's argmax token, int64, instead of its logits)."""
         ids, pos, out, qlens, slens, kv = [], [], [], [], [], []
         for sid, toks in chunks.items():
             ctx = self.slots.setdefault(sid, [])
@@ -79,7 +81,7 @@ class PoolDriver:
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.k_cache, self.v_cache,
                                 torch.tensor(rows, dtype=torch.long), logits_out=logits_out,
-                                decode_rows=decode_rows)
+                                decode_rows=decode_rows, argmax=argmax)
         res, r = {}, 0
         for sid, toks in chunks.items():
             n = len(toks) if all_rows else 1

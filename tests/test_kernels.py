@@ -354,3 +354,29 @@ def test_int_linear_non_finite_and_tiny_x(ops, bits: int) -> None:
     good[1, :32] = 0
     want = good.double() @ w.double().t()
     assert ((got[[0, 3]].double() - want).abs() <= _int_gemm_bound(good, w)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_follows_torch_argmax(ops, dtype: torch.dtype) -> None:
+    """Greedy sampling's argmax: the same index as torch.argmax, including its rules for equal
+    values (the first), NaN (the first NaN) and all -inf rows (0), on rows of any length (the
+    16-lane vector part and the scalar tail) and with a row stride wider than the row."""
+    g = torch.Generator().manual_seed(4)
+    for v in (1, 5, 16, 17, 100, 49152):
+        x = torch.randn(9, v, generator=g).to(dtype)
+        if v >= 5:
+            x[1, 2] = x[1, v - 1] = x[1].max() + 1  # a tie: the first wins
+            x[2, v - 1] = float("nan")  # a NaN in the tail (or the only vector)
+            x[3, 0] = x[3, v // 2] = float("nan")  # two NaNs: the first
+            x[4] = float("-inf")
+            x[5, 3] = float("inf")
+            x[6] = 0.0  # all equal: index 0
+        got = ops.argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (v, got, x.argmax(dim=-1))
+    wide = torch.randn(4, 80, generator=g).to(dtype)[:, :64]  # rows 80 apart
+    assert torch.equal(ops.argmax_rows(wide), wide.argmax(dim=-1))
+    assert ops.argmax_rows(torch.zeros(0, 7, dtype=dtype)).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.argmax_rows(torch.zeros(3, 4, dtype=dtype).t())

@@ -109,6 +109,29 @@ def test_logits_into_a_buffer_in_blocks_of_rows(tmp_path, pool_driver, monkeypat
     assert got.data_ptr() == buf.data_ptr() and buf[len(PROMPT):].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_path_gives_the_logits_argmax(tmp_path, pool_driver, monkeypatch, dtype) -> None:
+    """The runner's greedy path (``argmax=True``: the head's rows argmaxed in the run dtype, block by
+    block, never widened to float32 logits) picks exactly the logits path's argmax, on a prompt of
+    every row and on decode steps; blocks of 3 rows here (HEAD_BLOCK_BYTES made tiny)."""
+    from lockgate.models import decoder
+
+    build(tmp_path, "llama", tie=False)
+    assert cpu_kernels.load(), cpu_kernels.error()
+    model = DecoderModel.from_pretrained(tmp_path, dtype, cpu_kernels=True)
+    row_bytes = model.args.vocab_size * torch.tensor([], dtype=dtype).element_size()
+    monkeypatch.setattr(decoder, "HEAD_BLOCK_BYTES", 3 * row_bytes)
+    by_logits, by_argmax = pool_driver(model, seed=3), pool_driver(model, seed=3)
+    decode = [({0: [t], 1: [u]}, False) for t, u in zip(PROMPT[:4], OTHER[7:11], strict=True)]
+    steps = [({0: PROMPT, 1: OTHER[:7]}, True), *decode]
+    for chunks, all_rows in steps:
+        logits = by_logits.step(chunks, all_rows=all_rows)
+        tokens = by_argmax.step(chunks, all_rows=all_rows, argmax=True)
+        for sid in chunks:
+            assert tokens[sid].dtype == torch.int64
+            assert torch.equal(tokens[sid], logits[sid].argmax(dim=-1))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_kernels_round_like_torch_in_bf16(tmp_path, pool_driver, kind: str) -> None:
     # bf16 is where rounding shows. The fused layer ops round each intermediate where the torch ops

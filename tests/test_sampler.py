@@ -16,7 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockgate.plan import SamplingBatch
-from lockgate.runner.sampler import SampleOutput, apply_penalties, sample, step_seed
+from lockgate.runner.sampler import (
+    SampleOutput,
+    apply_penalties,
+    greedy_output,
+    plain_greedy,
+    sample,
+    step_seed,
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -97,6 +104,20 @@ def test_greedy_equals_argmax(dtype):
     out = sample(logits, make_batch(32, temperature=0.0))
     assert out.tokens.dtype == torch.int64 and out.tokens.shape == (32,)
     assert torch.equal(out.tokens, logits.float().argmax(-1))
+
+
+def test_plain_greedy_batches_and_their_output():
+    """The runner's argmax-only path is for batches where the token is the argmax and nothing else
+    is reported; its output is what sample() gives such a batch."""
+    assert plain_greedy(make_batch(4, temperature=0.0))
+    assert not plain_greedy(make_batch(4, temperature=[0.0, 0.0, 0.7, 0.0]))
+    assert not plain_greedy(make_batch(4, temperature=0.0, num_logprobs=[-1, 0, -1, -1]))  # logprobs asked
+    assert not plain_greedy(make_batch(4, temperature=0.0, repetition_penalty=1.1))
+    assert not plain_greedy(make_batch(2, temperature=0.0, suppress=[[3], []]))
+    logits = torch.randn(4, 300, generator=gen(5))
+    want, got = sample(logits, make_batch(4, temperature=0.0)), greedy_output(logits.argmax(-1))
+    for a, b in zip(want.to_numpy(), got.to_numpy(), strict=True):
+        np.testing.assert_array_equal(a, b)  # NaN logprobs equal as arrays
 
 
 def test_input_logits_never_modified():

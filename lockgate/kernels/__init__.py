@@ -13,6 +13,8 @@ contracts are documented at the top of each source file:
   AVX512-VNNI int16 dot products (many rows: prefill, large decode batches, in float32 runs).
 * ``bf16_linear`` (``bf16_gemm.cpp``): a bf16 weight times bf16 rows on AVX512-BF16 dot products
   (built only where the CPU has them; ``bf16_linear_available``), any row count.
+* ``argmax_rows`` (``argmax.cpp``): each row's argmax of float32 or bf16 logits, torch's rules
+  (greedy steps take it on the LM head's own output instead of float32 logits).
 * ``decode_layers_`` (``decode_layers.cpp``): a step's layers in one call (decode, prompt and mixed steps).
 
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++

@@ -65,6 +65,12 @@ PROJECTION_ROLES = ("qkv", "o", "gate_up", "down", "head")  # ``DecoderModel.pro
 HEAD_BLOCK_BYTES = 16 << 20
 
 
+def _head_block_rows(rows: int, row_bytes: int) -> int:
+    """Rows per block of the LM head's output: as few even blocks as stay under HEAD_BLOCK_BYTES."""
+    blocks = -(-rows * row_bytes // HEAD_BLOCK_BYTES)
+    return max(1, -(-rows // max(blocks, 1)))
+
+
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
@@ -235,7 +241,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 logits_rows: torch.Tensor | None, lora: LoraStep | None = None,
-                decode_rows: int | None = None, logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
+                decode_rows: int | None = None, logits_out: torch.Tensor | None = None,
+                argmax: bool = False) -> torch.Tensor | None:
         """input_ids/positions [T] i64, k_cache/v_cache [layers, capacity, Hkv, D],
         logits_rows [S] i64 (rows of T, ascending) -> logits [S, V] f32, or None when logits_rows is None.
         ``lora``: the step's adapters (rows' low-rank updates of every projection), None for none.
@@ -245,6 +252,9 @@ class DecoderModel(nn.Module):
         so a caller running step after step reuses one buffer: a fresh [S, V] float32 tensor past
         glibc's 32 MB mmap threshold (about 170 rows of a 49k vocabulary) is mapped and faulted in
         anew each step (a 384-row step: 70 ms of page faults on 2 MB pages); None: a new tensor.
+        ``argmax``: return each row's argmax (int64 [S], ``lockgate::argmax_rows``: torch's rules)
+        instead of its logits, taken on the head's output in the run dtype block by block (greedy
+        steps: no float32 [S, V] is written or read); needs lockgate's kernels and no final softcap.
         """
         a = self.args
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
@@ -265,14 +275,21 @@ class DecoderModel(nn.Module):
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
         sampled_prompt = decode_rows is not None and int(logits_rows[-1]) >= decode_rows  # ascending; decode rows first
+        if argmax:
+            if a.final_softcap is not None:
+                raise ValueError("argmax: the final softcap would be skipped (it can merge the largest logits)")
+            s = x.shape[0]
+            tokens = torch.empty(s, dtype=torch.int64, device=x.device)
+            step = _head_block_rows(s, a.vocab_size * x.element_size())  # the blocks the logits path makes
+            for lo in range(0, s, step):
+                tokens[lo:lo + step] = torch.ops.lockgate.argmax_rows(self.head(x[lo:lo + step], sampled_prompt))
+            return tokens
         if logits_out is None:
             logits = self.head(x, sampled_prompt).float()  # [S, V]
         else:
             s = x.shape[0]
             logits = logits_out[:s]
-            # the head's own output in blocks of rows that stay under HEAD_BLOCK_BYTES (heap, not mmap)
-            blocks = -(-s * a.vocab_size * x.element_size() // HEAD_BLOCK_BYTES)
-            step = -(-s // max(blocks, 1))
+            step = _head_block_rows(s, a.vocab_size * x.element_size())
             for lo in range(0, s, step):
                 logits[lo:lo + step].copy_(self.head(x[lo:lo + step], sampled_prompt))
         if a.final_softcap is not None:

@@ -48,7 +48,7 @@ from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import row_invariance, tuning
 from lockgate.runner.pool_memory import allocate_pool
-from lockgate.runner.sampler import sample
+from lockgate.runner.sampler import greedy_output, plain_greedy, sample
 
 log = logging.getLogger("lockgate.runner")
 
@@ -431,12 +431,20 @@ class ModelRunner:
             assert self.lora_slots is not None, "a plan with adapters, but LoRA is not enabled"
             lora = LoraStep(self.lora_slots, LoraStep.expand(plan.lora_slots, plan.query_lens),
                             self.cpu_kernels and dev.type == "cpu")
+        # plain greedy rows on lockgate's kernels: the model hands back tokens, not float32 logits
+        greedy = (s > 0 and self.cpu_kernels and dev.type == "cpu" and self.model.args.final_softcap is None
+                  and plain_greedy(plan.sampling))
         with torch.inference_mode():
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
                                 meta, self.k_cache, self.v_cache, rows, lora,
                                 plan.decode_rows if self.prompt_forms else None,
-                                self._logits_buffer(s))  # [S, V] f32 or None
+                                None if greedy else self._logits_buffer(s), argmax=greedy)  # [S, V] f32, [S] or None
+            if greedy:
+                assert logits is not None
+                tokens, logprobs, top_ids, top_logprobs = greedy_output(logits).to_numpy()
+                return ForwardResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
+                                     step_seconds=time.perf_counter() - t0)
             if logits is None:
                 return ForwardResult(tokens=np.zeros(0, np.int64), logprobs=np.zeros(0, np.float32),
                                      top_ids=np.zeros((0, 0), np.int64), top_logprobs=np.zeros((0, 0), np.float32),
