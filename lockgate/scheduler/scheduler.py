@@ -286,7 +286,7 @@ class Scheduler:
                 i = first + j
                 tok = tokens[i]
                 top = [(int(a), float(b)) for a, b in zip(result.top_ids[i, :n_top], result.top_logprobs[i, :n_top],
-                                                          strict=True)]
+                                                          strict=True)] if n_top else []
                 r.output_ids.append(tok)
                 r.output_logprobs.append(lps[i])
                 r.output_top.append(top)
