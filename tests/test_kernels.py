@@ -371,6 +371,9 @@ def test_argmax_rows_follows_torch_argmax(ops, dtype: torch.dtype) -> None:
             x[4] = float("-inf")
             x[5, 3] = float("inf")
             x[6] = 0.0  # all equal: index 0
+        if v >= 32:
+            x[7, 2] = x[7, 18] = x[7].max() + 1  # a tie within one of the 16 lanes: the first wins
+            x[8, 18] = x[8, 3] = x[8].max() + 1  # and across lanes: the smaller index
         got = ops.argmax_rows(x)
         assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (v, got, x.argmax(dim=-1))
     wide = torch.randn(4, 80, generator=g).to(dtype)[:, :64]  # rows 80 apart

@@ -567,3 +567,23 @@ def test_bf16_gemm_rejects_bad_input(kernels_loaded) -> None:
         op(torch.randn(2, 64).to(torch.bfloat16), w.packed, torch.randn(31))
     with pytest.raises(ValueError, match="N % 16"):
         Bf16GemmWeight(torch.randn(40, 64).to(torch.bfloat16))
+
+
+def test_drop_unchosen_frees_what_no_call_uses(kernels_loaded) -> None:
+    """A measured table is final: forms it never calls go, and so does dense's oneDNN copy when
+    neither the table nor the prompt form calls dense (dense itself stays: it is the weight)."""
+    from lockgate.layers.linear import PromptForm
+
+    _bf16_gemm_or_skip()
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    lin = Linear(w, None, {"bf16-gemm": Bf16GemmWeight(w)}, FormChoice.single("bf16-gemm"))
+    want = lin(x)
+    lin.drop_unchosen()
+    assert set(lin.forms) == {"dense", "bf16-gemm"} and lin.forms["dense"].packed is None
+    assert torch.equal(lin(x), want)
+    torch.testing.assert_close(lin.forms["dense"](x, None).float(), want.float(), atol=0.05, rtol=0.02)
+    kept = Linear(w, None, {"bf16-gemm": Bf16GemmWeight(w)}, FormChoice.single("bf16-gemm"))
+    kept.set_prompt_form(PromptForm("dense", min_rows=1))
+    kept.drop_unchosen()  # dense serves prompt rows: its packed copy stays
+    assert (kept.forms["dense"].packed is not None) == onednn_packs(torch.bfloat16, w.device)

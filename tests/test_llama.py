@@ -122,10 +122,11 @@ def test_greedy_argmax_path_gives_the_logits_argmax(tmp_path, pool_driver, monke
     row_bytes = model.args.vocab_size * torch.tensor([], dtype=dtype).element_size()
     monkeypatch.setattr(decoder, "HEAD_BLOCK_BYTES", 3 * row_bytes)
     by_logits, by_argmax = pool_driver(model, seed=3), pool_driver(model, seed=3)
+    buf = torch.empty(64, model.args.vocab_size)  # the runner's buffer: its head runs in the same blocks
     decode = [({0: [t], 1: [u]}, False) for t, u in zip(PROMPT[:4], OTHER[7:11], strict=True)]
     steps = [({0: PROMPT, 1: OTHER[:7]}, True), *decode]
     for chunks, all_rows in steps:
-        logits = by_logits.step(chunks, all_rows=all_rows)
+        logits = by_logits.step(chunks, all_rows=all_rows, logits_out=buf)
         tokens = by_argmax.step(chunks, all_rows=all_rows, argmax=True)
         for sid in chunks:
             assert tokens[sid].dtype == torch.int64

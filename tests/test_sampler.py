@@ -114,6 +114,9 @@ def test_plain_greedy_batches_and_their_output():
     assert not plain_greedy(make_batch(4, temperature=0.0, num_logprobs=[-1, 0, -1, -1]))  # logprobs asked
     assert not plain_greedy(make_batch(4, temperature=0.0, repetition_penalty=1.1))
     assert not plain_greedy(make_batch(2, temperature=0.0, suppress=[[3], []]))
+    grammar = make_batch(2, temperature=0.0)
+    grammar.allowed_rows, grammar.allowed = np.array([1]), np.zeros((1, 10), np.int32)  # a constrained row
+    assert not plain_greedy(grammar)
     logits = torch.randn(4, 300, generator=gen(5))
     want, got = sample(logits, make_batch(4, temperature=0.0)), greedy_output(logits.argmax(-1))
     for a, b in zip(want.to_numpy(), got.to_numpy(), strict=True):

@@ -35,6 +35,10 @@ def test_winner_takes_the_fastest_unless_a_more_exact_form_is_within_noise() -> 
     assert tuning.winner({"dense": [1.0, 3.0, 1.0], "int-gemm": [0.5, 1.5, 0.5]}) == "int-gemm"
     # one lucky round does not make a winner: the median paired ratio decides
     assert tuning.winner({"dense": [1.0, 1.0, 1.0], "torch-int4": [0.5, 1.02, 1.01]}) == "dense"
+    # oneDNN 3% faster than lockgate's bf16 kernel: a tie, and the tie goes to the kernel (the same
+    # products, row-invariant where oneDNN is not)
+    assert tuning.winner({"dense": [0.97, 0.97, 0.98], "bf16-gemm": [1.0, 1.0, 1.0]}) == "bf16-gemm"
+    assert tuning.winner({"dense": [0.8, 0.8, 0.8], "bf16-gemm": [1.0, 1.0, 1.0]}) == "dense"
     # among quantized forms, group-quant (exact float32 math) is preferred over torch-int4 (bf16 x)
     assert tuning.winner({"group-quant": [1.0, 1.0, 1.0], "torch-int4": [0.98, 0.99, 0.97]}) == "group-quant"
 

@@ -74,9 +74,13 @@ class Linear:
         self.prompt = prompt
 
     def drop_unchosen(self) -> None:
-        """Free the forms the choice and the prompt form never call (dense stays: it is the weight itself)."""
-        keep = self.choice.names() | {"dense"} | ({self.prompt.name} if self.prompt else set())
-        self.forms = {n: f for n, f in self.forms.items() if n in keep}
+        """Free the forms the choice and the prompt form never call (dense stays: it is the weight
+        itself; where nothing calls it, its oneDNN-packed copy goes and it would run as F.linear)."""
+        called = self.choice.names() | ({self.prompt.name} if self.prompt else set())
+        self.forms = {n: f for n, f in self.forms.items() if n in called | {"dense"}}
+        dense = self.forms["dense"]
+        if "dense" not in called and isinstance(dense, DenseWeight):
+            dense.packed = None
 
     def form_for(self, rows: int) -> Form:
         return self.forms[self.choice.pick(rows)]

@@ -21,7 +21,9 @@ Invariants:
 * The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
   ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
   ``out_slots`` and returns float32 logits only for ``logits_rows`` (the last token of each
-  sampled sequence), skipping the final norm and LM head for everything else.
+  sampled sequence), skipping the final norm and LM head for everything else; with ``argmax``
+  (plain greedy steps) it returns those rows' argmax tokens instead, taken on the head's output
+  in the run dtype, in the same row blocks and forms the logits would have come from.
 * The one-call fused step (``LayerOps.whole_step``) runs only for the plain Llama layout
   (``ModelArgs.plain``) and steps without LoRA adapters; a windowed layer whose step has a context
   longer than its window, or a soft-capped one, attends with ``windowed_attention``.
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockgate.kernel_choice import FormChoice
+from lockgate.kernel_choice import FORM_NAMES, FormChoice
 from lockgate.layers.attention import AttentionMetadata, paged_attention, windowed_attention
 from lockgate.layers.forms import INT4_MODES, make_forms
 from lockgate.layers.linear import Linear
@@ -130,9 +132,13 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = opt("post_attn_norm")  # [hidden] or None (Gemma)
         self.post_mlp_norm = opt("post_mlp_norm")  # [hidden] or None (Gemma)
 
-        def forms(source: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> dict[str, typing.Any]:
+        def forms(source: torch.Tensor, name: str, bias: torch.Tensor | None = None,
+                  expert: bool = False) -> dict[str, typing.Any]:
+            wanted = set(FORM_NAMES) if want is None else want.get(name, set())
+            if expert:  # experts keep their static choice, which never calls these copies
+                wanted = wanted - {"bf16-gemm", "fp32"}
             return make_forms(source, dtype, quantization, cpu_kernels, fp32=fp32, source_bias=bias,
-                              want=None if want is None else want.get(name, set()))
+                              want=None if want is None and not expert else wanted)
 
         def linear(name: str) -> Linear:
             weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
@@ -147,7 +153,8 @@ class DecoderLayer(nn.Module):
             experts = []
             for gu, dn in w["experts"]:
                 gu_w, dn_w = gu.to(dtype), dn.to(dtype)
-                experts.append((Linear(gu_w, None, forms(gu, "gate_up")), Linear(dn_w, None, forms(dn, "down"))))
+                experts.append((Linear(gu_w, None, forms(gu, "gate_up", expert=True)),
+                                Linear(dn_w, None, forms(dn, "down", expert=True))))
             self.moe = MoeBlock(w["router"].to(dtype), experts, int(w["top_k"]), bool(w["norm_topk"]))
 
     def projections(self) -> dict[str, Linear]:

@@ -14,7 +14,9 @@ Invariants:
 * Facts learned at start-up (``capacity``, ``max_model_len``, ``vocab_size``,
   ``eos_token_ids``) are attributes, never edits of the config.
 * ``execute`` computes logits only for ``plan.sample_rows`` (the last token of each sampled
-  sequence) and skips the LM head entirely when no row samples.
+  sequence) and skips the LM head entirely when no row samples. A plain greedy step (every row
+  greedy on unchanged logits, no logprobs: ``sampler.plain_greedy``) gets its tokens from the
+  model's argmax path and never builds float32 logits; the tokens are the ones ``sample`` picks.
 
 Called by the scheduler process loop (``lockgate.engine.core``) and the offline ``LLM``
 through ``lockgate.runner.make_runner``.
@@ -36,7 +38,7 @@ from lockgate import kernels
 from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
-from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
+from lockgate.kernel_choice import FORM_NAMES, QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
 from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
 from lockgate.layers.linear import PromptForm
@@ -48,7 +50,7 @@ from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import row_invariance, tuning
 from lockgate.runner.pool_memory import allocate_pool
-from lockgate.runner.sampler import greedy_output, plain_greedy, sample
+from lockgate.runner.sampler import argmax_kernel, greedy_output, plain_greedy, sample
 
 log = logging.getLogger("lockgate.runner")
 
@@ -112,6 +114,9 @@ class ModelRunner:
                      "measured fastest), or --quantization int4 with it, keeps the checkpoint's 4/8-bit forms")
         fp32 = (self.dtype != torch.float32 and model_cfg.fp32_matmul_rows != "off"
                 and (model_cfg.fp32_matmul_rows != "auto" or fp32_copies_fit(4 * args.matmul_parameters)))
+        # lockgate's bf16 kernel keeps its own packed copy (2 bytes a parameter; all forms are made
+        # while the table is measured): only where it fits beside the float32 copies
+        self._bf16_gemm_fits = fp32_copies_fit((2 + (4 if fp32 else 0)) * args.matmul_parameters)
         self._forms_key = self._key("forms", args, str(self.dtype).removeprefix("torch."), {
             "checkpoint": checkpoint_fingerprint(self.model_dir), "quantization": self.quantization, "fp32": fp32})
         self._stored_table = tuning.peek(self._forms_key) \
@@ -121,6 +126,8 @@ class ModelRunner:
         # decode attention on lockgate's kernel (else gathers + SDPA), and prefill attention on it
         # too (else SDPA): measured with the forms
         self.decode_kernel: bool = self.cpu_kernels
+        # greedy steps take the argmax on the LM head's own output (lockgate::argmax_rows, vectorised)
+        self._argmax_kernel = self.cpu_kernels and argmax_kernel()
         self.prefill_kernel: bool = False
         # --deterministic: every token's attention is a decode-kernel row (AttentionMetadata.build)
         self.row_invariant: bool = model_cfg.deterministic
@@ -210,6 +217,15 @@ class ModelRunner:
                              f"--quantization auto or int4, and int_linear's vector path: {int_gemm_isa() or 'not built'})")
 
     def _wanted_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
+        """``_table_forms``, without the bf16-gemm copy where it does not fit memory."""
+        want = self._table_forms(cfg)
+        if self._bf16_gemm_fits:
+            return want
+        if want is None:
+            return {role: set(FORM_NAMES) - {"bf16-gemm"} for role in PROJECTION_ROLES}
+        return {role: names - {"bf16-gemm"} for role, names in want.items()}
+
+    def _table_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
         """Per role the forms worth building (dense is always built): those a forced
         ``--matmul-forms`` names, those a stored table calls (``peek`` before loading), the
         quantized ones for the static rule (``--tuning off``), plus ``fp32`` under
@@ -433,7 +449,7 @@ class ModelRunner:
                             self.cpu_kernels and dev.type == "cpu")
         # plain greedy rows on lockgate's kernels: the model hands back tokens, not float32 logits
         greedy = (s > 0 and self.cpu_kernels and dev.type == "cpu" and self.model.args.final_softcap is None
-                  and plain_greedy(plan.sampling))
+                  and self._argmax_kernel and plain_greedy(plan.sampling))
         with torch.inference_mode():
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
@@ -441,7 +457,7 @@ class ModelRunner:
                                 plan.decode_rows if self.prompt_forms else None,
                                 None if greedy else self._logits_buffer(s), argmax=greedy)  # [S, V] f32, [S] or None
             if greedy:
-                assert logits is not None
+                assert logits is not None and logits.shape == (s,) and plan.sampling.temperature.shape == (s,)
                 tokens, logprobs, top_ids, top_logprobs = greedy_output(logits).to_numpy()
                 return ForwardResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
                                      step_seconds=time.perf_counter() - t0)

@@ -5,8 +5,8 @@ every row of a call of r >= m rows is bitwise what the largest call gives it, an
 rows padded with zero rows to m agree too. That is a property of a kernel on a CPU, so it is
 measured, not assumed (``min_rows_for``): MKL's sgemm on the Zen 5 class CPU rounds calls of 1, 2,
 3, 5, 7 or 9 rows differently from larger ones; oneDNN's bf16 kernel a 1-row call of the
-1,536-column down projection (about one row in ten, in the last bit); lockgate's integer GEMM is
-row-invariant by construction. ``row_floors`` checks every candidate of every role on the role's
+1,536-column down projection (about one row in ten, in the last bit); lockgate's integer GEMM and
+bf16 kernel are row-invariant by construction. ``row_floors`` checks every candidate of every role on the role's
 first projection, calls of 1..``INVARIANCE_ROWS[-1]`` rows (the LM head up to ``HEAD_MAX_ROWS``);
 the runner caches the result per machine and model (tuning kind "rows").
 
@@ -14,7 +14,8 @@ The two choices (``lockgate.runner.model_runner`` applies them to ``Linear.set_p
 
 * ``first_invariant`` (``--exact-prefill``, the default): a role's prompt rows run on the first
   row-invariant candidate in ``candidates`` order (the measured table's form at large row counts,
-  then dense, then the integer GEMM), decode rows keep the per-row-count table;
+  then lockgate's bf16 kernel where the projection has it, dense, the integer GEMM), decode rows
+  keep the per-row-count table;
 * ``cheapest_invariant`` (``--deterministic``): every call of a role runs on one form, the
   row-invariant candidate whose medians summed over the measured row counts are least
   (``tuning.one_form_cost``; the integer GEMM when nothing was measured).
@@ -89,8 +90,10 @@ def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates
 
 def candidates_for(choices: dict[str, FormChoice]) -> dict[str, list[str]]:
     """Per role the forms worth checking, the most wanted first: the choice's form at large row
-    counts (the fastest there), then dense, then the integer GEMM."""
-    return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "dense", DETERMINISTIC_FORM])) for role, c in choices.items()}
+    counts (the fastest there), then lockgate's bf16 kernel, dense, the integer GEMM (a projection
+    is checked on those it has)."""
+    return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "bf16-gemm", "dense", DETERMINISTIC_FORM]))
+            for role, c in choices.items()}
 
 
 def first_invariant(floors: dict[str, int | None], candidates: list[str]) -> PromptForm | None:

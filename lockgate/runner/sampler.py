@@ -57,7 +57,8 @@ import torch
 
 from lockgate.plan import SamplingBatch
 
-__all__ = ["SampleOutput", "apply_allowed", "apply_penalties", "apply_suppress", "argmax", "greedy_output",
+__all__ = ["SampleOutput", "apply_allowed", "apply_penalties", "apply_suppress", "argmax", "argmax_kernel",
+           "greedy_output",
            "plain_greedy", "sample", "step_seed"]
 
 _M64 = (1 << 64) - 1
@@ -102,14 +103,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of ``x`` [S, V] (float32 or bf16): torch's rules (first of equal
     values, first NaN), on ``lockgate::argmax_rows`` where it is loaded (one read of the rows at
     memory speed; torch's float32 argmax took 2.5 ms on [175, 49152], its bf16 one 9.9 ms)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1]:
-        try:
-            op = torch.ops.lockgate.argmax_rows
-        except (AttributeError, RuntimeError):
-            pass
-        else:
-            return op(x if x.stride(1) == 1 else x.contiguous())  # type: ignore[no-any-return]
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1]
+            and argmax_kernel()):
+        return torch.ops.lockgate.argmax_rows(x if x.stride(1) == 1 else x.contiguous())  # type: ignore[no-any-return]
     return x.argmax(dim=-1)
+
+
+def argmax_kernel() -> bool:
+    """Whether ``lockgate::argmax_rows`` is loaded and vectorised (AVX-512; its plain loop is slower
+    than torch's argmax, so elsewhere torch's is kept)."""
+    try:
+        return bool(torch.ops.lockgate.argmax_rows_vectorized())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def plain_greedy(batch: SamplingBatch) -> bool:

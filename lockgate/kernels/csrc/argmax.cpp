@@ -15,7 +15,8 @@
 // Per row: 16 lanes each keep their largest value and its first index (a strictly greater value
 // replaces it), NaNs are only flagged; then the lanes' largest value and, among lanes holding it,
 // the smallest index. A row with a NaN is scanned again for its first NaN. Rows are split over
-// threads; a row's result depends on nothing else.
+// threads; a row's result depends on nothing else. The vector scan needs AVX-512
+// (``argmax_rows_vectorized``); elsewhere the operator is a plain loop that callers do not use.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -141,8 +142,21 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Whether rows are scanned 16 lanes at a time (AVX-512). Without it the scan is one element at a
+// time, slower than torch's vectorised argmax: callers then keep torch's.
+bool argmax_rows_vectorized() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace lockgate
 
-TORCH_LIBRARY_FRAGMENT(lockgate, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(lockgate, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("argmax_rows_vectorized() -> bool", &lockgate::argmax_rows_vectorized);
+}
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("argmax_rows", &lockgate::argmax_rows); }

@@ -23,12 +23,14 @@
 // rows (4 x 6 = 24 accumulators + 4 weight vectors of the 32 zmm; the row blocks of one call are
 // as even as possible, so 32 rows go 6 6 5 5 5 5 rather than 6 6 6 6 6 2). The first row block
 // streams the tile's weights from memory, the others find them in L2; while a tile is multiplied,
-// the next tile's weights are prefetched into L2 one cache line per column pair, so the first row
-// block of the next tile does not wait on memory.
+// the next tile's weights are prefetched into L2, spread over all of the tile's column pair steps
+// (4 lines a step with one row block, 1 from 4 row blocks on), so the next tile's first row block
+// does not wait on memory.
 //
 // Arithmetic: every output is sum over column pairs p, in order, of VDPBF16PS(x pair, w pair),
 // accumulated in one float32 lane from zero; then + bias (float32); then one rounding to bf16
-// (VCVTNEPS2BF16, nearest even). Invariants: an output depends only on its x row, its weight row
+// (VCVTNEPS2BF16, nearest even). The products are exact; as in oneDNN's bf16 kernels, these
+// instructions take subnormal inputs as zero and flush subnormal results, whatever MXCSR says. Invariants: an output depends only on its x row, its weight row
 // and its bias (not on M, on the other rows, on the tile or row block it fell in, or on the thread
 // count: the same instruction sequence in the same order either way), so the form is row-invariant
 // by construction; no allocation but the output (and a float32 copy of a non-float32 bias).
@@ -42,6 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "ops.h"
@@ -60,15 +63,14 @@ constexpr int kTileBlocks = 4;   // 16-row blocks per tile
 constexpr int kMaxRowBlock = 6;  // x rows per register block
 constexpr int64_t kLine = 64;    // bytes per prefetched cache line
 
-// Prefetch cursor over the next tile's weights: one line per column pair step of the current tile.
+// Prefetch cursor over the next tile's weights, `lines` cache lines per column pair step of the
+// current tile: as many as spread the next tile over every step the current one takes.
 struct Prefetch {
   const char* at;
   const char* end;
+  int64_t lines = 1;
   inline void step() {
-    if (at < end) {
-      _mm_prefetch(at, _MM_HINT_T1);
-      at += kLine;
-    }
+    for (int64_t i = 0; i < lines && at < end; ++i, at += kLine) _mm_prefetch(at, _MM_HINT_T1);
   }
 };
 
@@ -85,7 +87,9 @@ inline void row_block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t p
     for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * block + p * 2 * kLanes);
     pf.step();
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * k + 2 * p));
+      int32_t pair;  // x's columns 2p, 2p + 1 as one 32-bit lane (memcpy: no aliasing or alignment assumed)
+      std::memcpy(&pair, x + m * k + 2 * p, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, wv[v]);
     }
   }
@@ -103,6 +107,8 @@ template <int NV>
 void tile(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t pairs, const float* bias,
           uint16_t* out, int64_t ldo, Prefetch pf) {
   const int64_t blocks = (m + kMaxRowBlock - 1) / kMaxRowBlock, size = m / blocks, bigger = m % blocks;
+  const int64_t steps = blocks * pairs, lines = (pf.end - pf.at + kLine - 1) / kLine;
+  pf.lines = std::max<int64_t>(1, (lines + steps - 1) / steps);
   for (int64_t i = 0, r = 0; i < blocks; ++i) {
     const int64_t mr = size + (i < bigger ? 1 : 0);
     const uint16_t* xr = x + r * k;
