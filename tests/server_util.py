@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import re
@@ -85,6 +86,8 @@ class ServerProc:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="lockgate-test-server-", suffix=".log")[1])
+        if not os.environ.get("LOCKGATE_KEEP_TEST_LOGS"):  # tests read it after stop(): gone when pytest exits
+            atexit.register(self.log_path.unlink, missing_ok=True)
         self._log = self.log_path.open("wb")
         cmd = [sys.executable, "-m", "lockgate.cli", command, "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
