@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 # Every form's name, most exact first: where two measure within noise, the earlier one is kept
 # (``lockgate.runner.tuning``). bf16-gemm, dense and fp32 are exact in their dtype (the bf16
-# kernels take subnormals as zero); bf16-gemm
-# (lockgate's kernel) makes the same products as dense and is row-invariant at every row count
-# (oneDNN's is not at one row of some shapes), so a tie goes to it; group-quant does float32 math
-# on exact codes; int-gemm rounds x to int16 per block; torch-int4 rounds x to bf16.
+# kernels take subnormals as zero); bf16-gemm (lockgate's kernel) makes the same products as
+# dense and is row-invariant at every row count (oneDNN's is not at one row of some shapes), so a
+# tie goes to it; group-quant does float32 math on exact codes; int-gemm rounds x to int16 per
+# block; torch-int4 rounds x to bf16.
 FORM_NAMES = ("bf16-gemm", "dense", "fp32", "group-quant", "int-gemm", "torch-int4")
 QUANTIZED_FORMS = ("group-quant", "int-gemm", "torch-int4")
 

@@ -268,48 +268,32 @@ def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_layers_with_dense_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
-    # Decode steps whose projections pick the dense form (what a batch of 32 picks on a CPU with
+@pytest.mark.parametrize(("dtype", "form"), [(torch.float32, "dense"), (torch.bfloat16, "dense"),
+                                           (torch.bfloat16, "bf16-gemm")])
+def test_decode_layers_with_dense_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype,
+                                                               form) -> None:
+    # Decode steps whose projections pick a dense form (what a batch of 32 picks on a CPU with
     # fast bf16 GEMMs) run in one call too: kind 200 for a bf16 weight packed for oneDNN
     # (mkldnn::_linear_pointwise through the dispatcher, bias fused as in DenseWeight), 201 for
-    # F.linear (float32, or bf16 where oneDNN has no bf16 kernels); bitwise what the per-op path gives.
-    from lockgate.layers.forms import onednn_packs
+    # F.linear (float32, or bf16 where oneDNN has no bf16 kernels), 202 for lockgate's bf16 kernel
+    # (what the default model picks from a few rows up on a CPU with AVX512-BF16 and no AMX; the
+    # bias added in the kernel); bitwise what the per-op path gives, steps of 1 to 4 sequences.
+    from lockgate.layers.forms import bf16_gemm_available, onednn_packs
 
     build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
     assert cpu_kernels.load(), cpu_kernels.error()
-    model = DecoderModel.from_pretrained(tmp_path, dtype, cpu_kernels=True)
-    model.choose_forms({role: FormChoice.parse("dense") for role in ("qkv", "o", "gate_up", "down")})
-    seqs = 4
-    steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
-    steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 9)]
-    steps += [{0: PROMPT[9:10], 2: PROMPT[11:12]}, {0: PROMPT[10:11]}]  # fewer sequences
-    per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 5, steps)
-    kind = 200 if onednn_packs(dtype, torch.device("cpu")) else 201
-    assert kinds == [{kind}] * 6
-    for a, b in zip(per_op, one_call, strict=True):
-        assert torch.equal(a, b)
-
-
-def test_decode_layers_with_bf16_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch) -> None:
-    # A bf16 run whose table picks lockgate's bf16 kernel (what the default model picks from a few
-    # rows up on a CPU with AVX512-BF16 and no AMX) runs its decode steps in one call on kind 202, the
-    # biases added in the kernel; bitwise what the per-op path gives, steps of 1 to 4 rows.
-    from lockgate.layers.forms import bf16_gemm_available
-
-    build(tmp_path, "llama_bias_mha", tie=False)  # biases on every projection
-    assert cpu_kernels.load(), cpu_kernels.error()
-    if not bf16_gemm_available():
+    if form == "bf16-gemm" and not bf16_gemm_available():
         pytest.skip("lockgate::bf16_linear is built only for CPUs with AVX512-BF16")
-    model = DecoderModel.from_pretrained(tmp_path, torch.bfloat16, cpu_kernels=True)
-    assert all("bf16-gemm" in lin.forms for layer in model.layers for lin in layer.projections().values())
-    model.choose_forms({role: FormChoice.parse("bf16-gemm") for role in ("qkv", "o", "gate_up", "down")})
+    model = DecoderModel.from_pretrained(tmp_path, dtype, cpu_kernels=True)
+    assert all(form in lin.forms for layer in model.layers for lin in layer.projections().values())
+    model.choose_forms({role: FormChoice.parse(form) for role in ("qkv", "o", "gate_up", "down")})
     seqs = 4
     steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
     steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 9)]
     steps += [{0: PROMPT[9:10], 2: PROMPT[11:12]}, {0: PROMPT[10:11]}]  # fewer sequences
     per_op, one_call, kinds = _per_op_then_one_call(model, pool_driver, monkeypatch, 5, steps)
-    assert kinds == [{202}] * 6  # the decode steps (the prefill runs SDPA here, outside the one call)
+    kind = 202 if form == "bf16-gemm" else 200 if onednn_packs(dtype, torch.device("cpu")) else 201
+    assert kinds == [{kind}] * 6  # the decode steps (the prefill runs SDPA here, outside the one call)
     for a, b in zip(per_op, one_call, strict=True):
         assert torch.equal(a, b)
 

@@ -18,7 +18,7 @@ give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and
 * ``fp32`` (``Fp32Weight``, 16-bit runs only): a float32 copy made from the checkpoint's
   unrounded values, for CPUs whose bf16 matmul is slower than sgemm (AVX512-BF16 without AMX,
   measured 1.15-1.5x at 64-1,024 rows); activations cast up and the result back. +4 bytes per
-  parameter, so only while the copies fit ``FP32_AUTO_MEMORY_SHARE`` of memory (``make_forms``).
+  parameter, so only while the copies fit ``COPIES_MEMORY_SHARE`` of memory (``make_forms``).
 * ``torch-int4`` (``Int4Weight``): 4-bit codes in groups of 32 with a scale and an offset, on
   torch's ``_weight_int4pack_mm_for_cpu`` with 16-bit activations (a float32 run rounds x to bf16
   for the call: the kernel's float32 path is 25-30x slower).
@@ -54,7 +54,7 @@ from lockgate.kernel_choice import QUANTIZED_FORMS
 INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
 INT4_MODES = ("auto", "none", "int4")
 LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
-FP32_AUTO_MEMORY_SHARE = 0.25  # the float32 copies may take at most this share of physical memory
+COPIES_MEMORY_SHARE = 0.25  # extra weight copies (float32, bf16-gemm) may take at most this share of memory
 _NONE = torch.empty(0)  # "no tensor" in lockgate::decode_layers_'s flat list
 
 
@@ -72,10 +72,11 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
-def fp32_copies_fit(nbytes: int) -> bool:
-    """Whether float32 copies of ``nbytes`` fit FP32_AUTO_MEMORY_SHARE of physical memory."""
+def weight_copies_fit(nbytes: int) -> bool:
+    """Whether extra weight copies of ``nbytes`` in all (the float32 forms, the bf16 kernel's
+    packed one) fit COPIES_MEMORY_SHARE of physical memory."""
     memory = physical_memory_bytes()
-    return memory is None or nbytes <= FP32_AUTO_MEMORY_SHARE * memory
+    return memory is None or nbytes <= COPIES_MEMORY_SHARE * memory
 
 
 class DenseWeight:

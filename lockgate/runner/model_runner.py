@@ -40,7 +40,7 @@ from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
 from lockgate.kernel_choice import FORM_NAMES, QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
-from lockgate.layers.forms import fp32_copies_fit, int_gemm_available, int_gemm_isa
+from lockgate.layers.forms import int_gemm_available, int_gemm_isa, weight_copies_fit
 from lockgate.layers.linear import PromptForm
 from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
 from lockgate.models.args import ModelArgs
@@ -113,10 +113,10 @@ class ModelRunner:
                      "slower at small batches: every step streams 4 bytes per parameter); --dtype auto (float32 where "
                      "measured fastest), or --quantization int4 with it, keeps the checkpoint's 4/8-bit forms")
         fp32 = (self.dtype != torch.float32 and model_cfg.fp32_matmul_rows != "off"
-                and (model_cfg.fp32_matmul_rows != "auto" or fp32_copies_fit(4 * args.matmul_parameters)))
+                and (model_cfg.fp32_matmul_rows != "auto" or weight_copies_fit(4 * args.matmul_parameters)))
         # lockgate's bf16 kernel keeps its own packed copy (2 bytes a parameter; all forms are made
         # while the table is measured): only where it fits beside the float32 copies
-        self._bf16_gemm_fits = fp32_copies_fit((2 + (4 if fp32 else 0)) * args.matmul_parameters)
+        self._bf16_gemm_fits = weight_copies_fit((2 + (4 if fp32 else 0)) * args.matmul_parameters)
         self._forms_key = self._key("forms", args, str(self.dtype).removeprefix("torch."), {
             "checkpoint": checkpoint_fingerprint(self.model_dir), "quantization": self.quantization, "fp32": fp32})
         self._stored_table = tuning.peek(self._forms_key) \
@@ -126,8 +126,10 @@ class ModelRunner:
         # decode attention on lockgate's kernel (else gathers + SDPA), and prefill attention on it
         # too (else SDPA): measured with the forms
         self.decode_kernel: bool = self.cpu_kernels
-        # greedy steps take the argmax on the LM head's own output (lockgate::argmax_rows, vectorised)
-        self._argmax_kernel = self.cpu_kernels and argmax_kernel()
+        # plain greedy steps take the argmax on the LM head's own output (lockgate::argmax_rows,
+        # vectorised); a final softcap could merge the largest logits, so those models keep the logits
+        self._greedy_argmax = (self.cpu_kernels and self.device.type == "cpu" and self.model.args.final_softcap is None
+                               and argmax_kernel())
         self.prefill_kernel: bool = False
         # --deterministic: every token's attention is a decode-kernel row (AttentionMetadata.build)
         self.row_invariant: bool = model_cfg.deterministic
@@ -447,25 +449,24 @@ class ModelRunner:
             assert self.lora_slots is not None, "a plan with adapters, but LoRA is not enabled"
             lora = LoraStep(self.lora_slots, LoraStep.expand(plan.lora_slots, plan.query_lens),
                             self.cpu_kernels and dev.type == "cpu")
-        # plain greedy rows on lockgate's kernels: the model hands back tokens, not float32 logits
-        greedy = (s > 0 and self.cpu_kernels and dev.type == "cpu" and self.model.args.final_softcap is None
-                  and self._argmax_kernel and plain_greedy(plan.sampling))
+        # plain greedy rows: the model hands back tokens, not float32 logits
+        greedy = s > 0 and self._greedy_argmax and plain_greedy(plan.sampling)
         with torch.inference_mode():
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
                                 meta, self.k_cache, self.v_cache, rows, lora,
                                 plan.decode_rows if self.prompt_forms else None,
                                 None if greedy else self._logits_buffer(s), argmax=greedy)  # [S, V] f32, [S] or None
-            if greedy:
-                assert logits is not None and logits.shape == (s,) and plan.sampling.temperature.shape == (s,)
-                tokens, logprobs, top_ids, top_logprobs = greedy_output(logits).to_numpy()
-                return ForwardResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
-                                     step_seconds=time.perf_counter() - t0)
             if logits is None:
                 return ForwardResult(tokens=np.zeros(0, np.int64), logprobs=np.zeros(0, np.float32),
                                      top_ids=np.zeros((0, 0), np.int64), top_logprobs=np.zeros((0, 0), np.float32),
                                      step_seconds=time.perf_counter() - t0)
-            tokens, logprobs, top_ids, top_logprobs = sample(logits, plan.sampling, self.generator).to_numpy()
+            if greedy:  # the tokens themselves
+                assert logits.shape == (s,) and plan.sampling.temperature.shape == (s,)
+                out = greedy_output(logits)
+            else:
+                out = sample(logits, plan.sampling, self.generator)
+            tokens, logprobs, top_ids, top_logprobs = out.to_numpy()
         return ForwardResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
                              step_seconds=time.perf_counter() - t0)
 

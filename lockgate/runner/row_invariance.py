@@ -6,8 +6,8 @@ rows padded with zero rows to m agree too. That is a property of a kernel on a C
 measured, not assumed (``min_rows_for``): MKL's sgemm on the Zen 5 class CPU rounds calls of 1, 2,
 3, 5, 7 or 9 rows differently from larger ones; oneDNN's bf16 kernel a 1-row call of the
 1,536-column down projection (about one row in ten, in the last bit); lockgate's integer GEMM and
-bf16 kernel are row-invariant by construction. ``row_floors`` checks every candidate of every role on the role's
-first projection, calls of 1..``INVARIANCE_ROWS[-1]`` rows (the LM head up to ``HEAD_MAX_ROWS``);
+bf16 kernel are row-invariant by construction. ``row_floors`` checks every candidate of every
+role on the role's first projection, calls of 1..``INVARIANCE_ROWS[-1]`` rows (the LM head up to ``HEAD_MAX_ROWS``);
 the runner caches the result per machine and model (tuning kind "rows").
 
 The two choices (``lockgate.runner.model_runner`` applies them to ``Linear.set_prompt_form``):

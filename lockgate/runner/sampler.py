@@ -58,8 +58,7 @@ import torch
 from lockgate.plan import SamplingBatch
 
 __all__ = ["SampleOutput", "apply_allowed", "apply_penalties", "apply_suppress", "argmax", "argmax_kernel",
-           "greedy_output",
-           "plain_greedy", "sample", "step_seed"]
+           "greedy_output", "plain_greedy", "sample", "step_seed"]
 
 _M64 = (1 << 64) - 1
 # float32 uniforms come on a 2^-24 grid, so E = -log(1 - U) has an atom at 0 standing for the
@@ -109,20 +108,32 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+_argmax_kernel = False  # becomes True once lockgate::argmax_rows is seen loaded and vectorised
+
+
 def argmax_kernel() -> bool:
     """Whether ``lockgate::argmax_rows`` is loaded and vectorised (AVX-512; its plain loop is slower
-    than torch's argmax, so elsewhere torch's is kept)."""
-    try:
-        return bool(torch.ops.lockgate.argmax_rows_vectorized())
-    except (AttributeError, RuntimeError):
-        return False
+    than torch's argmax, so elsewhere torch's is kept). A yes is kept (kernels never unload); a no
+    is asked again, as the kernels may load later."""
+    global _argmax_kernel
+    if not _argmax_kernel:
+        try:
+            _argmax_kernel = bool(torch.ops.lockgate.argmax_rows_vectorized())
+        except (AttributeError, RuntimeError):
+            return False
+    return _argmax_kernel
+
+
+def _greedy_on_raw_logits(batch: SamplingBatch) -> bool:
+    """Every row greedy on unchanged logits (no penalty, suppressed id or grammar): a row's token
+    is its logits' argmax."""
+    return bool(batch.all_greedy and not batch.any_penalty and batch.suppress_ids.size == 0
+                and batch.allowed_rows.size == 0)
 
 
 def plain_greedy(batch: SamplingBatch) -> bool:
-    """Every row greedy on unchanged logits (no penalty, suppressed id or grammar) and none asking
-    for logprobs: a row's token is its logits' argmax and nothing else is reported."""
-    return bool(batch.all_greedy and not batch.any_penalty and batch.suppress_ids.size == 0
-                and batch.allowed_rows.size == 0 and (batch.num_logprobs.size == 0 or batch.num_logprobs.max() < 0))
+    """``_greedy_on_raw_logits`` and no row asking for logprobs: nothing but the argmax is reported."""
+    return _greedy_on_raw_logits(batch) and (batch.num_logprobs.size == 0 or bool(batch.num_logprobs.max() < 0))
 
 
 def greedy_output(tokens: torch.Tensor) -> SampleOutput:
@@ -139,7 +150,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     """One token per row of ``logits`` [S, V] under ``batch``'s per-row settings."""
     _check(logits, batch)
     raw = logits.float()  # [S, V] f32; may alias the caller's tensor: read only
-    if batch.all_greedy and not batch.any_penalty and batch.suppress_ids.size == 0 and batch.allowed_rows.size == 0:
+    if _greedy_on_raw_logits(batch):
         tokens = argmax(raw)  # [S]
     else:
         x = raw.clone()  # [S, V], ours to modify

@@ -17,7 +17,8 @@ How a measurement runs (``measure_forms``), built to survive a noisy, shared hos
   rotates from round to round, so drifts of the host's speed hit them alike. The figure of a
   form is the median over rounds of its mean milliseconds per call.
 * ``winner``: the fastest median, unless a form earlier in ``FORM_NAMES`` (more exact, or
-  row-invariant at more row counts) is within ``MARGIN`` of it, judged on the per-round paired ratios: then that one.
+  row-invariant at more row counts) is within ``MARGIN`` of it, judged on the per-round paired
+  ratios: then that one.
   A one-point island between two agreeing neighbours is smoothed away when the neighbours' form
   is within twice the margin there.
 * A form (not dense) more than ``PRUNE_RATIO`` x slower than the best whose cost already grows
