@@ -167,24 +167,26 @@ def test_chat_template_flag_as_text_or_file_and_its_errors(tmp_path) -> None:
 
 
 # ---- bad input --------------------------------------------------------------------------
-@pytest.mark.parametrize("body, status, needle", [
-    ("{not json", 400, "not valid JSON"),
-    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
-    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"prompt": ""}, 400, "empty"),
-    ({"prompt": "x", "max_tokens": 600}, 400, "512"),
-    ({"prompt": "x" * 600, "max_tokens": 1}, 400, "512"),
-    ({"prompt": [1, 2, 99999999]}, 400, "vocabulary"),
-    ({"max_tokens": 3}, 400, "prompt"),
+@pytest.mark.parametrize("body, status, needle, param", [
+    ("{not json", 400, "not valid JSON", None),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens", "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "temperature"),
+    ({"prompt": ""}, 400, "empty", "prompt"),
+    ({"prompt": "x", "max_tokens": 600}, 400, "512", "max_tokens"),
+    ({"prompt": "x" * 600, "max_tokens": 1}, 400, "512", "max_tokens"),
+    ({"prompt": [1, 2, 99999999]}, 400, "vocabulary", "prompt"),
+    ({"max_tokens": 3}, 400, "prompt", "prompt"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of", "best_of"),
 ])
-def test_bad_completion_requests_get_clear_4xx(server, body, status, needle) -> None:
+def test_bad_completion_requests_get_clear_4xx(server, body, status, needle, param) -> None:
     data = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(server.url + "/v1/completions", content=data, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["code"] == status and err["type"]
+    assert err["param"] == param, err  # the field the error is about, as OpenAI names it
 
 
 def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
@@ -209,6 +211,7 @@ def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
                          ("structural_tag", {"x": 1}), ("structured_outputs", {"x": 1})):
         r = httpx.post(server.url + "/v1/chat/completions", json={**chat, field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
+        assert r.json()["error"]["param"] == (field if field != "tools" else "tools[0].function"), r.text
     ok = httpx.post(server.url + "/v1/chat/completions", json={**chat, "response_format": {"type": "text"},
                                                                 "tool_choice": "none", "logit_bias": {}})
     assert ok.status_code == 200, ok.text
@@ -220,8 +223,9 @@ def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
                          ("truncate", 10), ("typical_p", 0.5), ("watermark", True), ("decoder_input_details", True)):
         r = httpx.post(server.url + "/generate", json={"inputs": "x", "parameters": {param: value}})
         assert r.status_code == 422 and param in r.json()["error"], (param, r.text)
-    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty") as bad:
         client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "x"}], frequency_penalty=3)
+    assert bad.value.param == "frequency_penalty"  # what the openai package reads from the error body
 
 
 # ---- cancellation -----------------------------------------------------------------------

@@ -56,8 +56,13 @@ from lockgate.server.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
     error_message,
+    error_param,
     openai_error,
+    request_fields,
 )
+
+# what a ValueError raised after parsing (SamplingParams' checks, output constraints) may name first
+_OPENAI_FIELDS = request_fields(CompletionRequest, ChatCompletionRequest)
 
 log = logging.getLogger("lockgate.api")
 
@@ -128,7 +133,7 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError) -> Response:
         # SamplingParams validates its own ranges and raises ValueError with the limit.
-        return _render(request, APIError(400, error_message(exc)))
+        return _render(request, APIError(400, error_message(exc), param=error_param(exc, _OPENAI_FIELDS)))
 
     return app
 

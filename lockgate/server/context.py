@@ -31,7 +31,7 @@ from lockgate.ipc.messages import Ready, TextOut
 from lockgate.sampling import SamplingParams, StructuredOutput, is_text
 from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream, SampleGroup
 from lockgate.server.metrics import Metrics
-from lockgate.server.protocol import error_message
+from lockgate.server.protocol import error_message, error_param, request_fields
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -99,7 +99,7 @@ def _decode_body(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except (ValidationError, ValueError) as e:
-        raise APIError(400, error_message(e)) from None
+        raise APIError(400, error_message(e), param=error_param(e, request_fields(model) | data.keys())) from None
 
 
 MAX_JSON_DEPTH = 64

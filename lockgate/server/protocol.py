@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
@@ -600,6 +601,36 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[Annotated[Int, Field(ge=0)]]
+
+
+def request_fields(*models: type[BaseModel]) -> frozenset[str]:
+    """The top-level request fields of these models: declared and refused (``_Model._refused``)."""
+    return frozenset(name for m in models for name in (*m.model_fields, *getattr(m, "_refused", {})))
+
+
+def error_param(exc: Exception, fields: Iterable[str] = ()) -> str | None:
+    """The request field an error is about, for the OpenAI error body's ``param`` (``None`` when it
+    is about no one field): the first pydantic error's location ("temperature",
+    "messages[0].content"); for an error raised about the request as a whole (a model validator,
+    SamplingParams' range checks), the field its message opens with ("best_of is not supported
+    ...", "top_p must be in (0, 1]", "response_format.type must be ...") when that is one of
+    ``fields`` (the model's fields and the keys the request gave)."""
+    known = set(fields)
+
+    def opening_field(message: str) -> str | None:
+        word = re.match(r"[A-Za-z_]\w*", message)
+        return word.group(0) if word is not None and word.group(0) in known else None
+
+    if not isinstance(exc, ValidationError):
+        return opening_field(str(exc))
+    for err in exc.errors(include_url=False):
+        if err["loc"]:
+            return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
+        ctx_err = err.get("ctx", {}).get("error")
+        found = opening_field(str(ctx_err) if ctx_err is not None else err["msg"])
+        if found is not None:
+            return found
+    return None
 
 
 def error_message(exc: Exception) -> str:
