@@ -116,7 +116,7 @@ class SamplingParams:
              f"seed must be an integer, got {self.seed!r}")
         need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
              "stop must be a tuple of non-empty strings")
-        need(len(self.stop) <= 16, f"at most 16 stop strings are allowed, got {len(self.stop)}")
+        need(len(self.stop) <= 16, f"stop takes at most 16 strings, got {len(self.stop)}")
         need(all(is_text(s) for s in self.stop),
              "stop strings must be valid Unicode text (no lone surrogates)")
         need(isinstance(self.stop_token_ids, tuple)

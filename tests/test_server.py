@@ -179,6 +179,7 @@ def test_chat_template_flag_as_text_or_file_and_its_errors(tmp_path) -> None:
     ({"prompt": [1, 2, 99999999]}, 400, "vocabulary", "prompt"),
     ({"max_tokens": 3}, 400, "prompt", "prompt"),
     ({"prompt": "x", "best_of": 3}, 400, "best_of", "best_of"),
+    ({"prompt": "x", "stop": [str(i) for i in range(17)]}, 400, "16", "stop"),
 ])
 def test_bad_completion_requests_get_clear_4xx(server, body, status, needle, param) -> None:
     data = body if isinstance(body, str) else json.dumps(body)
@@ -192,9 +193,15 @@ def test_bad_completion_requests_get_clear_4xx(server, body, status, needle, par
 def test_chat_bad_input_and_tolerated_fields(server, client) -> None:
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
     r = httpx.post(server.url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert r.status_code == 400 and "text" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages[0].content"
+    # a key the request gave that lockgate ignores is not blamed for an error it did not cause
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "only": 1, "guided_regex": "a", "guided_choice": ["a"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
     # nulls, other servers' extensions and unknown fields are accepted
     r = httpx.post(server.url + "/v1/chat/completions", json={
         "model": "sim", "messages": [{"role": "user", "content": "hi", "tool_calls": None}], "max_tokens": 2,

@@ -99,7 +99,7 @@ def _decode_body(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except (ValidationError, ValueError) as e:
-        raise APIError(400, error_message(e), param=error_param(e, request_fields(model) | data.keys())) from None
+        raise APIError(400, error_message(e), param=error_param(e, request_fields(model))) from None
 
 
 MAX_JSON_DEPTH = 64

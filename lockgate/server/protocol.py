@@ -206,6 +206,7 @@ class _SamplingFields(_Model):
         "functions": _empty, "logit_bias": _empty, "lora_request": _empty, "function_call": lambda v: v == "none",
         "structural_tag": _empty,
     }
+    _read_fields: ClassVar[frozenset[str]] = frozenset({*_CONSTRAINTS, "guided_whitespace_pattern"})
 
     @model_validator(mode="before")
     @classmethod
@@ -604,8 +605,10 @@ class DetokenizeRequest(_Model):
 
 
 def request_fields(*models: type[BaseModel]) -> frozenset[str]:
-    """The top-level request fields of these models: declared and refused (``_Model._refused``)."""
-    return frozenset(name for m in models for name in (*m.model_fields, *getattr(m, "_refused", {})))
+    """The top-level request fields of these models: declared, refused (``_Model._refused``) and
+    read before validation (``_SamplingFields._read_fields``: the output constraints)."""
+    return frozenset(name for m in models
+                     for name in (*m.model_fields, *getattr(m, "_refused", {}), *getattr(m, "_read_fields", ())))
 
 
 def error_param(exc: Exception, fields: Iterable[str] = ()) -> str | None:
@@ -614,7 +617,7 @@ def error_param(exc: Exception, fields: Iterable[str] = ()) -> str | None:
     "messages[0].content"); for an error raised about the request as a whole (a model validator,
     SamplingParams' range checks), the field its message opens with ("best_of is not supported
     ...", "top_p must be in (0, 1]", "response_format.type must be ...") when that is one of
-    ``fields`` (the model's fields and the keys the request gave)."""
+    ``fields`` (``request_fields``)."""
     known = set(fields)
 
     def opening_field(message: str) -> str | None:

@@ -794,13 +794,13 @@ inline void value_rows_bf16(const uint32_t* pb, int64_t pb_stride, const uint32_
 // per key for little.
 template <int NV, int R>
 inline void value_rows_bf16_in_place(const uint32_t* pb, int64_t pb_stride, const c10::BFloat16* vk,
-                                     const int64_t* sl, int64_t row_stride, int64_t nk, float* const* out) {
+                                     const int64_t* sl, int64_t row_stride, int64_t nk, int64_t pairs,
+                                     float* const* out) {
   static_assert(NV % 2 == 0, "a 512-bit register holds 32 bf16 dimensions");
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t pairs = (nk + 1) / 2;
-  for (int64_t j = 0; j < pairs; ++j) {
+  for (int64_t j = 0; j < pairs; ++j) {  // the key pairs the rows see (nk: the item's keys)
     const c10::BFloat16* a = vk + sl[2 * j] * row_stride;
     const bool has_b = 2 * j + 1 < nk;
     const c10::BFloat16* b = has_b ? vk + sl[2 * j + 1] * row_stride : a;
@@ -906,15 +906,17 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
     if (single) {
       const c10::BFloat16* vk = vc + kv * d;
       for (int64_t r0 = 0; r0 < rows; r0 += RV) {
+        const int64_t rr = std::min<int64_t>(RV, rows - r0);
+        const int64_t kp_rows = (s.n[r0 + rr - 1] + 1) / 2;  // key pairs the rows see, as staged
         const uint32_t* pr = s.pb.data() + r0 * pb_stride;
         float* const* o = s.out.data() + r0;
-        switch (std::min<int64_t>(RV, rows - r0)) {
-          case 1: value_rows_bf16_in_place<NV, 1>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
-          case 2: if constexpr (RV >= 2) value_rows_bf16_in_place<NV, 2>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
-          case 3: if constexpr (RV >= 3) value_rows_bf16_in_place<NV, 3>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
-          case 4: if constexpr (RV >= 4) value_rows_bf16_in_place<NV, 4>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
-          case 5: if constexpr (RV >= 5) value_rows_bf16_in_place<NV, 5>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
-          default: if constexpr (RV >= 6) value_rows_bf16_in_place<NV, RV>(pr, pb_stride, vk, sl, hkv * d, nk, o); break;
+        switch (rr) {
+          case 1: value_rows_bf16_in_place<NV, 1>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
+          case 2: if constexpr (RV >= 2) value_rows_bf16_in_place<NV, 2>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
+          case 3: if constexpr (RV >= 3) value_rows_bf16_in_place<NV, 3>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
+          case 4: if constexpr (RV >= 4) value_rows_bf16_in_place<NV, 4>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
+          case 5: if constexpr (RV >= 5) value_rows_bf16_in_place<NV, 5>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
+          default: if constexpr (RV >= 6) value_rows_bf16_in_place<NV, RV>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
         }
       }
       continue;  // next kv head
@@ -970,8 +972,9 @@ void item_per_token(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0,
 
 // One (token, head)'s chunk partials (part = [max, sum, acc[D]], `stride` floats apart, in key
 // order) merged into its output row and log-sum-exp: m = the largest max; per chunk, in order,
-// w = exp(max - m), sum += w * sum_c and acc += w * acc_c (from zero; each product rounded, then
-// added: the kernels build as ISO C++, where the compiler fuses no multiply-add); out =
+// w = exp(max - m), sum += w * sum_c and acc += w * acc_c (from zero; fused multiply-adds where the
+// CPU has them, written out, as the scalar loop this replaced compiled to: gcc contracts a * b + c
+// in C++, and left to itself it fuses only some lanes of a loop it vectorises over chunks); out =
 // acc * (1 / sum) rounded once to the output dtype; lse = m + log(sum). A single chunk has w = 1
 // exactly, so its result is its own acc * (1 / sum): taken directly, bitwise the same.
 template <typename TQ>
@@ -995,7 +998,11 @@ inline void merge_partials(const float* part, int64_t stride, int64_t chunks, in
   float sum = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
     w[c] = std::exp(part[c * stride] - m);
+#if defined(__FMA__)
+    sum = std::fma(w[c], part[c * stride + 1], sum);
+#else
     sum += w[c] * part[c * stride + 1];
+#endif
   }
   const float inv = 1.f / sum;
   int64_t k = 0;
@@ -1004,13 +1011,19 @@ inline void merge_partials(const float* part, int64_t stride, int64_t chunks, in
   for (; k + 16 <= d; k += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c)
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(w[c]), _mm512_loadu_ps(part + c * stride + 2 + k)));
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(w[c]), _mm512_loadu_ps(part + c * stride + 2 + k), acc);
     store16(dst + k, _mm512_mul_ps(acc, iv));
   }
 #endif
   for (; k < d; ++k) {
     float acc = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) acc += w[c] * part[c * stride + 2 + k];
+    for (int64_t c = 0; c < chunks; ++c) {
+#if defined(__FMA__)
+      acc = std::fma(w[c], part[c * stride + 2 + k], acc);
+#else
+      acc += w[c] * part[c * stride + 2 + k];
+#endif
+    }
     narrow(acc * inv, dst + k);
   }
   *lse = m + std::log(sum);
