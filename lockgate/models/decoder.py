@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -65,12 +66,6 @@ PROJECTION_ROLES = ("qkv", "o", "gate_up", "down", "head")  # ``DecoderModel.pro
 # largest mmap threshold (32 MB), so steady steps take it from the heap instead of mapping and
 # faulting in fresh pages every step (a 384-row step's 38 MB of bf16 logits: ~35 ms on 2 MB pages).
 HEAD_BLOCK_BYTES = 16 << 20
-
-
-def _head_block_rows(rows: int, row_bytes: int) -> int:
-    """Rows per block of the LM head's output: as few even blocks as stay under HEAD_BLOCK_BYTES."""
-    blocks = -(-rows * row_bytes // HEAD_BLOCK_BYTES)
-    return max(1, -(-rows // max(blocks, 1)))
 
 
 
@@ -285,23 +280,28 @@ class DecoderModel(nn.Module):
         if argmax:
             if a.final_softcap is not None:
                 raise ValueError("argmax: the final softcap would be skipped (it can merge the largest logits)")
-            s = x.shape[0]
-            tokens = torch.empty(s, dtype=torch.int64, device=x.device)
-            step = _head_block_rows(s, a.vocab_size * x.element_size())  # the blocks the logits path makes
-            for lo in range(0, s, step):
-                tokens[lo:lo + step] = torch.ops.lockgate.argmax_rows(self.head(x[lo:lo + step], sampled_prompt))
+            tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+            for rows, block in self._head_blocks(x, sampled_prompt):  # the blocks the logits path makes
+                tokens[rows] = torch.ops.lockgate.argmax_rows(block)
             return tokens
         if logits_out is None:
             logits = self.head(x, sampled_prompt).float()  # [S, V]
         else:
-            s = x.shape[0]
-            logits = logits_out[:s]
-            step = _head_block_rows(s, a.vocab_size * x.element_size())
-            for lo in range(0, s, step):
-                logits[lo:lo + step].copy_(self.head(x[lo:lo + step], sampled_prompt))
+            logits = logits_out[:x.shape[0]]
+            for rows, block in self._head_blocks(x, sampled_prompt):
+                logits[rows].copy_(block)
         if a.final_softcap is not None:
             logits = logits.div_(a.final_softcap).tanh_().mul_(a.final_softcap)  # in place: the buffer stays
         return logits
+
+    def _head_blocks(self, x: torch.Tensor, sampled_prompt: bool) -> Iterator[tuple[slice, torch.Tensor]]:
+        """The LM head's output for x's rows in as few even blocks of rows as stay under
+        HEAD_BLOCK_BYTES (on the heap, not mmap'd anew each step): (the rows, their output)."""
+        s = x.shape[0]
+        blocks = -(-s * self.args.vocab_size * x.element_size() // HEAD_BLOCK_BYTES)
+        step = max(1, -(-s // max(blocks, 1)))
+        for lo in range(0, s, step):
+            yield slice(lo, lo + step), self.head(x[lo:lo + step], sampled_prompt)
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 local_rope: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,

@@ -445,15 +445,10 @@ inline void transpose_keys(const c10::BFloat16* const* rows, float* kt) {
   }
 }
 
-// 16 floats stored as float, or as bf16 rounded as to_bf16 does (nearest even, NaN -> 0x7FC0).
+// 16 floats stored as float, or as bf16 rounded as to_bf16 does (vec_math.h).
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 inline void store16(c10::BFloat16* p, __m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), lockgate::to_bf16x16(x));
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {

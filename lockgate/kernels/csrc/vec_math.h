@@ -1,5 +1,6 @@
-// Small numeric helpers shared by lockgate's CPU kernels: widening/narrowing of bf16 and an exp
-// that the compiler can vectorise (libm's expf is a scalar call in a loop).
+// Small numeric helpers shared by lockgate's CPU kernels: widening/narrowing of bf16 (one value, or
+// 16 lanes on AVX-512) and an exp that the compiler can vectorise (libm's expf is a scalar call in a
+// loop).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -7,6 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace lockgate {
 
@@ -21,6 +26,17 @@ inline c10::BFloat16 to_bf16(float x) {
   out.x = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
   return out;
 }
+#if defined(__AVX512F__)
+// to_bf16 on 16 lanes, the same rounding and NaN rule (the bf16 bits in a 256-bit vector).
+inline __m256i to_bf16x16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+#endif
 template <typename T> inline T narrow(float x);
 template <> inline float narrow<float>(float x) { return x; }
 template <> inline c10::BFloat16 narrow<c10::BFloat16>(float x) { return to_bf16(x); }
