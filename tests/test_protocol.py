@@ -11,15 +11,15 @@ import pytest
 from pydantic import ValidationError
 
 from lockgate.sampling import SamplingParams
+from lockgate.server.errors import error_message, error_param, openai_error
 from lockgate.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TGIGenerateRequest,
     TokenizeRequest,
-    error_message,
-    openai_error,
     per_choice_params,
+    request_fields,
 )
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -316,3 +316,23 @@ def test_protocol_imports_no_torch_or_zmq() -> None:
     code = ("import sys, lockgate.server.protocol; "
             "bad = [m for m in ('torch', 'zmq') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_error_param_names_the_field_an_error_is_about() -> None:
+    chat = request_fields(ChatCompletionRequest)
+    msgs = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    # pydantic's location, written as in the message
+    err = _raises(ChatCompletionRequest, msgs)
+    assert error_param(err, chat) == "messages[0].content" and error_message(err).startswith("messages[0].content:")
+    # a model validator's error: the field its message opens with, declared, refused or read
+    for body, field in (({"messages": MSG, "logit_bias": {"5": 1}}, "logit_bias"),
+                        ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
+                        ({"messages": MSG, "tool_choice": "required"}, "tool_choice")):
+        assert error_param(_raises(ChatCompletionRequest, body), chat) == field, body
+    # an ignored key the message happens to open with is not blamed; nor is a field of another model
+    err = _raises(ChatCompletionRequest, {"messages": MSG, "only": 1, "guided_regex": "a", "guided_choice": ["a"]})
+    assert error_param(err, chat) is None
+    assert error_param(ValueError("top_p must be in (0, 1], got 2"), chat) == "top_p"
+    assert error_param(ValueError("top_p must be in (0, 1], got 2"), request_fields(TokenizeRequest)) is None
+    assert error_param(ValueError("the request body is not valid JSON")) is None
+

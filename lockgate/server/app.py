@@ -45,6 +45,7 @@ from lockgate.httpguard import BearerAuth, BodyLimit
 from lockgate.ipc.messages import EngineStats, Shutdown
 from lockgate.server import lora_api, openai_api, tgi_api
 from lockgate.server.context import APIError, ClientGone, ServerContext, parse_body
+from lockgate.server.errors import error_message, error_param, openai_error
 from lockgate.server.frontend import EngineClient
 from lockgate.server.metrics import CONTENT_TYPE, Metrics
 from lockgate.server.protocol import (
@@ -55,9 +56,6 @@ from lockgate.server.protocol import (
     TGIGenerateRequest,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
-    error_message,
-    error_param,
-    openai_error,
     request_fields,
 )
 

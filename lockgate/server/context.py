@@ -29,9 +29,10 @@ from lockgate.config import ServerConfig
 from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.ipc.messages import Ready, TextOut
 from lockgate.sampling import SamplingParams, StructuredOutput, is_text
+from lockgate.server.errors import error_message, error_param
 from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream, SampleGroup
 from lockgate.server.metrics import Metrics
-from lockgate.server.protocol import error_message, error_param, request_fields
+from lockgate.server.protocol import request_fields
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)

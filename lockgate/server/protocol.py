@@ -1,13 +1,15 @@
 """HTTP request schemas (OpenAI-compatible and TGI-native) and their mapping to SamplingParams.
 
 Owns: parsing request bodies (pydantic v2), normalizing prompt/message forms, turning a
-request into ``SamplingParams``, and the OpenAI error body. Invariants:
+request into ``SamplingParams``, and which top-level fields a request model knows
+(``request_fields``, for errors.py's ``param``). Invariants:
 
 * Every model ignores unknown fields (other clients send them; they are not a 400) and every
   optional field accepts JSON ``null`` meaning "use the default".
 * Wrong types fail at parse time with a ``pydantic.ValidationError``; numeric ranges are
   checked by ``SamplingParams`` itself (``ValueError``), except limits it does not know
-  (n, logprobs counts, TGI-specific ranges). ``error_message`` makes one readable line of either.
+  (n, logprobs counts, TGI-specific ranges). ``errors.error_message`` makes one readable line of
+  either.
 * Booleans are never accepted where a number is expected.
 * Imports only pydantic, the stdlib and ``lockgate.sampling`` (no torch, no zmq).
 """
@@ -16,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
@@ -26,7 +27,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -609,54 +609,3 @@ def request_fields(*models: type[BaseModel]) -> frozenset[str]:
     read before validation (``_SamplingFields._read_fields``: the output constraints)."""
     return frozenset(name for m in models
                      for name in (*m.model_fields, *getattr(m, "_refused", {}), *getattr(m, "_read_fields", ())))
-
-
-def error_param(exc: Exception, fields: Iterable[str] = ()) -> str | None:
-    """The request field an error is about, for the OpenAI error body's ``param`` (``None`` when it
-    is about no one field): the first pydantic error's location ("temperature",
-    "messages[0].content"); for an error raised about the request as a whole (a model validator,
-    SamplingParams' range checks), the field its message opens with ("best_of is not supported
-    ...", "top_p must be in (0, 1]", "response_format.type must be ...") when that is one of
-    ``fields`` (``request_fields``)."""
-    known = set(fields)
-
-    def opening_field(message: str) -> str | None:
-        word = re.match(r"[A-Za-z_]\w*", message)
-        return word.group(0) if word is not None and word.group(0) in known else None
-
-    if not isinstance(exc, ValidationError):
-        return opening_field(str(exc))
-    for err in exc.errors(include_url=False):
-        if err["loc"]:
-            return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
-        ctx_err = err.get("ctx", {}).get("error")
-        found = opening_field(str(ctx_err) if ctx_err is not None else err["msg"])
-        if found is not None:
-            return found
-    return None
-
-
-def error_message(exc: Exception) -> str:
-    """One readable line: "field.path: message (got input)" per pydantic error; str() otherwise."""
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    parts = []
-    for err in exc.errors(include_url=False):
-        path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
-        ctx_err = err.get("ctx", {}).get("error")
-        own = err["type"] == "value_error" and ctx_err is not None  # ours: says what it got if useful
-        msg = str(ctx_err) if own else err["msg"]
-        if not own and err["type"] != "missing":
-            msg += f" (got {err['input']!r:.60})"
-        parts.append(f"{path}: {msg}" if path and not msg.startswith(path + " ") else msg)
-    return "; ".join(parts)
-
-
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                429: "rate_limit_error"}
-
-
-def openai_error(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI error body: {"error": {"message", "type", "param", "code"}}; code is the HTTP status."""
-    etype = "server_error" if status >= 500 else _ERROR_TYPES.get(status, "invalid_request_error")
-    return {"error": {"message": message, "type": etype, "param": param, "code": status}}
