@@ -15,12 +15,14 @@
 // Per row: 16 lanes each keep their largest value and its first index (a strictly greater value
 // replaces it), NaNs are only flagged; then the lanes' largest value and, among lanes holding it,
 // the smallest index. A row with a NaN is scanned again for its first NaN. Rows are split over
-// threads; a row's result depends on nothing else. The vector scan needs AVX-512
+// threads (lockgate::steal_for); a row's result depends on nothing else. The vector scan needs AVX-512
 // (``argmax_rows_vectorized``); elsewhere the operator is a plain loop that callers do not use.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "steal.h"
 
 #include <cmath>
 #include <cstdint>
@@ -115,7 +117,7 @@ void run(const at::Tensor& x, at::Tensor& out) {
   const int64_t s = x.size(0), v = x.size(1), ld = x.stride(0);
   const T* base = x.data_ptr<T>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, s, 1, [&](int64_t r0, int64_t r1) {
+  lockgate::steal_for(0, s, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) o[r] = argmax_row(base + r * ld, v);
   });
 }

@@ -17,13 +17,16 @@
 // rows against a 0.3-3.5 MB weight): what decides them is keeping the dot-product units busy from
 // the first row block on, not cache blocking for large M.
 //
-// Work split: threads take contiguous runs of 16-row output blocks (at::parallel_for; the split
-// never enters the arithmetic). A thread walks its run in tiles of up to 4 blocks (64 outputs: 4
-// zmm of float32 sums per x row), and for each tile every x row in register blocks of at most 6
+// Work split: each thread starts on a contiguous run of 16-row output blocks (as at::parallel_for
+// would split them), walked in tiles; a thread that runs out takes whole tiles from the back of the
+// other's run (lockgate::StealRanges, steal.h), so a thread the OS deschedules for a while (another
+// process of the server, a neighbour on the host) does not hold the step up with its whole share;
+// the split never enters the arithmetic. A tile is up to 4 blocks (64 outputs: 4 zmm of float32
+// sums per x row); for each tile every x row goes in register blocks of at most 6
 // rows (4 x 6 = 24 accumulators + 4 weight vectors of the 32 zmm; the row blocks of one call are
 // as even as possible, so 32 rows go 6 6 5 5 5 5 rather than 6 6 6 6 6 2). The first row block
 // streams the tile's weights from memory, the others find them in L2; while a tile is multiplied,
-// the next tile's weights are prefetched into L2, spread over all of the tile's column pair steps
+// the thread's next own tile's weights are prefetched into L2, spread over all of the tile's column pair steps
 // (4 lines a step with one row block, 1 from 4 row blocks on), so the next tile's first row block
 // does not wait on memory.
 //
@@ -46,8 +49,10 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "ops.h"
+#include "steal.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define LOCKGATE_BF16_GEMM 1
@@ -127,20 +132,41 @@ void tile(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t pa
 
 void run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t nb, const float* bias, uint16_t* out) {
   const int64_t pairs = k / 2, n = nb * kLanes, block = pairs * 2 * kLanes;
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b += kTileBlocks) {
-      const int64_t nv = std::min<int64_t>(kTileBlocks, b1 - b);
-      const int64_t next = std::min<int64_t>(kTileBlocks, b1 - b - nv);  // blocks of this thread's next tile
-      const char* start = reinterpret_cast<const char*>(w + (b + nv) * block);
-      Prefetch pf{start, start + next * block * static_cast<int64_t>(sizeof(uint16_t))};
-      const uint16_t* wt = w + b * block;
-      const float* bt = bias == nullptr ? nullptr : bias + b * kLanes;
-      uint16_t* ot = out + b * kLanes;
-      switch (nv) {
-        case 1: tile<1>(x, m, k, wt, pairs, bt, ot, n, pf); break;
-        case 2: tile<2>(x, m, k, wt, pairs, bt, ot, n, pf); break;
-        case 3: tile<3>(x, m, k, wt, pairs, bt, ot, n, pf); break;
-        default: tile<kTileBlocks>(x, m, k, wt, pairs, bt, ot, n, pf); break;
+  // Each worker's run of blocks (ceil(nb / workers) of them, in order), cut into tiles; idle
+  // workers steal whole tiles from the back of the others' runs (lockgate::StealRanges).
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nb));
+  const int64_t per = (nb + workers - 1) / workers;
+  std::vector<int64_t> first, bounds{0};  // a tile's first block; each worker's tiles
+  first.reserve(static_cast<size_t>(nb / kTileBlocks + 2 * workers));
+  for (int64_t wk = 0; wk < workers; ++wk) {
+    for (int64_t b = wk * per; b < std::min(nb, (wk + 1) * per); b += kTileBlocks) first.push_back(b);
+    bounds.push_back(static_cast<int64_t>(first.size()));
+  }
+  // where a tile ends: the next tile's first block, or the end of its worker's run
+  std::vector<int64_t> last(first.size());
+  for (int64_t wk = 0; wk < workers; ++wk)
+    for (int64_t u = bounds[wk]; u < bounds[wk + 1]; ++u)
+      last[u] = u + 1 < bounds[wk + 1] ? first[u + 1] : std::min(nb, (wk + 1) * per);
+  lockgate::StealRanges ranges(bounds.data(), workers);
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t wk = w0; wk < w1; ++wk) {
+      bool own = false;
+      for (int64_t u = ranges.next(wk, &own); u >= 0; u = ranges.next(wk, &own)) {
+        const int64_t b = first[u], nv = last[u] - b;
+        // the worker's next own tile's weights, prefetched while this one is multiplied
+        const int64_t nx = own ? ranges.peek(wk) : -1;
+        const char* start = nx < 0 ? nullptr : reinterpret_cast<const char*>(w + first[nx] * block);
+        const int64_t bytes = nx < 0 ? 0 : (last[nx] - first[nx]) * block * static_cast<int64_t>(sizeof(uint16_t));
+        Prefetch pf{start, start + bytes};
+        const uint16_t* wt = w + b * block;
+        const float* bt = bias == nullptr ? nullptr : bias + b * kLanes;
+        uint16_t* ot = out + b * kLanes;
+        switch (nv) {
+          case 1: tile<1>(x, m, k, wt, pairs, bt, ot, n, pf); break;
+          case 2: tile<2>(x, m, k, wt, pairs, bt, ot, n, pf); break;
+          case 3: tile<3>(x, m, k, wt, pairs, bt, ot, n, pf); break;
+          default: tile<kTileBlocks>(x, m, k, wt, pairs, bt, ot, n, pf); break;
+        }
       }
     }
   });

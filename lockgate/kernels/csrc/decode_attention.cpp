@@ -39,7 +39,8 @@
 // transposed: 16 keys to a vector, so a score needs no horizontal sum) for up to 16 tokens x G
 // heads instead of once per token. Rows of one item that see fewer keys (the causal diagonal)
 // leave the keys beyond theirs out exactly (masked FMAs, or probability 0 times a finite value).
-// Threads take stripes of neighbouring items from a shared counter (stripes).
+// Threads take stripes of neighbouring items from a shared counter (stripes); the merge of a
+// token's chunk partials goes over tokens in pieces an idle thread can take (lockgate::steal_for).
 //
 // Arithmetic by path:
 //   * bf16 q and pool on a CPU with AVX512-BF16: VDPBF16PS (two exact bf16 products added to a
@@ -58,6 +59,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "steal.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -1080,7 +1082,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // Merge each (token, head)'s chunks in key order (merge_partials).
   TQ* op = out.data_ptr<TQ>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+  lockgate::steal_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t chunks = chunks_of(tk.count[t]), row = tk.row[t];
       for (int64_t head = 0; head < h; ++head)

@@ -17,11 +17,14 @@
 //       hands them out: rows are written in parallel); returns rotated q [T, H, D]
 //
 // Supported dtypes: float32 and bfloat16 (all tensors of one call in the same dtype, float32 math).
-// Rows are split over threads only when there are enough of them to pay for waking the threads.
+// Rows are split over threads only when there are enough of them to pay for waking the threads,
+// in pieces an idle thread can take from a descheduled one (lockgate::steal_for, steal.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "steal.h"
 
 #include "ops.h"
 #include "vec_math.h"
@@ -50,7 +53,7 @@ void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x,
   const T* xp = x ? x->data_ptr<T>() : nullptr;
   const T* w = weight.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, t, grain_rows(n), [&](int64_t begin, int64_t end) {
+  lockgate::steal_for(0, t, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       T* ri = r + i * n;
       if (xp) {
@@ -97,7 +100,7 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   const int64_t t = gu.size(0), f = out.size(1);
   const T* in = gu.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, t, grain_rows(2 * f), [&](int64_t begin, int64_t end) {
+  lockgate::steal_for(0, t, grain_rows(2 * f), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* g = in + i * 2 * f;
       const T* u = g + f;
@@ -149,7 +152,7 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
   T* vc = v_cache.data_ptr<T>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   T* q = q_out.data_ptr<T>();
-  at::parallel_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+  lockgate::steal_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = in + i * width;
       const T* ci = c + i * d;
