@@ -7,13 +7,21 @@ import json
 import math
 import sys
 
-import httpx
+import aiohttp
 import numpy as np
 import pytest
 from server_util import ServerProc
 
 from lockgate.bench import report, stats
-from lockgate.bench.client import LoadConfig, RequestRecord, arrival_offsets, request_body, send
+from lockgate.bench.client import (
+    LoadConfig,
+    RequestRecord,
+    StreamReader,
+    _error_text,
+    arrival_offsets,
+    request_body,
+    send,
+)
 from lockgate.bench.tokens import LocalTokenizer
 from lockgate.bench.workloads import (
     MIXED_SHORT,
@@ -208,41 +216,54 @@ def _sse(*events: object) -> bytes:
     return "".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n" for e in events).encode()
 
 
-def _record(events: bytes, status: int = 200, endpoint: str = "completions") -> RequestRecord:
-    import asyncio
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=events, headers={"content-type": "text/event-stream"})
-
-    async def go() -> RequestRecord:
-        rec = RequestRecord(0, 0, 0, -1, 5, 4)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://t") as http:
-            cfg = LoadConfig(url="http://t", endpoint=endpoint)
-            await send(http, cfg, request_body(cfg, ["hello"], 4), rec, 0.0)
-        return rec
-
-    return asyncio.run(go())
+def _record(events: bytes, endpoint: str = "completions", cut: int | None = None) -> RequestRecord:
+    """The record StreamReader makes of a canned stream, its bytes arriving in pieces of ``cut``
+    (None: all at once) 1 ms apart."""
+    rec = RequestRecord(0, 0, 0, -1, 5, 4)
+    reader = StreamReader(rec, endpoint == "chat", 0.0)
+    pieces = [events] if cut is None else [events[i:i + cut] for i in range(0, len(events), cut)]
+    for k, piece in enumerate(pieces):
+        reader.feed(piece, 0.001 * (k + 1))
+        if reader.done:
+            break
+    reader.finish(1.0)
+    return rec
 
 
-def test_send_prefers_usage_and_falls_back_to_chunks() -> None:
+@pytest.mark.parametrize("cut", [None, 1, 7, 64])
+def test_stream_reader_prefers_usage_and_falls_back_to_chunks(cut) -> None:
     chunks = [{"choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in ("a", "bc", "", "d")]
     usage = {"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 5,
                                       "prompt_tokens_details": {"cached_tokens": 2}}}
-    rec = _record(_sse(*chunks, usage, "[DONE]"))
+    rec = _record(_sse(*chunks, usage, "[DONE]"), cut=cut)
     assert rec.success and rec.text == "abcd" and len(rec.itl) == 2  # three chunks carried text
     assert (rec.output_tokens, rec.tokens_from, rec.prompt_tokens, rec.cached_tokens) == (5, "usage", 6, 2)
-    rec = _record(_sse(*chunks, "[DONE]"))
+    assert rec.latency == 1.0 and 0 < rec.ttft <= rec.ttft + sum(rec.itl) < 1.0
+    rec = _record(_sse(*chunks, "[DONE]"), cut=cut)
     assert rec.success and (rec.output_tokens, rec.tokens_from) == (3, "chunks")
     chat = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
             {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
             {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}]
-    rec = _record(_sse(*chat, "[DONE]"), endpoint="chat")
+    rec = _record(_sse(*chat, "[DONE]"), endpoint="chat", cut=cut)
     assert rec.success and rec.text == "hi" and rec.finish_reason == "length" and rec.output_tokens == 1
 
 
+def test_stream_reader_times_a_chunk_by_the_bytes_that_complete_it() -> None:
+    rec = RequestRecord(0, 0, 0, -1, 5, 4)
+    reader = StreamReader(rec, False, 0.0)
+    first, second = _sse({"choices": [{"text": "a"}]}), _sse({"choices": [{"text": "b"}]})
+    reader.feed(first[:10], 0.1)  # half a line: nothing yet
+    assert rec.ttft is None
+    reader.feed(first[10:] + second[:5], 0.2)
+    reader.feed(second[5:], 0.5)
+    reader.finish(0.6)
+    assert rec.success and rec.ttft == 0.2 and rec.itl == [pytest.approx(0.3)] and rec.text == "ab"
+
+
 def test_send_records_errors() -> None:
-    rec = _record(json.dumps({"error": {"message": "max_tokens is too large", "code": 400}}).encode(), status=400)
-    assert not rec.success and rec.error == "HTTP 400: max_tokens is too large"
+    body = json.dumps({"error": {"message": "max_tokens is too large", "code": 400}})
+    assert _error_text(400, body) == "HTTP 400: max_tokens is too large"
+    assert _error_text(502, "", "Bad Gateway") == "HTTP 502: Bad Gateway"
     rec = _record(_sse({"choices": [{"text": "a"}]}, {"error": {"message": "engine died"}}))
     assert not rec.success and "engine died" in rec.error
     rec = _record(_sse("[DONE]"))
@@ -298,6 +319,24 @@ def server():
         yield s.wait_ready()
     finally:
         s.stop()
+
+
+def test_send_over_http_records_the_servers_refusal_and_a_dead_port(server) -> None:
+    import asyncio
+
+    async def go(url: str, max_tokens: int) -> RequestRecord:
+        cfg = LoadConfig(url=url, timeout=30.0)
+        rec = RequestRecord(0, 0, 0, -1, 4, max_tokens)
+        async with aiohttp.ClientSession() as http:
+            await send(http, cfg, request_body(cfg, ["hello"], max_tokens), rec, 0.0)
+        return rec
+
+    ok = asyncio.run(go(server.url, 4))
+    assert ok.success and ok.output_tokens == 4 and ok.tokens_from == "usage" and ok.latency >= ok.ttft > 0
+    refused = asyncio.run(go(server.url, 10_000))  # beyond --max-model-len 512
+    assert not refused.success and refused.error.startswith("HTTP 400: ") and "512" in refused.error
+    dead = asyncio.run(go("http://127.0.0.1:9", 4))  # nothing listens there
+    assert not dead.success and dead.error.startswith("ClientConnectorError")
 
 
 SUMMARY_KEYS = {"duration_s", "num_requests", "completed", "failed", "first_error", "total_input_tokens",

@@ -1,9 +1,13 @@
 """The load generator: sends a workload to an OpenAI-compatible server and times every chunk.
 
-Owns the HTTP side of ``lockgate bench``: one ``httpx.AsyncClient``, streaming requests
+Owns the HTTP side of ``lockgate bench``: one ``aiohttp.ClientSession``, streaming requests
 (``stream: true``, ``stream_options.include_usage``) to ``/v1/completions`` or
 ``/v1/chat/completions``, and one ``RequestRecord`` per request with the timestamp of every
-chunk that carried text. Not the openai package: its iterator hides when bytes arrived.
+chunk that carried text (``StreamReader``: the parsing, apart from the transport). Not the openai
+package: its iterator hides when bytes arrived. Not httpx either: the client shares the machine
+with the server it measures, and at c = 128 (16k streamed chunks) httpx's async streaming took
+0.77 s of CPU against aiohttp's 0.25 s, time taken from the server's cores (the server's run was
+~3% longer; docs/performance.md, round 20).
 
 Timing (``time.perf_counter``, seconds since the first dispatch):
 
@@ -32,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
 from lockgate.bench.stats import tpot
@@ -130,72 +134,105 @@ def request_body(cfg: LoadConfig, history: list[Any], output_len: int) -> dict[s
     return body
 
 
-def _error_text(r: httpx.Response) -> str:
+def _error_text(status: int, body: str, reason: str | None = None) -> str:
+    """``HTTP <status>: <message>`` from an error response (an OpenAI error body's message, else the text)."""
     try:
-        err = r.json().get("error")
+        err = json.loads(body).get("error")
         msg = err.get("message") if isinstance(err, dict) else err
     except (ValueError, AttributeError):
         msg = None
-    return f"HTTP {r.status_code}: {msg or r.text[:300] or r.reason_phrase}"
+    return f"HTTP {status}: {msg or body[:300] or reason or ''}"
 
 
-async def send(http: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any], rec: RequestRecord,
+class StreamReader:
+    """One response's server-sent events into its ``RequestRecord``, fed bytes as they arrive.
+
+    ``feed(data, now)`` splits the bytes into lines (a line may arrive in pieces) and reads every
+    complete ``data:`` line at ``now`` (the arrival of the bytes that completed it); ``done`` turns
+    true at ``data: [DONE]`` or a stream error; ``finish()`` settles the record. Separate from the
+    HTTP client so that the parsing is tested on canned streams cut anywhere."""
+
+    def __init__(self, rec: RequestRecord, chat: bool, start: float) -> None:
+        self.rec, self.chat, self.start, self.last = rec, chat, start, start
+        self.parts: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+        self._buf = b""
+
+    def feed(self, data: bytes, now: float) -> None:
+        self._buf += data
+        while not self.done and (nl := self._buf.find(b"\n")) >= 0:
+            line, self._buf = self._buf[:nl], self._buf[nl + 1:]
+            self._line(line.decode(), now)
+
+    def _line(self, line: str, now: float) -> None:
+        if not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        obj = json.loads(data)
+        rec = self.rec
+        if obj.get("error"):
+            err = obj["error"]
+            rec.error = "stream error: " + str(err.get("message") if isinstance(err, dict) else err)
+            self.done = True
+            return
+        self.usage = obj.get("usage") or self.usage
+        for ch in obj.get("choices") or []:
+            if self.chat:
+                delta = ch.get("delta") or {}
+                text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+            else:
+                text = ch.get("text") or ""
+            if text:
+                if rec.ttft is None:
+                    rec.ttft = now - self.start
+                else:
+                    rec.itl.append(now - self.last)
+                self.last = now
+                self.parts.append(text)
+            rec.finish_reason = ch.get("finish_reason") or rec.finish_reason
+
+    def finish(self, end: float) -> None:
+        """The stream is over (``end``: when): latency, text, token counts, success."""
+        rec = self.rec
+        if rec.error:
+            return
+        rec.latency = end - self.start
+        rec.text = "".join(self.parts)
+        usage = self.usage
+        if usage is not None and usage.get("completion_tokens") is not None:
+            rec.output_tokens, rec.tokens_from = int(usage["completion_tokens"]), "usage"
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        else:
+            rec.output_tokens = len(rec.itl) + (rec.ttft is not None)
+        if rec.ttft is None:
+            rec.error = "the stream ended without any generated text"
+            return
+        rec.success = True
+
+
+async def send(http: aiohttp.ClientSession, cfg: LoadConfig, body: dict[str, Any], rec: RequestRecord,
                t0: float) -> None:
     """One streaming request; fills ``rec`` (success, timings, counts, or the error)."""
-    chat = cfg.endpoint == "chat"
     st = time.perf_counter()
     rec.start = st - t0
-    parts: list[str] = []
-    usage: dict[str, Any] | None = None
+    reader = StreamReader(rec, cfg.endpoint == "chat", st)
     try:
-        async with http.stream("POST", cfg.path, json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                rec.error = _error_text(r)
+        async with http.post(cfg.url.rstrip("/") + cfg.path, json=body) as r:
+            if r.status != 200:
+                rec.error = _error_text(r.status, await r.text(errors="replace"), r.reason)
                 return
-            last = st
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                now = time.perf_counter()
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for data in r.content.iter_any():
+                reader.feed(data, time.perf_counter())
+                if reader.done:
                     break
-                obj = json.loads(data)
-                if obj.get("error"):
-                    err = obj["error"]
-                    rec.error = "stream error: " + str(err.get("message") if isinstance(err, dict) else err)
-                    return
-                usage = obj.get("usage") or usage
-                for ch in obj.get("choices") or []:
-                    if chat:
-                        delta = ch.get("delta") or {}
-                        text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-                    else:
-                        text = ch.get("text") or ""
-                    if text:
-                        if rec.ttft is None:
-                            rec.ttft = now - st
-                        else:
-                            rec.itl.append(now - last)
-                        last = now
-                        parts.append(text)
-                    rec.finish_reason = ch.get("finish_reason") or rec.finish_reason
-            rec.latency = time.perf_counter() - st
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+            reader.finish(time.perf_counter())
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: bad JSON or UTF-8
         rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return
-    rec.text = "".join(parts)
-    if usage is not None and usage.get("completion_tokens") is not None:
-        rec.output_tokens, rec.tokens_from = int(usage["completion_tokens"]), "usage"
-        rec.prompt_tokens = usage.get("prompt_tokens")
-        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    else:
-        rec.output_tokens = len(rec.itl) + (rec.ttft is not None)
-    if rec.ttft is None:
-        rec.error = "the stream ended without any generated text"
-        return
-    rec.success = True
 
 
 @dataclass
@@ -214,10 +251,12 @@ def make_records(workload: Workload) -> list[RequestRecord]:
     return recs
 
 
-def _client(cfg: LoadConfig) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency or 256)
-    return httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=cfg.headers, limits=limits,
-                             timeout=httpx.Timeout(cfg.timeout, connect=30.0))
+def _client(cfg: LoadConfig) -> aiohttp.ClientSession:
+    """One session for the run: at most ``max_concurrency`` connections (0: no cap), kept alive;
+    ``timeout`` bounds each wait for bytes, not the whole stream."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.max_concurrency or 0),
+                                 headers=cfg.headers,
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=cfg.timeout))
 
 
 async def warmup(cfg: LoadConfig, text: str, n: int) -> list[RequestRecord]:
@@ -242,7 +281,7 @@ async def run_load(cfg: LoadConfig, workload: Workload,
     sem = asyncio.Semaphore(cfg.max_concurrency or len(recs))
     in_flight = max_in_flight = 0
 
-    async def one_session(i: int, sess: Session, http: httpx.AsyncClient, t0: float) -> None:
+    async def one_session(i: int, sess: Session, http: aiohttp.ClientSession, t0: float) -> None:
         nonlocal in_flight, max_in_flight
         await asyncio.sleep(max(0.0, t0 + float(offsets[i]) - time.perf_counter()))
         history: list[str] = []
