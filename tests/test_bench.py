@@ -17,6 +17,7 @@ from lockgate.bench.client import (
     LoadConfig,
     RequestRecord,
     StreamReader,
+    _client,
     _error_text,
     arrival_offsets,
     request_body,
@@ -213,7 +214,8 @@ def test_arrivals_all_at_once_for_infinite_rate() -> None:
 
 # ---- SSE parsing against canned streams ----------------------------------------------------------
 def _sse(*events: object) -> bytes:
-    return "".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n" for e in events).encode()
+    return "".join(f"data: {json.dumps(e, ensure_ascii=False) if not isinstance(e, str) else e}\n\n"
+                   for e in events).encode()
 
 
 def _record(events: bytes, endpoint: str = "completions", cut: int | None = None) -> RequestRecord:
@@ -231,14 +233,23 @@ def _record(events: bytes, endpoint: str = "completions", cut: int | None = None
 
 
 @pytest.mark.parametrize("cut", [None, 1, 7, 64])
-def test_stream_reader_prefers_usage_and_falls_back_to_chunks(cut) -> None:
-    chunks = [{"choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in ("a", "bc", "", "d")]
+def test_stream_reader_prefers_usage_and_falls_back_to_chunks(cut: int | None) -> None:
+    # multi-byte characters: a piece may end inside one (cut = 1, 7)
+    chunks = [{"choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in ("é", "b🙂", "", "d")]
     usage = {"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 5,
                                       "prompt_tokens_details": {"cached_tokens": 2}}}
-    rec = _record(_sse(*chunks, usage, "[DONE]"), cut=cut)
-    assert rec.success and rec.text == "abcd" and len(rec.itl) == 2  # three chunks carried text
+    events = _sse(*chunks, usage, "[DONE]")
+    rec = _record(events, cut=cut)
+    assert rec.success and rec.text == "éb🙂d" and len(rec.itl) == 2  # three chunks carried text
     assert (rec.output_tokens, rec.tokens_from, rec.prompt_tokens, rec.cached_tokens) == (5, "usage", 6, 2)
-    assert rec.latency == 1.0 and 0 < rec.ttft <= rec.ttft + sum(rec.itl) < 1.0
+    assert rec.latency == 1.0
+    if cut is None:  # every line arrived with the one read at 1 ms
+        assert rec.ttft == 0.001 and rec.itl == [0.0, 0.0]
+    else:  # a chunk is timed by the piece that ends its line
+        ends = [i for i, b in enumerate(events) if b == ord("\n")][0::2]  # where each data line ends
+        firsts = [ends[k] // cut + 1 for k in (0, 1, 3)]  # pieces completing the text events
+        assert rec.ttft == pytest.approx(0.001 * firsts[0])
+        assert rec.itl == pytest.approx([0.001 * (firsts[1] - firsts[0]), 0.001 * (firsts[2] - firsts[1])])
     rec = _record(_sse(*chunks, "[DONE]"), cut=cut)
     assert rec.success and (rec.output_tokens, rec.tokens_from) == (3, "chunks")
     chat = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
@@ -260,7 +271,12 @@ def test_stream_reader_times_a_chunk_by_the_bytes_that_complete_it() -> None:
     assert rec.success and rec.ttft == 0.2 and rec.itl == [pytest.approx(0.3)] and rec.text == "ab"
 
 
-def test_send_records_errors() -> None:
+def test_stream_reader_stops_at_done() -> None:
+    rec = _record(_sse({"choices": [{"text": "a"}]}, "[DONE]", {"choices": [{"text": "b"}]}))  # one read
+    assert rec.success and rec.text == "a" and rec.itl == []
+
+
+def test_error_text_and_stream_errors() -> None:
     body = json.dumps({"error": {"message": "max_tokens is too large", "code": 400}})
     assert _error_text(400, body) == "HTTP 400: max_tokens is too large"
     assert _error_text(502, "", "Bad Gateway") == "HTTP 502: Bad Gateway"
@@ -337,6 +353,31 @@ def test_send_over_http_records_the_servers_refusal_and_a_dead_port(server) -> N
     assert not refused.success and refused.error.startswith("HTTP 400: ") and "512" in refused.error
     dead = asyncio.run(go("http://127.0.0.1:9", 4))  # nothing listens there
     assert not dead.success and dead.error.startswith("ClientConnectorError")
+
+
+def test_client_timeout_bounds_each_wait_not_the_stream() -> None:
+    """``LoadConfig.timeout`` is the longest wait for the next bytes (as httpx's read timeout was):
+    a stream of 8 tokens 0.3 s apart passes a 1 s timeout although it lasts longer, and fails a
+    0.1 s one."""
+    import asyncio
+
+    slow = ServerProc("--model", "sim", "--max-model-len", "128", "--sim-step-ms", "300", "--log-level", "WARNING")
+    try:
+        slow.wait_ready()
+
+        async def go(timeout: float) -> RequestRecord:
+            cfg = LoadConfig(url=slow.url, timeout=timeout)
+            rec = RequestRecord(0, 0, 0, -1, 4, 8)
+            async with _client(cfg) as http:
+                await send(http, cfg, request_body(cfg, ["hello"], 8), rec, 0.0)
+            return rec
+
+        ok = asyncio.run(go(1.0))
+        assert ok.success and ok.output_tokens == 8 and ok.latency > 1.0
+        late = asyncio.run(go(0.1))
+        assert not late.success and "Timeout" in late.error
+    finally:
+        slow.stop()
 
 
 SUMMARY_KEYS = {"duration_s", "num_requests", "completed", "failed", "first_error", "total_input_tokens",

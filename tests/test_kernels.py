@@ -383,3 +383,33 @@ def test_argmax_rows_follows_torch_argmax(ops, dtype: torch.dtype) -> None:
         ops.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="contiguous rows"):
         ops.argmax_rows(torch.zeros(3, 4, dtype=dtype).t())
+
+
+def test_work_stealing_computes_every_row_once(ops) -> None:
+    """The row loops under steal.h's steal_for (silu_mul, add_rms_norm_, argmax_rows): with 8
+    threads on this machine's cores, threads lose their core mid-call and the others take their
+    unstarted pieces; every row is still computed exactly once, the same bits as on one thread, at
+    row counts that split unevenly (a worker with no rows, a piece of one row)."""
+    before = torch.get_num_threads()
+    try:
+        for rows in (3, 7, 17, 100, 999):
+            gen = torch.Generator().manual_seed(rows)
+            gu = torch.randn(rows, 2 * 1536, generator=gen).to(torch.bfloat16)
+            resid = torch.randn(rows, 576, generator=gen)
+            delta = torch.randn(rows, 576, generator=gen)
+            w = torch.rand(576, generator=gen) + 0.5
+            logits = torch.randn(rows, 4099, generator=gen).to(torch.bfloat16)
+            torch.set_num_threads(1)
+            want_silu = ops.silu_mul(gu)
+            want_resid = resid.clone()
+            want_norm = ops.add_rms_norm_(want_resid, delta, w, 1e-5)
+            want_arg = ops.argmax_rows(logits)
+            assert torch.equal(want_arg, logits.float().argmax(-1))
+            torch.set_num_threads(8)
+            for _ in range(3):
+                assert torch.equal(ops.silu_mul(gu), want_silu)
+                r = resid.clone()
+                assert torch.equal(ops.add_rms_norm_(r, delta, w, 1e-5), want_norm) and torch.equal(r, want_resid)
+                assert torch.equal(ops.argmax_rows(logits), want_arg)
+    finally:
+        torch.set_num_threads(before)

@@ -555,6 +555,28 @@ def test_bf16_gemm_rows_never_depend_on_the_call_size_or_threads(kernels_loaded)
     assert min_rows_for(form, None, k, torch.bfloat16, 300) == 1
 
 
+def test_bf16_gemm_stolen_tiles_are_computed_once(kernels_loaded) -> None:
+    """With 8 threads on this machine's cores, threads lose their core mid-call and the others
+    take their unstarted tiles (steal.h); every output block is still computed exactly once, the
+    same bits as on one thread, for block counts below, at and above the thread count and runs
+    that end in a partial tile."""
+    _bf16_gemm_or_skip()
+    before = torch.get_num_threads()
+    try:
+        for n, m in ((16, 5), (48, 1), (80, 61), (272, 7), (3072, 33)):
+            gen = torch.Generator().manual_seed(n)
+            form = Bf16GemmWeight(torch.randn(n, 96, generator=gen).to(torch.bfloat16))
+            x = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+            with torch.inference_mode():
+                torch.set_num_threads(1)
+                want = form(x, None)
+                torch.set_num_threads(8)
+                for _ in range(3):
+                    assert torch.equal(form(x, None), want)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bf16_gemm_rejects_bad_input(kernels_loaded) -> None:
     _bf16_gemm_or_skip()
     op = torch.ops.lockgate.bf16_linear

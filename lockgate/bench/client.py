@@ -160,10 +160,11 @@ class StreamReader:
         self._buf = b""
 
     def feed(self, data: bytes, now: float) -> None:
-        self._buf += data
-        while not self.done and (nl := self._buf.find(b"\n")) >= 0:
-            line, self._buf = self._buf[:nl], self._buf[nl + 1:]
-            self._line(line.decode(), now)
+        buf, at = self._buf + data, 0
+        while not self.done and (nl := buf.find(b"\n", at)) >= 0:
+            self._line(buf[at:nl].decode(errors="replace"), now)  # a line is whole: no character cut in two
+            at = nl + 1
+        self._buf = buf[at:]
 
     def _line(self, line: str, now: float) -> None:
         if not line.startswith("data:"):
@@ -222,7 +223,7 @@ async def send(http: aiohttp.ClientSession, cfg: LoadConfig, body: dict[str, Any
     rec.start = st - t0
     reader = StreamReader(rec, cfg.endpoint == "chat", st)
     try:
-        async with http.post(cfg.url.rstrip("/") + cfg.path, json=body) as r:
+        async with http.post(cfg.url.rstrip("/") + cfg.path, json=body, allow_redirects=False) as r:
             if r.status != 200:
                 rec.error = _error_text(r.status, await r.text(errors="replace"), r.reason)
                 return
@@ -231,7 +232,7 @@ async def send(http: aiohttp.ClientSession, cfg: LoadConfig, body: dict[str, Any
                 if reader.done:
                     break
             reader.finish(time.perf_counter())
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: bad JSON
         rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
@@ -253,9 +254,10 @@ def make_records(workload: Workload) -> list[RequestRecord]:
 
 def _client(cfg: LoadConfig) -> aiohttp.ClientSession:
     """One session for the run: at most ``max_concurrency`` connections (0: no cap), kept alive;
-    ``timeout`` bounds each wait for bytes, not the whole stream."""
+    ``timeout`` bounds each wait for bytes, not the whole stream; redirects are not followed (a
+    30x is the request's error, as before)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.max_concurrency or 0),
-                                 headers=cfg.headers,
+                                 headers=cfg.headers, trust_env=True,  # HTTP(S)_PROXY / NO_PROXY, as httpx
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=cfg.timeout))
 
 

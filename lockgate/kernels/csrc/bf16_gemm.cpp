@@ -134,7 +134,9 @@ void run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t nb,
   const int64_t pairs = k / 2, n = nb * kLanes, block = pairs * 2 * kLanes;
   // Each worker's run of blocks (ceil(nb / workers) of them, in order), cut into tiles; idle
   // workers steal whole tiles from the back of the others' runs (lockgate::StealRanges).
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nb));
+  // (inside another parallel region the call runs on this thread alone: one worker, in order)
+  const int64_t workers =
+      at::in_parallel_region() ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nb));
   const int64_t per = (nb + workers - 1) / workers;
   std::vector<int64_t> first, bounds{0};  // a tile's first block; each worker's tiles
   first.reserve(static_cast<size_t>(nb / kTileBlocks + 2 * workers));

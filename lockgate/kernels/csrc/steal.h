@@ -32,6 +32,7 @@ class StealRanges {
   // units split into `workers` contiguous ranges by `bounds` (workers + 1 non-decreasing entries,
   // bounds[0] = 0, bounds[workers] = units).
   StealRanges(const int64_t* bounds, int64_t workers) : workers_(workers), r_(new Range[workers]) {
+    TORCH_INTERNAL_ASSERT(bounds[workers] < (int64_t{1} << 31), "StealRanges: too many units for its 32-bit halves");
     for (int64_t w = 0; w < workers; ++w) r_[w].v.store(pack(bounds[w], bounds[w + 1]), std::memory_order_relaxed);
   }
 
@@ -74,30 +75,36 @@ class StealRanges {
 };
 
 // at::parallel_for(begin, end, grain, f) with stealing: the same workers (at most one per `grain`
-// rows), each starting on the rows at::parallel_for would give it, in kStealPieces pieces so that an
-// idle worker can take the unstarted pieces of a descheduled one. f(b, e) is called once per piece;
-// inside a parallel region, or with one worker, f(begin, end) runs here.
+// rows), each starting on exactly the rows at::parallel_for would give it, cut into up to
+// kStealPieces pieces so that an idle worker can take the unstarted pieces of a descheduled one.
+// f(b, e) is called once per piece; inside a parallel region, or with one worker, f(begin, end)
+// runs here.
 constexpr int64_t kStealPieces = 8;
 
 template <typename F>
 void steal_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  const int64_t n = end - begin;
+  const int64_t n = end - begin, g = std::max<int64_t>(1, grain);
   if (n <= 0) return;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / std::max<int64_t>(1, grain));
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (n + g - 1) / g);
   if (workers <= 1 || at::in_parallel_region()) {
     f(begin, end);
     return;
   }
-  const int64_t per = (n + workers - 1) / workers;                 // rows per worker
+  const int64_t per = (n + workers - 1) / workers;  // rows per worker, as at::parallel_for splits them
   const int64_t piece = std::max<int64_t>(1, (per + kStealPieces - 1) / kStealPieces);
-  std::vector<int64_t> bounds(static_cast<size_t>(workers + 1));  // in pieces
-  for (int64_t w = 0; w <= workers; ++w) bounds[w] = (std::min(n, w * per) + piece - 1) / piece;
+  std::vector<int64_t> start, bounds{0};  // each piece's first row (relative to begin); each worker's pieces
+  start.reserve(static_cast<size_t>(workers * kStealPieces + 1));
+  for (int64_t w = 0; w < workers; ++w) {
+    for (int64_t r = w * per; r < std::min(n, (w + 1) * per); r += piece) start.push_back(r);
+    bounds.push_back(static_cast<int64_t>(start.size()));
+  }
+  start.push_back(n);  // the end of the last piece; a worker's last piece ends where the next one's rows start
   StealRanges ranges(bounds.data(), workers);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       bool own = false;
       for (int64_t u = ranges.next(w, &own); u >= 0; u = ranges.next(w, &own))
-        f(begin + u * piece, std::min(end, begin + (u + 1) * piece));
+        f(begin + start[u], begin + start[u + 1]);
     }
   });
 }
