@@ -132,33 +132,23 @@ void tile(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t pa
 
 void run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t nb, const float* bias, uint16_t* out) {
   const int64_t pairs = k / 2, n = nb * kLanes, block = pairs * 2 * kLanes;
-  // Each worker's run of blocks (ceil(nb / workers) of them, in order), cut into tiles; idle
-  // workers steal whole tiles from the back of the others' runs (lockgate::StealRanges).
-  // (inside another parallel region the call runs on this thread alone: one worker, in order)
+  // Each worker's run of blocks (as at::parallel_for would split them), cut into tiles; idle
+  // workers steal whole tiles from the back of the others' runs (lockgate::StealRanges). Inside
+  // another parallel region the call runs on this thread alone: one worker, in order.
   const int64_t workers =
       at::in_parallel_region() ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nb));
-  const int64_t per = (nb + workers - 1) / workers;
-  std::vector<int64_t> first, bounds{0};  // a tile's first block; each worker's tiles
-  first.reserve(static_cast<size_t>(nb / kTileBlocks + 2 * workers));
-  for (int64_t wk = 0; wk < workers; ++wk) {
-    for (int64_t b = wk * per; b < std::min(nb, (wk + 1) * per); b += kTileBlocks) first.push_back(b);
-    bounds.push_back(static_cast<int64_t>(first.size()));
-  }
-  // where a tile ends: the next tile's first block, or the end of its worker's run
-  std::vector<int64_t> last(first.size());
-  for (int64_t wk = 0; wk < workers; ++wk)
-    for (int64_t u = bounds[wk]; u < bounds[wk + 1]; ++u)
-      last[u] = u + 1 < bounds[wk + 1] ? first[u + 1] : std::min(nb, (wk + 1) * per);
-  lockgate::StealRanges ranges(bounds.data(), workers);
+  const lockgate::StealSplit tiles(nb, workers, kTileBlocks);  // tile u: blocks start[u] .. start[u + 1] - 1
+  const std::vector<int64_t>& first = tiles.start;
+  lockgate::StealRanges ranges(tiles.bounds.data(), workers);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t wk = w0; wk < w1; ++wk) {
       bool own = false;
       for (int64_t u = ranges.next(wk, &own); u >= 0; u = ranges.next(wk, &own)) {
-        const int64_t b = first[u], nv = last[u] - b;
+        const int64_t b = first[u], nv = first[u + 1] - b;
         // the worker's next own tile's weights, prefetched while this one is multiplied
         const int64_t nx = own ? ranges.peek(wk) : -1;
         const char* start = nx < 0 ? nullptr : reinterpret_cast<const char*>(w + first[nx] * block);
-        const int64_t bytes = nx < 0 ? 0 : (last[nx] - first[nx]) * block * static_cast<int64_t>(sizeof(uint16_t));
+        const int64_t bytes = nx < 0 ? 0 : (first[nx + 1] - first[nx]) * block * static_cast<int64_t>(sizeof(uint16_t));
         Prefetch pf{start, start + bytes};
         const uint16_t* wt = w + b * block;
         const float* bt = bias == nullptr ? nullptr : bias + b * kLanes;

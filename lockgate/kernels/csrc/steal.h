@@ -74,6 +74,23 @@ class StealRanges {
   std::unique_ptr<Range[]> r_;
 };
 
+// Units of [0, n) for StealRanges: each worker's run of rows as at::parallel_for splits n among
+// `workers` (ceil(n / workers) each, in order), cut into pieces of up to `piece` rows. Unit u covers
+// rows start[u] .. start[u + 1] - 1 (a worker's last unit ends where the next worker's run begins);
+// worker w's own units are bounds[w] .. bounds[w + 1] - 1.
+struct StealSplit {
+  std::vector<int64_t> start, bounds;
+  StealSplit(int64_t n, int64_t workers, int64_t piece) : bounds{0} {
+    const int64_t per = (n + workers - 1) / workers;
+    start.reserve(static_cast<size_t>(workers * ((per + piece - 1) / piece) + 1));
+    for (int64_t w = 0; w < workers; ++w) {
+      for (int64_t r = w * per; r < std::min(n, (w + 1) * per); r += piece) start.push_back(r);
+      bounds.push_back(static_cast<int64_t>(start.size()));
+    }
+    start.push_back(n);
+  }
+};
+
 // at::parallel_for(begin, end, grain, f) with stealing: the same workers (at most one per `grain`
 // rows), each starting on exactly the rows at::parallel_for would give it, cut into up to
 // kStealPieces pieces so that an idle worker can take the unstarted pieces of a descheduled one.
@@ -90,21 +107,14 @@ void steal_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     f(begin, end);
     return;
   }
-  const int64_t per = (n + workers - 1) / workers;  // rows per worker, as at::parallel_for splits them
-  const int64_t piece = std::max<int64_t>(1, (per + kStealPieces - 1) / kStealPieces);
-  std::vector<int64_t> start, bounds{0};  // each piece's first row (relative to begin); each worker's pieces
-  start.reserve(static_cast<size_t>(workers * kStealPieces + 1));
-  for (int64_t w = 0; w < workers; ++w) {
-    for (int64_t r = w * per; r < std::min(n, (w + 1) * per); r += piece) start.push_back(r);
-    bounds.push_back(static_cast<int64_t>(start.size()));
-  }
-  start.push_back(n);  // the end of the last piece; a worker's last piece ends where the next one's rows start
-  StealRanges ranges(bounds.data(), workers);
+  const int64_t per = (n + workers - 1) / workers;
+  const StealSplit split(n, workers, std::max<int64_t>(1, (per + kStealPieces - 1) / kStealPieces));
+  StealRanges ranges(split.bounds.data(), workers);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       bool own = false;
       for (int64_t u = ranges.next(w, &own); u >= 0; u = ranges.next(w, &own))
-        f(begin + start[u], begin + start[u + 1]);
+        f(begin + split.start[u], begin + split.start[u + 1]);
     }
   });
 }
