@@ -74,6 +74,7 @@ Usage: .venv/bin/python benchmarks/compare_peers.py --install-only            # 
            [--lockgate-args="--max-total-tokens 65536"] [--vllm-args="--enforce-eager"]
            [--vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1] [--out-dir DIR]
        smoke run:  .venv/bin/python benchmarks/compare_peers.py --quick --workloads uniform,shared-prefix
+       paired:     .venv/bin/python benchmarks/compare_peers.py --servers lockgate,vllm-allcores --interleave
 Flags passed on to a server go in one string, with '=' (``--vllm-args="--a 1 --b"``), split as a shell would.
 """
 
@@ -398,27 +399,70 @@ def run_bench(a: argparse.Namespace, srv: Server, wl: str, workdir: Path) -> dic
     return row
 
 
-# ---- one server, every workload -----------------------------------------------------------------
-def run_server(a: argparse.Namespace, srv: Server, workdir: Path, rows: list[dict[str, Any]]) -> None:
+# ---- one server, every workload (or, --interleave, every server per workload) ------------------
+def start_server(a: argparse.Namespace, srv: Server) -> None:
     srv.info.update(command=shlex.join(srv.argv), log=str(srv.log_path))
+    srv.start()
+    srv.info["ready_s"] = round(srv.wait_ready(a.ready_timeout), 1)
+    log(f"{srv.name} ready in {srv.info['ready_s']} s at {srv.url}")
+
+
+def bench_on(a: argparse.Namespace, srv: Server, wl: str, workdir: Path) -> dict[str, Any]:
+    """One workload on a started server; an error row if the server has exited."""
+    if srv.proc is not None and srv.proc.poll() is not None:
+        return {"workload": wl, "server": srv.name,
+                "error": f"server exited with {srv.proc.returncode}:\n{srv.log_tail()}"}
+    return run_bench(a, srv, wl, workdir)
+
+
+SERVER_ERRORS = (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError)
+
+
+def fail_rest(a: argparse.Namespace, srv: Server, e: Exception, rows: list[dict[str, Any]]) -> None:
+    """Record why a server failed and an error row for each workload it did not run."""
+    srv.info["error"] = str(e)
+    log(f"{srv.name} failed: {e}")
+    done = {r["workload"] for r in rows if r["server"] == srv.name}
+    rows.extend({"workload": wl, "server": srv.name, "error": str(e).splitlines()[0]}
+                for wl in a.workloads if wl not in done)
+
+
+def run_server(a: argparse.Namespace, srv: Server, workdir: Path, rows: list[dict[str, Any]]) -> None:
     try:
-        srv.start()
-        srv.info["ready_s"] = round(srv.wait_ready(a.ready_timeout), 1)
-        log(f"{srv.name} ready in {srv.info['ready_s']} s at {srv.url}")
+        start_server(a, srv)
         for wl in a.workloads:
-            if srv.proc is not None and srv.proc.poll() is not None:
-                rows.append({"workload": wl, "server": srv.name,
-                             "error": f"server exited with {srv.proc.returncode}:\n{srv.log_tail()}"})
-                continue
-            rows.append(run_bench(a, srv, wl, workdir))
-    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
-        srv.info["error"] = str(e)
-        log(f"{srv.name} failed: {e}")
-        done = {r["workload"] for r in rows if r["server"] == srv.name}
-        rows.extend({"workload": wl, "server": srv.name, "error": str(e).splitlines()[0]}
-                    for wl in a.workloads if wl not in done)
+            rows.append(bench_on(a, srv, wl, workdir))
+    except SERVER_ERRORS as e:
+        fail_rest(a, srv, e, rows)
     finally:
         srv.stop()
+
+
+def run_interleaved(a: argparse.Namespace, srvs: list[Server], workdir: Path, rows: list[dict[str, Any]]) -> None:
+    """--interleave: every server up first, then each workload on every server in turn, the order
+    reversed on every other workload, so that the host's drift (10-20% within the hour on the
+    project's VM) falls on both sides of a ratio alike. The servers not being measured stay up,
+    idle."""
+    up: list[Server] = []
+    try:
+        for srv in srvs:
+            try:
+                start_server(a, srv)
+                up.append(srv)
+            except SERVER_ERRORS as e:
+                fail_rest(a, srv, e, rows)
+                srv.stop()
+        for i, wl in enumerate(a.workloads):
+            for srv in (up if i % 2 == 0 else up[::-1]):
+                if "error" in srv.info:
+                    continue
+                try:
+                    rows.append(bench_on(a, srv, wl, workdir))
+                except SERVER_ERRORS as e:
+                    fail_rest(a, srv, e, rows)
+    finally:
+        for srv in up:
+            srv.stop()
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -498,6 +542,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {','.join(WORKLOADS)}")
     g.add_argument("--quick", type=positive, nargs="?", const=8, default=1, metavar="N",
                    help="divide every request count (and the prefix groups) by N (default 8): a smoke run")
+    g.add_argument("--interleave", action="store_true",
+                   help="start every server first, then run each workload on every server in turn (order "
+                        "reversed on every other workload): host drift falls on both sides of a ratio")
     g.add_argument("--out-dir", type=Path, default=None, help="server logs and bench JSON (default: new /tmp dir)")
     g.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to be healthy")
     g.add_argument("--bench-timeout", type=float, default=7200.0, help="seconds one lockgate bench run may take")
@@ -602,13 +649,14 @@ def main() -> int:
     servers: dict[str, dict[str, Any]] = {}
     result: dict[str, Any] = {
         "benchmark": "compare_peers", "command": command(), "machine": machine(), "model": a.model,
-        "dtype": {"lockgate": a.dtype or "auto", "vllm": vllm_dtype(a)}, "seed": a.seed, "quick": a.quick, "out_dir": str(workdir),
+        "dtype": {"lockgate": a.dtype or "auto", "vllm": vllm_dtype(a)}, "seed": a.seed, "quick": a.quick, "interleave": a.interleave, "out_dir": str(workdir),
         "workloads": {wl: dict(zip(("concurrency", "bench_flags"), workload_flags(wl, a), strict=True))
                       for wl in a.workloads},
         "servers": servers, "rows": []}
     rows: list[dict[str, Any]] = result["rows"]
     interrupted = False
     try:
+        made: list[Server] = []
         for name in a.servers:
             if name.startswith("lockgate"):
                 from importlib.metadata import version
@@ -621,7 +669,12 @@ def main() -> int:
                 srv = make_vllm(a, workdir, str(prepare_model_dir(a.model)), name)
                 srv.info["version"] = peer_version(a.peer_venv)
             servers[name] = srv.info
-            run_server(a, srv, workdir, rows)
+            if a.interleave:
+                made.append(srv)
+            else:
+                run_server(a, srv, workdir, rows)
+        if a.interleave:
+            run_interleaved(a, made, workdir, rows)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: servers stopped; printing what was measured")
