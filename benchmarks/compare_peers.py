@@ -427,22 +427,13 @@ def fail_rest(a: argparse.Namespace, srv: Server, e: Exception, rows: list[dict[
                 for wl in a.workloads if wl not in done)
 
 
-def run_server(a: argparse.Namespace, srv: Server, workdir: Path, rows: list[dict[str, Any]]) -> None:
-    try:
-        start_server(a, srv)
-        for wl in a.workloads:
-            rows.append(bench_on(a, srv, wl, workdir))
-    except SERVER_ERRORS as e:
-        fail_rest(a, srv, e, rows)
-    finally:
-        srv.stop()
-
-
-def run_interleaved(a: argparse.Namespace, srvs: list[Server], workdir: Path, rows: list[dict[str, Any]]) -> None:
-    """--interleave: every server up first, then each workload on every server in turn, the order
-    reversed on every other workload, so that the host's drift (10-20% within the hour on the
-    project's VM) falls on both sides of a ratio alike. The servers not being measured stay up,
-    idle."""
+def run_servers(a: argparse.Namespace, srvs: list[Server], workdir: Path, rows: list[dict[str, Any]]) -> None:
+    """Start the servers, run every workload on each in turn, stop them. Called with one server at
+    a time by default; with all of them under --interleave, so that each workload runs on every
+    server back to back, the order reversed on every other workload, and the host's drift (10-20%
+    within the hour on the project's VM) falls on both sides of a ratio alike (the servers not
+    being measured stay up, idle). A server that fails gets an error row for each workload it did
+    not run; the others go on."""
     up: list[Server] = []
     try:
         for srv in srvs:
@@ -669,12 +660,9 @@ def main() -> int:
                 srv = make_vllm(a, workdir, str(prepare_model_dir(a.model)), name)
                 srv.info["version"] = peer_version(a.peer_venv)
             servers[name] = srv.info
-            if a.interleave:
-                made.append(srv)
-            else:
-                run_server(a, srv, workdir, rows)
-        if a.interleave:
-            run_interleaved(a, made, workdir, rows)
+            made.append(srv)
+        for group in ([made] if a.interleave else [[srv] for srv in made]):
+            run_servers(a, group, workdir, rows)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: servers stopped; printing what was measured")
