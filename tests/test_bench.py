@@ -322,6 +322,9 @@ def test_bad_flags_exit_2_before_contacting_the_server(capsys) -> None:
                  "--num-requests", "5"]) == 2
     err = capsys.readouterr().err
     assert "--request-rate" in err and "--out" in err and "= 6 requests" in err
+    assert main([*base, "--timeout", "-1"]) == 2 and main([*base, "--warmup-requests", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--timeout must be positive" in err and "got -1" in err and "--warmup-requests must be >= 0, got -1" in err
     assert main([*base, "--num-requests", "1"]) == 1  # nothing listens there
     assert "cannot reach" in capsys.readouterr().err
 

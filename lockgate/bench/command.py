@@ -137,8 +137,10 @@ def _check_flags(ns: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness must be positive, got {ns.burstiness}")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {ns.max_concurrency}")
-    if ns.warmup_requests < 0 or ns.timeout <= 0:
-        raise ValueError("--warmup-requests must be >= 0 and --timeout positive")
+    if ns.warmup_requests < 0:
+        raise ValueError(f"--warmup-requests must be >= 0, got {ns.warmup_requests}")
+    if ns.timeout <= 0:
+        raise ValueError(f"--timeout must be positive (seconds to wait for the next bytes), got {ns.timeout}")
     if ns.plot:
         from lockgate.bench.report import MATPLOTLIB_MISSING, have_matplotlib
 
