@@ -179,6 +179,21 @@ def test_silu_edges_match_torch(ops) -> None:
     assert ((got - want).abs() / want.abs().clamp_min(1e-300)).max() < 1e-6
 
 
+def test_bf16_rounding_keeps_denormals_and_nans(ops) -> None:
+    # Where the CPU has AVX512-BF16 the kernels round 16 floats to bf16 in one instruction, which
+    # would flush denormals to zero; vectors holding a denormal or a NaN must round as torch does.
+    # silu(32) is 32 in float32, so each lane is 32 * up rounded once: here 2^-128 (a denormal),
+    # 1.5 * 32 in a vector of denormals, a NaN in one vector and plain values in another.
+    g = torch.full((3, 48), 32.0)
+    u = torch.full((3, 48), 2.0 ** -133)  # the least bf16 denormal
+    u[0, 3], u[1, 20], u[2] = 1.5, float("nan"), torch.linspace(-3, 3, 48)
+    gu = torch.cat([g, u], dim=1).to(torch.bfloat16)
+    got, want = ops.silu_mul(gu), F.silu(g.bfloat16()) * u.bfloat16()
+    assert want[0, 0].item() == 2.0 ** -128 and want[0, 3].item() == 48.0  # what the lanes must hold
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_decode_layers_rejects_mismatched_weights(ops) -> None:
     # The one-call decode path takes a flat list of tensors; a wrong one must raise, not read past
     # the end of a buffer (torch's int4 kernel does not check its scales' first dimension).
@@ -207,6 +222,15 @@ def test_decode_layers_rejects_mismatched_weights(ops) -> None:
         ops.decode_layers_(torch.randn(1, hidden), *args, good[:-1], [0, 0, 0, 0], h, hkv, 1e-5, 0.25)
     with pytest.raises(RuntimeError, match="positive"):
         ops.decode_layers_(torch.randn(1, hidden), *args, good, [0, 0, 0, 0], h, 0, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="parts must be 1 or 2, got 3"):
+        ops.decode_layers_(torch.randn(1, hidden), *args, good, [0, 0, 0, 0], h, hkv, 1e-5, 0.25, 3)
+    with pytest.raises(RuntimeError, match="parts = 2 takes decode steps only"):  # halves of a prompt step: no
+        ops.decode_layers_(torch.randn(1, hidden), *args[:-1], torch.tensor([0, 1]), good, [0, 0, 0, 0], h, hkv,
+                           1e-5, 0.25, 2)
+    with pytest.raises(RuntimeError, match="one row"):  # 2 rows, 1 sequence, no q_offsets
+        ops.decode_layers_(torch.randn(2, hidden), torch.zeros(2, d), torch.zeros(2, d), kc, vc,
+                           torch.tensor([3, 4]), torch.tensor([3, 4]), torch.tensor([0, 2]), None, good, [0, 0, 0, 0],
+                           h, hkv, 1e-5, 0.25)
     with pytest.raises(RuntimeError, match="positive multiple of kv heads"):
         ops.decode_attention(torch.randn(1, 4, 16), torch.zeros(8, 0, 16), torch.zeros(8, 0, 16),
                              torch.tensor([0]), torch.tensor([0, 1]), 1.0)

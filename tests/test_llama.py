@@ -379,3 +379,49 @@ def test_matmul_parameters_counts_every_projection_and_the_head(tmp_path) -> Non
     _, ours = build(tmp_path, "llama_bias_mha", tie=True)
     lins = [lin for layer in ours.layers for lin in layer.projections().values()] + [ours.head]
     assert ours.args.matmul_parameters == sum(lin.weight.numel() for lin in lins)
+
+
+@pytest.mark.parametrize("form", ["bf16-gemm", "int-gemm"])
+def test_decode_steps_split_in_two_halves_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, form) -> None:
+    # On two threads a large enough decode step on lockgate's bf16 kernel runs as two halves of the
+    # batch, one thread carrying each half through every layer (decode_layers_ parts = 2). A row's
+    # arithmetic must not change: bitwise what the per-op path gives. The floor is lowered so that
+    # steps of 4-5 sequences split (odd and even halves); the integer GEMM (row-invariant too, not
+    # split by default: not measured to gain) is let in so the operator's split is covered on CPUs
+    # without AVX512-BF16.
+    from lockgate.layers.forms import bf16_gemm_available, int_gemm_available
+
+    build(tmp_path, "llama_bias_mha", tie=False)
+    assert cpu_kernels.load(), cpu_kernels.error()
+    if form == "bf16-gemm" and not bf16_gemm_available():
+        pytest.skip("lockgate::bf16_linear is built only for CPUs with AVX512-BF16")
+    if form == "int-gemm" and not int_gemm_available():
+        pytest.skip("int_linear has no vector path on this CPU")
+    dtype = torch.bfloat16 if form == "bf16-gemm" else torch.float32
+    model = DecoderModel.from_pretrained(tmp_path, dtype, quantization="none" if form == "bf16-gemm" else "int4",
+                                         cpu_kernels=True)
+    model.choose_forms({role: FormChoice.parse(form) for role in ("qkv", "o", "gate_up", "down")})
+    monkeypatch.setattr(KernelOps, "SPLIT_MIN_ROWS", 4)
+    monkeypatch.setattr(KernelOps, "SPLIT_KINDS", frozenset({202, 104, 108}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    parts_seen: list[int] = []
+    real = torch.ops.lockgate.decode_layers_
+    monkeypatch.setattr(torch.ops.lockgate, "decode_layers_",
+                        lambda *a: parts_seen.append(a[15] if len(a) > 15 else 1) or real(*a), raising=False)
+    whole_step = KernelOps.whole_step
+    try:
+        seqs = 5
+        steps = [{s: PROMPT[s:s + 5] for s in range(seqs)}]
+        steps += [{s: PROMPT[s + i:s + i + 1] for s in range(seqs)} for i in range(5, 9)]
+        steps += [{s: PROMPT[s + 9:s + 10] for s in range(4)}, {0: PROMPT[10:11], 1: PROMPT[11:12]}]
+        outs = []
+        for one_call in (False, True):
+            monkeypatch.setattr(KernelOps, "whole_step", whole_step if one_call else (lambda *a, **k: None))
+            drv = pool_driver(model, seed=6, kernels=True)
+            outs.append([drv.step(step)[0] for step in steps])
+    finally:
+        torch.set_num_threads(threads)
+    assert parts_seen == [2, 2, 2, 2, 2, 1]  # 5 and 4 sequences split; 2 (below the floor) not
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

@@ -17,7 +17,10 @@ one kernel call and whose projections' forms ``lockgate::decode_layers_`` can ru
 with or without guess rows, and steps with prompt rows alike). The kernel backend packs the
 layers' tensors for that operator once per step size (once for all prompt steps, when every
 projection serves prompt rows on one form); ``forget()`` drops the packs when the projections'
-forms or choices change.
+forms or choices change. On two threads a decode step of ``SPLIT_MIN_ROWS`` rows or more whose
+projections all run on lockgate's bf16 kernel goes through that operator as two halves of the batch,
+one per thread (``parts=2``, decode_layers.cpp says why and what it saves): that kernel gives a row
+the same bits whatever the call's row count, so the halves change no result.
 
 Invariant: both backends round where the other does (each fused kernel rounds at the points the
 torch ops round), so a model gives the same results on either, up to the kernels' documented
@@ -122,6 +125,8 @@ class KernelOps:
         self._prompt_min_rows = 0  # the most rows any prompt form pads to (PROMPT_KEY's pack is for steps >= it)
 
     PROMPT_KEY = "prompt"
+    SPLIT_MIN_ROWS = 32  # decode steps from this many rows run as two halves (measured: 32-340 rows gain)
+    SPLIT_KINDS = frozenset({202})  # decode_layers_ kinds measured to gain from it (lockgate's bf16 kernel)
     MAX_PACKS = 256  # packs kept in all (least recently used dropped first; steps by count: one per size)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -165,10 +170,12 @@ class KernelOps:
             return None
         weights, kinds = packed
         d = cos.shape[-1]
+        parts = 2 if one_each and t >= self.SPLIT_MIN_ROWS and torch.get_num_threads() == 2 and \
+            self.SPLIT_KINDS.issuperset(kinds) else 1
         return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
                                                  g.kernel_slots, g.kernel_offsets,
                                                  None if one_each else g.kernel_q_offsets, weights, kinds, heads,
-                                                 kv_heads, eps, scale)
+                                                 kv_heads, eps, scale, parts)
 
     def _pack_for(self, layers: list[LayerWeights], rows: int,
                   prompt_rows: bool) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:

@@ -84,6 +84,9 @@ namespace {
 
 using lockgate::exp_nonpositive;
 using lockgate::widen;
+#if defined(__AVX512F__)
+using lockgate::exp16_nonpositive;
+#endif
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, c10::BFloat16* out) { *out = lockgate::to_bf16(x); }  // round to nearest even
 
@@ -368,26 +371,6 @@ void attend_generic(const float* qf, const TKV* kc, const TKV* vc, const int64_t
 // AVX-512: a whole item at once.
 // ------------------------------------------------------------------------------------------------
 #if defined(__AVX512F__)
-
-// exp(x) for x <= 0 on 16 lanes (exp_nonpositive's method: 2^n e^r, degree-7 Taylor); 0 below -87.
-inline __m512 exp16_nonpositive(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  const __m512 nf = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693145751953125f), xc);
-  r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(nf), _mm512_set1_epi32(127)), 23);
-  const __m512 v = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), v);
-}
 
 // 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i.
 inline void transpose16(__m512 r[16]) {

@@ -3,7 +3,7 @@
 // lockgate::decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache,
 //                          Tensor out_slots, Tensor slots, Tensor offsets, Tensor? q_offsets,
 //                          Tensor[] weights, int[] kinds, int heads, int kv_heads, float eps,
-//                          float scale) -> Tensor
+//                          float scale, int parts=1) -> Tensor
 //
 //   x          [T, hidden] the step's embeddings (run dtype: float32 or bf16); used as the residual
 //              stream, returned after the last layer (every MLP output added)
@@ -23,6 +23,9 @@
 //              the bias fused, as lockgate.layers.forms.DenseWeight), 201 = the dense weight (a) by
 //              at::linear (F.linear), 202 = the bf16 weight packed for lockgate::bf16_linear (a, as
 //              lockgate.layers.forms.Bf16GemmWeight)
+//   parts      1: the layers run over all rows, each operator split over the threads; 2 (decode
+//              steps only: no q_offsets): the sequences split in two halves, each half's whole
+//              layer stack run by one thread (see "Two halves" below)
 //
 // It does exactly what lockgate.models.decoder.DecoderModel._layers does on KernelOps for such a step
 // (the same functions, in the same order, rounding in the same places), without returning to Python
@@ -32,8 +35,22 @@
 // projection's form for the step (its prompt form where the step has prompt rows) has a kind here
 // (all but the float32 copy of a 16-bit run) and needs no padding, and the step's attention is one
 // kernel call (one group read by slot, no cascade over shared prefixes).
+//
+// Two halves (parts = 2): with every operator split over both threads, a layer is ~12 parallel
+// regions, each ending at a barrier, and each thread does every phase at the same time as the other
+// (both read K/V in attention together, then both multiply). With the batch split in two and each
+// thread carrying its half through all the layers, there is one barrier per step, and the halves
+// drift apart so that one thread's memory-bound attention runs beside the other's compute-bound
+// matmuls. Each half reads the layer's weights, the second mostly from the shared L3. On the Zen 5
+// class CPU decode steps of 128-340 rows took 5-7% less time (docs/performance.md, round 21). A
+// row's arithmetic is the same either way only where every projection's kernel gives a row the same
+// bits whatever the call's row count and thread: the caller asks for two parts only then
+// (lockgate.layers.ops.KernelOps.whole_step); the attention and fused kernels already work per row
+// or per sequence.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
@@ -96,6 +113,38 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
   return lockgate::quant_linear(x, p[0], p[1], opt(p[2]), opt(p[3]), kind);
 }
 
+// The layers over rows [r0, r1) of the step, which are sequences [s0, s1).
+void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& slots, const at::Tensor& offsets,
+                const std::optional<at::Tensor>& q_offsets, at::TensorList weights, at::IntArrayRef kinds,
+                int64_t heads, int64_t kv_heads, double eps, double scale, int64_t s0, int64_t s1, int64_t r0,
+                int64_t r1) {
+  using lockgate::add_rms_norm_, lockgate::decode_attention, lockgate::prefill_attention, lockgate::rope_write_kv,
+      lockgate::silu_mul;
+  const int64_t layers = k_cache.size(0), t = r1 - r0, d = k_cache.size(3);
+  at::Tensor xp = x.narrow(0, r0, t);
+  const at::Tensor cp = cos.narrow(0, r0, t), sp = sin.narrow(0, r0, t), osp = out_slots.narrow(0, r0, t);
+  const at::Tensor offp = offsets.narrow(0, s0, s1 - s0 + 1);  // the kernels read slots[off[s] .. off[s + 1])
+  const std::optional<at::Tensor>& qop = q_offsets;  // (parts = 2 only without them: one part holds all rows)
+  std::optional<at::Tensor> pending;  // the previous layer's MLP output, not yet added to x
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
+    const int64_t* kind = kinds.data() + l * 4;
+    at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
+    at::Tensor y = add_rms_norm_(xp, pending, w[0], eps);
+    at::Tensor q = rope_write_kv(project(y, w + 2, kind[0]), cp, sp, heads, kv_heads, kc, vc, osp);
+    at::Tensor o = std::get<0>(qop ? prefill_attention(q, kc, vc, slots, offp, *qop, scale)
+                                   : decode_attention(q, kc, vc, slots, offp, scale));
+    y = add_rms_norm_(xp, project(o.view({t, heads * d}), w + 6, kind[1]), w[1], eps);
+    pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
+  }
+  if (pending) {
+    TORCH_CHECK(pending->sizes() == xp.sizes(), "decode_layers_: the last projection's output ", pending->sizes(),
+                " does not match x ", xp.sizes());
+    xp.add_(*pending);
+  }
+}
+
 }  // namespace
 
 namespace lockgate {
@@ -104,8 +153,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                           at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& slots,
                           const at::Tensor& offsets, const std::optional<at::Tensor>& q_offsets,
                           at::TensorList weights, at::IntArrayRef kinds, int64_t heads,
-                          int64_t kv_heads, double eps, double scale) {
-  const int64_t layers = k_cache.size(0), t = x.size(0), d = k_cache.size(3);
+                          int64_t kv_heads, double eps, double scale, int64_t parts) {
+  const int64_t layers = k_cache.size(0), t = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be [L, C, Hkv, D]");
@@ -118,23 +167,39 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                     kind == kDenseKind || kind == kBf16GemmKind,
                 "kinds must be 0, 4, 8, 104, 108, 200, 201 or 202");
   }
-  std::optional<at::Tensor> pending;  // the previous layer's MLP output, not yet added to x
-  for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
-    const int64_t* kind = kinds.data() + l * 4;
-    at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
-    at::Tensor y = add_rms_norm_(x, pending, w[0], eps);
-    at::Tensor q = rope_write_kv(project(y, w + 2, kind[0]), cos, sin, heads, kv_heads, kc, vc, out_slots);
-    at::Tensor o = std::get<0>(q_offsets ? prefill_attention(q, kc, vc, slots, offsets, *q_offsets, scale)
-                                         : decode_attention(q, kc, vc, slots, offsets, scale));
-    y = add_rms_norm_(x, project(o.view({t, heads * d}), w + 6, kind[1]), w[1], eps);
-    pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
+  TORCH_CHECK(parts == 1 || parts == 2, "decode_layers_: parts must be 1 or 2, got ", parts);
+  TORCH_CHECK(parts == 1 || !q_offsets, "decode_layers_: parts = 2 takes decode steps only (one row per sequence, no "
+              "q_offsets)");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 1 && offsets.scalar_type() == at::kLong &&
+                  offsets.is_contiguous(),
+              "offsets must be contiguous int64 [B + 1]");
+  const int64_t seqs = offsets.size(0) - 1;
+  TORCH_CHECK(q_offsets || seqs == t, "decode_layers_: without q_offsets each sequence has one row (", seqs,
+              " sequences, ", t, " rows)");
+  if (q_offsets) {
+    TORCH_CHECK(q_offsets->dim() == 1 && q_offsets->size(0) == seqs + 1 && q_offsets->scalar_type() == at::kLong &&
+                    q_offsets->is_contiguous(),
+                "q_offsets must be contiguous int64 [B + 1]");
   }
-  if (pending) {
-    TORCH_CHECK(pending->sizes() == x.sizes(), "decode_layers_: the last projection's output ", pending->sizes(),
-                " does not match x ", x.sizes());
-    x.add_(*pending);
+  if (parts == 1 || seqs < 2 || at::get_num_threads() < 2 || at::in_parallel_region()) {
+    run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads, kv_heads,
+               eps, scale, 0, seqs, 0, t);
+    return x;
   }
+  const int64_t mid = seqs / 2;  // sequences (and rows) [0, mid) and [mid, seqs)
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the workers take the caller's
+  at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);
+    for (int64_t part = begin; part < end; ++part) {
+      if (part == 0) {
+        run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads,
+                   kv_heads, eps, scale, 0, mid, 0, mid);
+      } else {
+        run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads,
+                   kv_heads, eps, scale, mid, seqs, mid, t);
+      }
+    }
+  });
   return x;
 }
 
@@ -143,7 +208,7 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor out_slots, Tensor slots, Tensor offsets, Tensor? q_offsets, Tensor[] weights, int[] kinds, "
-        "int heads, int kv_heads, float eps, float scale) -> Tensor(a!)");
+        "int heads, int kv_heads, float eps, float scale, int parts=1) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_layers_", &lockgate::decode_layers_); }

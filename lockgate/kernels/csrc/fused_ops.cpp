@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -44,6 +45,27 @@ inline int64_t grain_rows(int64_t row_elements) {
 using lockgate::narrow;
 using lockgate::round_to;
 using lockgate::widen;
+
+#if defined(__AVX512F__)
+// 16 lanes of T widened to float, and back (to_bf16's rounding for bf16)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), lockgate::to_bf16x16(v));
+}
+// round_to<T> on 16 lanes
+template <typename T> inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lockgate::to_bf16x16(v)), 16));
+  }
+}
+#endif
 
 template <typename T>
 void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
@@ -105,8 +127,14 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       const T* g = in + i * 2 * f;
       const T* u = g + f;
       T* oi = o + i * f;
-#pragma omp simd
-      for (int64_t j = 0; j < f; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j + 16 <= f; j += 16) {
+        const __m512 s = lockgate::silu16(load16(g + j));
+        store16(oi + j, _mm512_mul_ps(round16<T>(s), load16(u + j)));
+      }
+#endif
+      for (; j < f; ++j) {
         oi[j] = narrow<T>(round_to<T>(lockgate::silu(widen(g[j]))) * widen(u[j]));
       }
     }
