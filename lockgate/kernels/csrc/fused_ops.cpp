@@ -78,6 +78,28 @@ void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x,
   lockgate::steal_for(0, t, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       T* ri = r + i * n;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (n % 16 == 0) {  // the same roundings on 16 lanes; the squares summed per lane, then across
+          const T* xi = xp ? xp + i * n : nullptr;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t j = 0; j < n; j += 16) {
+            __m512 v = load16(ri + j);
+            if (xi) {
+              v = round16<T>(_mm512_add_ps(v, load16(xi + j)));
+              store16(ri + j, v);
+            }
+            acc = _mm512_fmadd_ps(v, v, acc);
+          }
+          const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + static_cast<float>(eps));
+          const __m512 iv = _mm512_set1_ps(inv);
+          T* oi = o + i * n;
+          for (int64_t j = 0; j < n; j += 16)
+            store16(oi + j, _mm512_mul_ps(load16(w + j), round16<T>(_mm512_mul_ps(load16(ri + j), iv))));
+          continue;
+        }
+      }
+#endif
       if (xp) {
         const T* xi = xp + i * n;
         for (int64_t j = 0; j < n; ++j) ri[j] = narrow<T>(widen(ri[j]) + widen(xi[j]));
@@ -185,8 +207,28 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
       const T* row = in + i * width;
       const T* ci = c + i * d;
       const T* si = s + i * d;
-      for (int64_t hh = 0; hh < h; ++hh) rope_row(row + hh * d, ci, si, d, q + (i * h + hh) * d);
       T* kdst = kc + sl[i] * hkv * d;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (d % 32 == 0 && d <= 256) {  // rope_row on 16 lanes (bf16 products are exact: no FMA question)
+          const int64_t half = d / 2;
+          __m512 cv[8], sv[8];
+          for (int64_t j = 0; j < d / 16; ++j) cv[j] = load16(ci + 16 * j), sv[j] = load16(si + 16 * j);
+          for (int64_t hh = 0; hh < h + hkv; ++hh) {
+            const T* x = row + hh * d;
+            T* dst = hh < h ? q + (i * h + hh) * d : kdst + (hh - h) * d;
+            for (int64_t j = 0; j < d / 16; ++j) {
+              const int64_t other = 16 * j < half ? 16 * j + half : 16 * j - half;
+              const __m512 rot = _mm512_mul_ps(load16(x + other), sv[j]);
+              store16(dst + 16 * j, _mm512_add_ps(round16<T>(_mm512_mul_ps(load16(x + 16 * j), cv[j])), rot));
+            }
+          }
+          std::copy(row + (h + hkv) * d, row + (h + 2 * hkv) * d, vc + sl[i] * hkv * d);
+          continue;
+        }
+      }
+#endif
+      for (int64_t hh = 0; hh < h; ++hh) rope_row(row + hh * d, ci, si, d, q + (i * h + hh) * d);
       for (int64_t hh = 0; hh < hkv; ++hh) rope_row(row + (h + hh) * d, ci, si, d, kdst + hh * d);
       std::copy(row + (h + hkv) * d, row + (h + 2 * hkv) * d, vc + sl[i] * hkv * d);
     }
