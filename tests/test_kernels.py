@@ -69,8 +69,9 @@ def test_silu_mul_equals_silu_times_up(ops, dtype: torch.dtype, t: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", ROWS)
-def test_rope_write_kv_equals_rope_and_index_copy(ops, dtype: torch.dtype, t: int) -> None:
-    h, hkv, d = 9, 3, 64
+@pytest.mark.parametrize("d", [64, 256, 48])  # SmolLM2; Gemma (the vector path's widest); no vector path
+def test_rope_write_kv_equals_rope_and_index_copy(ops, dtype: torch.dtype, t: int, d: int) -> None:
+    h, hkv = 9, 3
     g = torch.Generator().manual_seed(t)
     qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
     cos, sin = RotaryEmbedding(d, 10000.0, None, torch.device("cpu")).cos_sin(torch.randint(0, 2000, (t,), generator=g),
@@ -192,6 +193,70 @@ def test_bf16_rounding_keeps_denormals_and_nans(ops) -> None:
     assert want[0, 0].item() == 2.0 ** -128 and want[0, 3].item() == 48.0  # what the lanes must hold
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("form", ["bf16-gemm", "int-gemm"])
+def test_decode_layers_halves_give_the_same_bits(ops, form: str) -> None:
+    # decode_layers_ with parts = 2 (each thread carries half the sequences through every layer)
+    # against parts = 1, at the model's shapes (head size 64: the vector attention and rope paths),
+    # with contexts of 1-300 keys (up to three 128-key chunks, merged) and sequences sharing their
+    # first 256 slots (a shared prefix: attention groups such sequences, and the halves cut
+    # through a group). Bitwise equal, over an odd number of sequences.
+    from lockgate.layers.forms import Bf16GemmWeight, IntGemmWeight, bf16_gemm_available, int_gemm_available
+
+    if form == "bf16-gemm" and not bf16_gemm_available():
+        pytest.skip("lockgate::bf16_linear is built only for CPUs with AVX512-BF16")
+    if form == "int-gemm" and not int_gemm_available():
+        pytest.skip("int_linear has no vector path on this CPU")
+    dtype = torch.bfloat16 if form == "bf16-gemm" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    layers, hidden, h, hkv, d, f, b, cap = 2, 576, 9, 3, 64, 1536, 37, 16384
+
+    def weight(n: int, k: int) -> list[torch.Tensor]:
+        w = 0.05 * torch.randn(n, k, generator=g)
+        kind, args = (Bf16GemmWeight(w.to(torch.bfloat16)) if form == "bf16-gemm"
+                      else IntGemmWeight.from_weight(w, 8)).decode_layers_args()
+        kinds.append(kind)
+        return [*args, torch.empty(0)]
+
+    weights: list[torch.Tensor] = []
+    kinds: list[int] = []
+    for _ in range(layers):
+        weights += [(1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype) for _ in range(2)]
+        for n, k in (((h + 2 * hkv) * d, hidden), (hidden, h * d), (2 * f, hidden), (hidden, f)):
+            weights += weight(n, k)
+    lens = torch.randint(1, 300, (b,), generator=g)
+    lens[10:20] = 256 + torch.arange(1, 11)  # ten sequences on one 256-slot prefix, then their own
+    prefix = torch.arange(256)
+    own = torch.randperm(cap - 256 - b, generator=g)[:int(lens.sum())] + 256
+    new_slots = torch.arange(cap - b, cap)
+    ctx, used = [], 0
+    for s, n in enumerate(lens.tolist()):
+        mine = prefix if 10 <= s < 20 else torch.empty(0, dtype=torch.long)
+        rest = own[used:used + n - len(mine) - 1]
+        used += len(rest)
+        ctx.append(torch.cat([mine, rest, new_slots[s:s + 1]]))
+    slots = torch.cat(ctx)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    kc = torch.randn(layers, cap, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(layers, cap, hkv, d, generator=g).to(dtype)
+    x = torch.randn(b, hidden, generator=g).to(dtype)
+    cos, sin = torch.randn(b, d, generator=g).to(dtype), torch.randn(b, d, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = []
+        for parts in (1, 2):
+            k1, v1, x1 = kc.clone(), vc.clone(), x.clone()
+            with torch.inference_mode():
+                ops.decode_layers_(x1, cos, sin, k1, v1, new_slots, slots, offsets, None, weights, kinds, h, hkv,
+                                   1e-5, 0.125, parts)
+            got.append((x1, k1, v1))
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.equal(got[0][0], x)  # the layers ran
+    for a, c in zip(*got, strict=True):
+        assert torch.equal(a, c)
 
 
 def test_decode_layers_rejects_mismatched_weights(ops) -> None:

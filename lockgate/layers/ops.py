@@ -125,7 +125,7 @@ class KernelOps:
         self._prompt_min_rows = 0  # the most rows any prompt form pads to (PROMPT_KEY's pack is for steps >= it)
 
     PROMPT_KEY = "prompt"
-    SPLIT_MIN_ROWS = 32  # decode steps from this many rows run as two halves (measured: 32-340 rows gain)
+    SPLIT_MIN_ROWS = 32  # decode steps from this many rows run as two halves (measured: c = 32 and c = 128 gain)
     SPLIT_KINDS = frozenset({202})  # decode_layers_ kinds measured to gain from it (lockgate's bf16 kernel)
     MAX_PACKS = 256  # packs kept in all (least recently used dropped first; steps by count: one per size)
 

@@ -3,7 +3,7 @@
 // lockgate::decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache,
 //                          Tensor out_slots, Tensor slots, Tensor offsets, Tensor? q_offsets,
 //                          Tensor[] weights, int[] kinds, int heads, int kv_heads, float eps,
-//                          float scale, int parts=1) -> Tensor
+//                          float scale, int parts=1) -> Tensor(a!)
 //
 //   x          [T, hidden] the step's embeddings (run dtype: float32 or bf16); used as the residual
 //              stream, returned after the last layer (every MLP output added)
@@ -25,7 +25,8 @@
 //              lockgate.layers.forms.Bf16GemmWeight)
 //   parts      1: the layers run over all rows, each operator split over the threads; 2 (decode
 //              steps only: no q_offsets): the sequences split in two halves, each half's whole
-//              layer stack run by one thread (see "Two halves" below)
+//              layer stack run by one thread (see "Two halves" below); a call with fewer than 2
+//              sequences, on fewer than 2 threads or inside a parallel region runs as one part
 //
 // It does exactly what lockgate.models.decoder.DecoderModel._layers does on KernelOps for such a step
 // (the same functions, in the same order, rounding in the same places), without returning to Python
@@ -42,7 +43,8 @@
 // thread carrying its half through all the layers, there is one barrier per step, and the halves
 // drift apart so that one thread's memory-bound attention runs beside the other's compute-bound
 // matmuls. Each half reads the layer's weights, the second mostly from the shared L3. On the Zen 5
-// class CPU decode steps of 128-340 rows took 5-7% less time (docs/performance.md, round 21). A
+// class CPU decode steps at c = 32 and c = 128 took 2.5-7% less time (docs/performance.md, round
+// 21). A
 // row's arithmetic is the same either way only where every projection's kernel gives a row the same
 // bits whatever the call's row count and thread: the caller asks for two parts only then
 // (lockgate.layers.ops.KernelOps.whole_step); the attention and fused kernels already work per row
@@ -50,7 +52,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
@@ -174,6 +176,9 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                   offsets.is_contiguous(),
               "offsets must be contiguous int64 [B + 1]");
   const int64_t seqs = offsets.size(0) - 1;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == t && sin.sizes() == cos.sizes(), "cos and sin must be [T, D] for ",
+              t, " rows");
+  TORCH_CHECK(out_slots.dim() == 1 && out_slots.size(0) == t, "out_slots must have one slot per row (", t, ")");
   TORCH_CHECK(q_offsets || seqs == t, "decode_layers_: without q_offsets each sequence has one row (", seqs,
               " sequences, ", t, " rows)");
   if (q_offsets) {
@@ -187,9 +192,9 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
     return x;
   }
   const int64_t mid = seqs / 2;  // sequences (and rows) [0, mid) and [mid, seqs)
-  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the workers take the caller's
+  const at::ThreadLocalState caller;  // inference mode and the rest: the workers take the caller's
   at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
-    c10::InferenceMode guard(inference);
+    const at::ThreadLocalStateGuard guard(caller);
     for (int64_t part = begin; part < end; ++part) {
       if (part == 0) {
         run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads,

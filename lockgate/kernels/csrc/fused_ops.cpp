@@ -36,6 +36,7 @@
 
 namespace {
 
+constexpr int64_t kMaxVectorHeadDim = 256;  // rope_write_kv's vector path keeps cos / sin of a row in registers
 constexpr int64_t kGrainElements = 1 << 15;  // a thread gets at least this many elements of work
 
 inline int64_t grain_rows(int64_t row_elements) {
@@ -80,7 +81,10 @@ void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x,
       T* ri = r + i * n;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (n % 16 == 0) {  // the same roundings on 16 lanes; the squares summed per lane, then across
+        if (n % 16 == 0) {
+          // The same roundings on 16 lanes. The squares are summed per lane, then across the lanes
+          // (_mm512_reduce_add_ps): an order of its own, so the inverse norm can differ from the
+          // loop below (and from builds before it) in the last bit; fixed for every row and call.
           const T* xi = xp ? xp + i * n : nullptr;
           __m512 acc = _mm512_setzero_ps();
           for (int64_t j = 0; j < n; j += 16) {
@@ -210,9 +214,9 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
       T* kdst = kc + sl[i] * hkv * d;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (d % 32 == 0 && d <= 256) {  // rope_row on 16 lanes (bf16 products are exact: no FMA question)
+        if (d % 32 == 0 && d <= kMaxVectorHeadDim) {  // rope_row on 16 lanes (bf16 products are exact: no FMA question)
           const int64_t half = d / 2;
-          __m512 cv[8], sv[8];
+          __m512 cv[kMaxVectorHeadDim / 16], sv[kMaxVectorHeadDim / 16];
           for (int64_t j = 0; j < d / 16; ++j) cv[j] = load16(ci + 16 * j), sv[j] = load16(si + 16 * j);
           for (int64_t hh = 0; hh < h + hkv; ++hh) {
             const T* x = row + hh * d;
