@@ -41,6 +41,7 @@ from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import apply_rope
 
 QKV = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+Pack = tuple[list[torch.Tensor], list[int], bool]  # decode_layers_' weights, kinds, and whether it may split
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -117,11 +118,11 @@ class KernelOps:
     name = "kernels"
 
     def __init__(self) -> None:
-        # decode_layers_' weights and kinds, packed on first use from the forms the layer loop
-        # would call: per (rows, prompt_rows) key, or under PROMPT_KEY for every prompt step when
-        # each projection serves prompt rows on its one prompt form; () when some cannot go
-        # through it
-        self._packs: dict[tuple[int, bool] | str, tuple[list[torch.Tensor], list[int]] | tuple[()]] = {}
+        # decode_layers_' weights and kinds (and whether every kind may run as two halves,
+        # SPLIT_KINDS), packed on first use from the forms the layer loop would call: per (rows,
+        # prompt_rows) key, or under PROMPT_KEY for every prompt step when each projection serves
+        # prompt rows on its one prompt form; () when some cannot go through it
+        self._packs: dict[tuple[int, bool] | str, Pack | tuple[()]] = {}
         self._prompt_min_rows = 0  # the most rows any prompt form pads to (PROMPT_KEY's pack is for steps >= it)
 
     PROMPT_KEY = "prompt"
@@ -168,17 +169,16 @@ class KernelOps:
         packed = self._pack_for(list(layers), t, prompt_rows)
         if not packed:
             return None
-        weights, kinds = packed
+        weights, kinds, splittable = packed
         d = cos.shape[-1]
-        parts = 2 if one_each and t >= self.SPLIT_MIN_ROWS and torch.get_num_threads() == 2 and \
-            self.SPLIT_KINDS.issuperset(kinds) else 1
+        parts = 2 if splittable and one_each and t >= self.SPLIT_MIN_ROWS and torch.get_num_threads() == 2 else 1
         return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
                                                  g.kernel_slots, g.kernel_offsets,
                                                  None if one_each else g.kernel_q_offsets, weights, kinds, heads,
                                                  kv_heads, eps, scale, parts)
 
     def _pack_for(self, layers: list[LayerWeights], rows: int,
-                  prompt_rows: bool) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+                  prompt_rows: bool) -> Pack | tuple[()]:
         if prompt_rows and self.PROMPT_KEY in self._packs:
             return self._packs[self.PROMPT_KEY] if rows >= self._prompt_min_rows else ()
         key = (rows, prompt_rows)
@@ -196,9 +196,8 @@ class KernelOps:
             self._packs[key] = self._packs.pop(key)  # most recently used last
         return self._packs[key]
 
-    @staticmethod
-    def _pack(layers: Iterable[LayerWeights], rows: int,
-              prompt_rows: bool) -> tuple[list[torch.Tensor], list[int]] | tuple[()]:
+    @classmethod
+    def _pack(cls, layers: Iterable[LayerWeights], rows: int, prompt_rows: bool) -> Pack | tuple[()]:
         """The layers' tensors in ``decode_layers_``' order, and each projection's kind, for the
         forms ``Linear`` calls at ``rows`` rows (``prompt_rows``: a step with prompt rows); () when
         some such form has no kind (the float32 copy of a 16-bit run) or the call would be padded."""
@@ -217,4 +216,4 @@ class KernelOps:
                     return ()
                 kinds.append(args[0])
                 weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]
-        return weights, kinds
+        return weights, kinds, cls.SPLIT_KINDS.issuperset(kinds)

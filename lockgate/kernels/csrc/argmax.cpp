@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "steal.h"
+#include "vec_math.h"
 
 #include <cmath>
 #include <cstdint>
@@ -56,11 +57,7 @@ int64_t argmax_scalar(const T* row, int64_t begin, int64_t end, float& best, int
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
+using lockgate::load16;
 #endif
 
 template <typename T>

@@ -86,6 +86,8 @@ using lockgate::exp_nonpositive;
 using lockgate::widen;
 #if defined(__AVX512F__)
 using lockgate::exp16_nonpositive;
+using lockgate::load16;
+using lockgate::store16;
 #endif
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, c10::BFloat16* out) { *out = lockgate::to_bf16(x); }  // round to nearest even
@@ -430,16 +432,6 @@ inline void transpose_keys(const c10::BFloat16* const* rows, float* kt) {
   }
 }
 
-// 16 floats stored as float, or as bf16 rounded as to_bf16 does (vec_math.h).
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), lockgate::to_bf16x16(x));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // Scores of R rows x KB blocks of 16 keys: sc[r][16 b + lane] = sum_d qf[r][d] k[d], in d order.
 template <int NV, int R, int KB>

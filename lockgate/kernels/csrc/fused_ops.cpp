@@ -51,24 +51,9 @@ using lockgate::round_to;
 using lockgate::widen;
 
 #if defined(__AVX512F__)
-// 16 lanes of T widened to float, and back (to_bf16's rounding for bf16)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), lockgate::to_bf16x16(v));
-}
-// round_to<T> on 16 lanes
-template <typename T> inline __m512 round16(__m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lockgate::to_bf16x16(v)), 16));
-  }
-}
+using lockgate::load16;
+using lockgate::round16;
+using lockgate::store16;
 #endif
 
 template <typename T>

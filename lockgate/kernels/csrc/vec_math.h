@@ -1,6 +1,6 @@
 // Small numeric helpers shared by lockgate's CPU kernels: widening/narrowing of bf16 (one value, or
-// 16 lanes on AVX-512) and an exp that the compiler can vectorise (libm's expf is a scalar call in a
-// loop).
+// 16 lanes on AVX-512: load16 / store16 / round16), an exp that the compiler can vectorise (libm's
+// expf is a scalar call in a loop) and its 16-lane form, and silu on one value or 16 lanes.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -82,6 +83,25 @@ inline float silu(float x) {
 }
 
 #if defined(__AVX512F__)
+// 16 values of float or bf16 widened to float lanes, and 16 float lanes stored as float or as bf16
+// (rounded by to_bf16x16); round16<T> is round_to<T> on 16 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(x));
+}
+template <typename T> inline __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
+  }
+}
+
 // exp(x) for x <= 0 on 16 lanes (exp_nonpositive's method: 2^n e^r, degree-7 Taylor); 0 below -87.
 inline __m512 exp16_nonpositive(__m512 x) {
   const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
