@@ -127,7 +127,6 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
   at::Tensor xp = x.narrow(0, r0, t);
   const at::Tensor cp = cos.narrow(0, r0, t), sp = sin.narrow(0, r0, t), osp = out_slots.narrow(0, r0, t);
   const at::Tensor offp = offsets.narrow(0, s0, s1 - s0 + 1);  // the kernels read slots[off[s] .. off[s + 1])
-  const std::optional<at::Tensor>& qop = q_offsets;  // (parts = 2 only without them: one part holds all rows)
   std::optional<at::Tensor> pending;  // the previous layer's MLP output, not yet added to x
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
@@ -135,8 +134,9 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
     at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
     at::Tensor y = add_rms_norm_(xp, pending, w[0], eps);
     at::Tensor q = rope_write_kv(project(y, w + 2, kind[0]), cp, sp, heads, kv_heads, kc, vc, osp);
-    at::Tensor o = std::get<0>(qop ? prefill_attention(q, kc, vc, slots, offp, *qop, scale)
-                                   : decode_attention(q, kc, vc, slots, offp, scale));
+    // (with q_offsets the call is one part: they count rows from the step's first)
+    at::Tensor o = std::get<0>(q_offsets ? prefill_attention(q, kc, vc, slots, offp, *q_offsets, scale)
+                                         : decode_attention(q, kc, vc, slots, offp, scale));
     y = add_rms_norm_(xp, project(o.view({t, heads * d}), w + 6, kind[1]), w[1], eps);
     pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
   }
@@ -186,24 +186,20 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                     q_offsets->is_contiguous(),
                 "q_offsets must be contiguous int64 [B + 1]");
   }
-  if (parts == 1 || seqs < 2 || at::get_num_threads() < 2 || at::in_parallel_region()) {
+  auto layers_over = [&](int64_t s0, int64_t s1, int64_t r0, int64_t r1) {
     run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads, kv_heads,
-               eps, scale, 0, seqs, 0, t);
+               eps, scale, s0, s1, r0, r1);
+  };
+  if (parts == 1 || seqs < 2 || at::get_num_threads() < 2 || at::in_parallel_region()) {
+    layers_over(0, seqs, 0, t);
     return x;
   }
-  const int64_t mid = seqs / 2;  // sequences (and rows) [0, mid) and [mid, seqs)
+  // one row per sequence here: part p is sequences, and rows, bounds[p] .. bounds[p + 1]
+  const int64_t bounds[3] = {0, seqs / 2, seqs};
   const at::ThreadLocalState caller;  // inference mode and the rest: the workers take the caller's
   at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(caller);
-    for (int64_t part = begin; part < end; ++part) {
-      if (part == 0) {
-        run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads,
-                   kv_heads, eps, scale, 0, mid, 0, mid);
-      } else {
-        run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads,
-                   kv_heads, eps, scale, mid, seqs, mid, t);
-      }
-    }
+    for (int64_t p = begin; p < end; ++p) layers_over(bounds[p], bounds[p + 1], bounds[p], bounds[p + 1]);
   });
   return x;
 }
