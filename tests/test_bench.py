@@ -325,6 +325,12 @@ def test_bad_flags_exit_2_before_contacting_the_server(capsys) -> None:
     assert main([*base, "--timeout", "-1"]) == 2 and main([*base, "--warmup-requests", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--timeout must be positive" in err and "got -1" in err and "--warmup-requests must be >= 0, got -1" in err
+    # the workload's knobs too (port 9 is closed: reaching it would say "cannot reach")
+    assert main([*base, "--num-requests", "0"]) == 2 and main([*base, "--input-len", "0"]) == 2
+    assert main([*base, "--workload", "random", "--range-ratio", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-requests must be at least 1, got 0" in err and "--input-len must be at least 1, got 0" in err
+    assert "--range-ratio must be in [0, 1), got 1.5" in err and "cannot reach" not in err
     assert main([*base, "--num-requests", "1"]) == 1  # nothing listens there
     assert "cannot reach" in capsys.readouterr().err
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from lockgate.bench.workloads import DEFAULTS, WORKLOADS, Workload, WorkloadSpec
+from lockgate.bench.workloads import DEFAULTS, WORKLOADS, Workload, WorkloadSpec, check_spec
 
 if TYPE_CHECKING:
     from lockgate.bench.client import LoadConfig, RunResult
@@ -182,6 +183,9 @@ def _run(ns: argparse.Namespace, argv: list[str]) -> int:
 
     _check_flags(ns)
     num_requests = _num_requests(ns)
+    spec = WorkloadSpec(ns.workload, num_requests, ns.input_len, ns.output_len, ns.range_ratio, ns.groups,
+                        ns.prompts_per_group, ns.prefix_len, ns.suffix_len, ns.turns)
+    check_spec(spec)  # a bad knob fails here, before the server is asked anything
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     server = _server_info(ns.url, headers)
     model = ns.model or server["model"]
@@ -190,8 +194,7 @@ def _run(ns: argparse.Namespace, argv: list[str]) -> int:
     if ns.model is not None and server["models"] and ns.model not in server["models"]:
         raise BenchError(f"--model {ns.model!r}: the server serves {', '.join(map(str, server['models']))}", 2)
     ctx = server["max_model_len"] if isinstance(server["max_model_len"], int) else None
-    spec = WorkloadSpec(ns.workload, num_requests, ns.input_len, ns.output_len, ns.range_ratio, ns.groups,
-                        ns.prompts_per_group, ns.prefix_len, ns.suffix_len, ns.turns, ctx)
+    spec = dataclasses.replace(spec, max_model_len=ctx)
     tok = load_bench_tokenizer(ns.tokenizer, ns.url, model, headers)
     log.info("building %d prompts (%s workload, tokenizer %s)", num_requests, ns.workload, tok.name)
     try:

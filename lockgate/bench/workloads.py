@@ -189,6 +189,14 @@ def sharegpt_lengths(rng: np.random.Generator, n: int, ctx: int | None) -> list[
 
 def build_workload(spec: WorkloadSpec, tok: BenchTokenizer, seed: int) -> Workload:
     """The workload ``spec`` names, with prompts cut by ``tok``; ValueError on bad knobs."""
+    check_spec(spec)
+    rng = np.random.default_rng([seed, 1])  # lengths; the text positions use the TextMaker's own stream
+    maker = TextMaker(tok, seed)
+    return _BUILDERS[spec.name](spec, rng, maker)
+
+
+def check_spec(spec: WorkloadSpec) -> None:
+    """ValueError naming the first knob of ``spec`` out of range (before anything is built or sent)."""
     if spec.name not in WORKLOADS:
         raise ValueError(f"unknown workload {spec.name!r}; choose one of {', '.join(WORKLOADS)}")
     if spec.num_requests < 1:
@@ -199,9 +207,6 @@ def build_workload(spec: WorkloadSpec, tok: BenchTokenizer, seed: int) -> Worklo
         v = getattr(spec, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
-    rng = np.random.default_rng([seed, 1])  # lengths; the text positions use the TextMaker's own stream
-    maker = TextMaker(tok, seed)
-    return _BUILDERS[spec.name](spec, rng, maker)
 
 
 def _single(name: str, lengths: list[tuple[int, int]], maker: TextMaker, params: dict[str, Any],
