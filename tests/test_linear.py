@@ -577,6 +577,39 @@ def test_bf16_gemm_stolen_tiles_are_computed_once(kernels_loaded) -> None:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_with_silu_is_silu_mul_of_the_product_bitwise(kernels_loaded, with_bias: bool) -> None:
+    """bf16_linear_silu(x, gate_up) is silu_mul(bf16_linear(x, gate_up)) bit for bit: the gate and up
+    outputs rounded to bf16 as the product would be, then silu_mul's arithmetic in registers. Gate
+    halves of 16 * 1, 16 * 3, 16 * 5 and the default model's 1536 outputs (units of one and two gate
+    blocks), rows that leave uneven row blocks, one thread and eight (stolen units), and rows large
+    enough to overflow to inf and NaN."""
+    _bf16_gemm_or_skip()
+    before = torch.get_num_threads()
+    try:
+        for f, k in ((16, 64), (48, 96), (80, 128), (1536, 576)):
+            gen = torch.Generator().manual_seed(f)
+            w = (0.1 * torch.randn(2 * f, k, generator=gen)).to(torch.bfloat16)
+            packed = Bf16GemmWeight(w).packed
+            b = torch.randn(2 * f, generator=gen).to(torch.bfloat16) if with_bias else None
+            for rows in (1, 5, 7, 13, 40):
+                x = (4 * torch.randn(rows, k, generator=gen)).to(torch.bfloat16)
+                x[rows // 2] *= 2.0 ** 120  # sums past float32's range: inf, and inf - inf = NaN
+                for threads in (1, 8):
+                    torch.set_num_threads(threads)
+                    with torch.inference_mode():
+                        want = torch.ops.lockgate.silu_mul(torch.ops.lockgate.bf16_linear(x, packed, b))
+                        got = torch.ops.lockgate.bf16_linear_silu(x, packed, b)
+                    assert got.shape == (rows, f) and got.dtype == torch.bfloat16
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (f, rows, threads)
+                    assert bool(want[rows // 2].isnan().any() or want[rows // 2].isinf().any())
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="even number of 16-row blocks"):  # 3 blocks: no gate / up halves
+        torch.ops.lockgate.bf16_linear_silu(torch.randn(2, 64).to(torch.bfloat16),
+                                            Bf16GemmWeight(torch.randn(48, 64).to(torch.bfloat16)).packed, None)
+
+
 def test_bf16_gemm_rejects_bad_input(kernels_loaded) -> None:
     _bf16_gemm_or_skip()
     op = torch.ops.lockgate.bf16_linear

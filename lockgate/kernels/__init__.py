@@ -12,7 +12,8 @@ contracts are documented at the top of each source file:
 * ``int_linear`` (``int_gemm.cpp``): the same blocks against x rounded to int16 per 32 columns, on
   AVX512-VNNI int16 dot products (many rows: prefill, large decode batches, in float32 runs).
 * ``bf16_linear`` (``bf16_gemm.cpp``): a bf16 weight times bf16 rows on AVX512-BF16 dot products
-  (built only where the CPU has them; ``bf16_linear_available``), any row count.
+  (built only where the CPU has them; ``bf16_linear_available``), any row count; and
+  ``bf16_linear_silu``: a gate/up weight's product with ``silu_mul`` applied in registers (the same bits).
 * ``argmax_rows`` (``argmax.cpp``): each row's argmax of float32 or bf16 logits, torch's rules
   (greedy steps take it on the LM head's own output instead of float32 logits).
 * ``decode_layers_`` (``decode_layers.cpp``): a step's layers in one call (decode, prompt and mixed steps).

@@ -29,8 +29,9 @@
 //              sequences, on fewer than 2 threads or inside a parallel region runs as one part
 //
 // It does exactly what lockgate.models.decoder.DecoderModel._layers does on KernelOps for such a step
-// (the same functions, in the same order, rounding in the same places), without returning to Python
-// between the ~12 calls of each layer: at decode batch 1 those returns, not the arithmetic, were a
+// (the same functions, in the same order, rounding in the same places; on lockgate's bf16 kernel
+// the gate/up projection and silu_mul are one call, bf16_linear_silu, with the same bits), without
+// returning to Python between the ~12 calls of each layer: at decode batch 1 those returns, not the arithmetic, were a
 // quarter of the step, at batch 32 on dense bf16 forms still 1-1.5 ms of ~30, and a 256-token prompt
 // paid ~3 ms of them. The Python side (KernelOps.whole_step) only takes this path when every
 // projection's form for the step (its prompt form where the step has prompt rows) has a kind here
@@ -115,14 +116,22 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
   return lockgate::quant_linear(x, p[0], p[1], opt(p[2]), opt(p[3]), kind);
 }
 
+// silu_mul(project(x, p, kind)): on lockgate's bf16 kernel in one pass (bf16_linear_silu: the gate
+// and up outputs meet in registers, the same bits without writing and reading them back).
+at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
+  if (kind == kBf16GemmKind && p[0].dim() == 3 && p[0].size(0) % 2 == 0) {
+    return lockgate::bf16_linear_silu(x, p[0], opt(p[3]));
+  }
+  return lockgate::silu_mul(project(x, p, kind));
+}
+
 // The layers over rows [r0, r1) of the step, which are sequences [s0, s1).
 void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                 at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& slots, const at::Tensor& offsets,
                 const std::optional<at::Tensor>& q_offsets, at::TensorList weights, at::IntArrayRef kinds,
                 int64_t heads, int64_t kv_heads, double eps, double scale, int64_t s0, int64_t s1, int64_t r0,
                 int64_t r1) {
-  using lockgate::add_rms_norm_, lockgate::decode_attention, lockgate::prefill_attention, lockgate::rope_write_kv,
-      lockgate::silu_mul;
+  using lockgate::add_rms_norm_, lockgate::decode_attention, lockgate::prefill_attention, lockgate::rope_write_kv;
   const int64_t layers = k_cache.size(0), t = r1 - r0, d = k_cache.size(3);
   at::Tensor xp = x.narrow(0, r0, t);
   const at::Tensor cp = cos.narrow(0, r0, t), sp = sin.narrow(0, r0, t), osp = out_slots.narrow(0, r0, t);
@@ -138,7 +147,7 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
     at::Tensor o = std::get<0>(q_offsets ? prefill_attention(q, kc, vc, slots, offp, *q_offsets, scale)
                                          : decode_attention(q, kc, vc, slots, offp, scale));
     y = add_rms_norm_(xp, project(o.view({t, heads * d}), w + 6, kind[1]), w[1], eps);
-    pending = project(silu_mul(project(y, w + 10, kind[2])), w + 14, kind[3]);
+    pending = project(gate_up_silu(y, w + 10, kind[2]), w + 14, kind[3]);
   }
   if (pending) {
     TORCH_CHECK(pending->sizes() == xp.sizes(), "decode_layers_: the last projection's output ", pending->sizes(),

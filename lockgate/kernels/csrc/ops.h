@@ -30,6 +30,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 // bf16_gemm.cpp
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 bool bf16_linear_available();
 
 // int_gemm.cpp
