@@ -33,7 +33,8 @@
 // other's run (lockgate::StealRanges, steal.h), so a thread the OS deschedules for a while (another
 // process of the server, a neighbour on the host) does not hold the step up with its whole share;
 // the split never enters the arithmetic. A tile is up to 4 blocks (64 outputs: 4 zmm of float32
-// sums per x row); for each tile every x row goes in register blocks of at most 6
+// sums per x row; for bf16_linear_silu the split walks the gate's blocks, and a tile is up to 2
+// of them with their 2 up blocks, 32 outputs); for each tile every x row goes in register blocks of at most 6
 // rows (4 x 6 = 24 accumulators + 4 weight vectors of the 32 zmm; the row blocks of one call are
 // as even as possible, so 32 rows go 6 6 5 5 5 5 rather than 6 6 6 6 6 2). The first row block
 // streams the tile's weights from memory, the others find them in L2; while a tile is multiplied,
@@ -44,8 +45,10 @@
 // Arithmetic: every output is sum over column pairs p, in order, of VDPBF16PS(x pair, w pair),
 // accumulated in one float32 lane from zero; then + bias (float32); then one rounding to bf16
 // (VCVTNEPS2BF16, nearest even). The products are exact; as in oneDNN's bf16 kernels, these
-// instructions take subnormal inputs as zero and flush subnormal results, whatever MXCSR says. Invariants: an output depends only on its x row, its weight row
-// and its bias (not on M, on the other rows, on the tile or row block it fell in, or on the thread
+// instructions take subnormal inputs as zero and flush subnormal results, whatever MXCSR says.
+// bf16_linear_silu's epilogue then does silu_mul's ordinary float32 arithmetic (exp, division,
+// products), which follows the thread's MXCSR as silu_mul's does (lockgate never changes it).
+// Invariants: an output depends only on its x row, its weight row and its bias (not on M, on the other rows, on the tile or row block it fell in, or on the thread
 // count: the same instruction sequence in the same order either way), so the form is row-invariant
 // by construction; no allocation but the output (and a float32 copy of a non-float32 bias).
 //
@@ -107,13 +110,13 @@ struct Prefetch {
   int64_t bytes() const { return (end - at) + (end2 - at2); }
 };
 
-// Where a register block's weight blocks are: NV blocks `block` elements apart from w; with
-// `up` >= 0 (silu_mul fused), the first NV / 2 are gate blocks and the last NV / 2 the matching up
+// Where a register block's weight blocks are: NV blocks `block` elements apart from w; FUSED
+// (silu_mul in the epilogue): the first NV / 2 are gate blocks and the last NV / 2 the matching up
 // blocks, `up` elements after them.
-template <int NV>
+template <int NV, bool FUSED>
 inline void block_pointers(const uint16_t* w, int64_t block, int64_t up, const uint16_t* (&wp)[NV]) {
   for (int v = 0; v < NV; ++v)
-    wp[v] = up < 0 ? w + v * block : (v < NV / 2 ? w + v * block : w + up + (v - NV / 2) * block);
+    wp[v] = !FUSED || v < NV / 2 ? w + v * block : w + up + (v - NV / 2) * block;
 }
 
 // The bf16 output of one accumulator: + bias (float32), rounded once (VCVTNEPS2BF16).
@@ -123,18 +126,19 @@ inline __m256i finish(__m512 a, const float* bias) {
 }
 
 // out[MR rows][NV * 16] = x[MR rows] . w[NV blocks]^T (+ bias), rows of x k apart, of out ldo apart.
-// With `up` >= 0 (block_pointers): out[MR rows][NV / 2 * 16] = silu_mul of the gate and up outputs,
-// each rounded to bf16 first (what lockgate::silu_mul does to bf16_linear's output, bit for bit);
-// the bias's up entries are `up_bias` floats after the gate's.
-template <int MR, int NV>
+// FUSED (block_pointers; NV even): out[MR rows][NV / 2 * 16] = silu_mul of the gate and up
+// outputs, each rounded to bf16 first (what lockgate::silu_mul does to bf16_linear's output, bit
+// for bit); the bias's up entries are `up_bias` floats after the gate's.
+template <int MR, int NV, bool FUSED>
 inline void row_block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t pairs, const float* bias,
-                      uint16_t* out, int64_t ldo, Prefetch& pf, int64_t up = -1, int64_t up_bias = 0) {
+                      uint16_t* out, int64_t ldo, Prefetch& pf, int64_t up, int64_t up_bias) {
+  static_assert(!FUSED || NV % 2 == 0, "a fused register block pairs each gate block with its up block");
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
   const int64_t block = pairs * 2 * kLanes;  // elements per 16-row block of packed
   const uint16_t* wp[NV];
-  block_pointers<NV>(w, block, up, wp);
+  block_pointers<NV, FUSED>(w, block, up, wp);
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wp[v] + p * 2 * kLanes);
@@ -146,26 +150,26 @@ inline void row_block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t p
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, wv[v]);
     }
   }
-  if (up < 0) {
+  if constexpr (!FUSED) {
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < NV; ++v)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + v * kLanes),
                             finish(acc[m][v], bias == nullptr ? nullptr : bias + v * kLanes));
-    return;
-  }
-  constexpr int H = NV / 2;
-  for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < H; ++v) {
-      const __m512 g = widen16(finish(acc[m][v], bias == nullptr ? nullptr : bias + v * kLanes));
-      const __m512 u = widen16(finish(acc[m][v + H], bias == nullptr ? nullptr : bias + up_bias + v * kLanes));
-      lockgate::store16(reinterpret_cast<c10::BFloat16*>(out + m * ldo + v * kLanes),
-                        _mm512_mul_ps(lockgate::round16<c10::BFloat16>(lockgate::silu16(g)), u));
+  } else {
+    constexpr int H = NV / 2;
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < H; ++v) {
+        const __m512 g = widen16(finish(acc[m][v], bias == nullptr ? nullptr : bias + v * kLanes));
+        const __m512 u = widen16(finish(acc[m][v + H], bias == nullptr ? nullptr : bias + up_bias + v * kLanes));
+        lockgate::store16(reinterpret_cast<c10::BFloat16*>(out + m * ldo + v * kLanes),
+                          _mm512_mul_ps(lockgate::round16<c10::BFloat16>(lockgate::silu16(g)), u));
+      }
     }
   }
 }
 
 // Every x row against one tile of NV blocks, in row blocks as even as possible.
-template <int NV>
+template <int NV, bool FUSED>
 void tile(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t pairs, const float* bias,
           uint16_t* out, int64_t ldo, Prefetch pf, int64_t up, int64_t up_bias) {
   const int64_t blocks = (m + kMaxRowBlock - 1) / kMaxRowBlock, size = m / blocks, bigger = m % blocks;
@@ -176,12 +180,12 @@ void tile(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t pa
     const uint16_t* xr = x + r * k;
     uint16_t* o = out + r * ldo;
     switch (mr) {
-      case 1: row_block<1, NV>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
-      case 2: row_block<2, NV>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
-      case 3: row_block<3, NV>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
-      case 4: row_block<4, NV>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
-      case 5: row_block<5, NV>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
-      default: row_block<kMaxRowBlock, NV>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
+      case 1: row_block<1, NV, FUSED>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
+      case 2: row_block<2, NV, FUSED>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
+      case 3: row_block<3, NV, FUSED>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
+      case 4: row_block<4, NV, FUSED>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
+      case 5: row_block<5, NV, FUSED>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
+      default: row_block<kMaxRowBlock, NV, FUSED>(xr, k, w, pairs, bias, o, ldo, pf, up, up_bias); break;
     }
     r += mr;
   }
@@ -227,11 +231,19 @@ void run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t nb,
         const uint16_t* wt = w + b * block;
         const float* bt = bias == nullptr ? nullptr : bias + b * kLanes;
         uint16_t* ot = out + b * kLanes;
-        switch (swiglu ? 2 * nv : nv) {
-          case 1: tile<1>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
-          case 2: tile<2>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
-          case 3: tile<3>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
-          default: tile<kTileBlocks>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
+        if (swiglu) {  // a unit of one or two gate blocks (StealSplit's piece), each with its up block
+          if (nv == 1) {
+            tile<2, true>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias);
+          } else {
+            tile<kTileBlocks, true>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias);
+          }
+          continue;
+        }
+        switch (nv) {
+          case 1: tile<1, false>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
+          case 2: tile<2, false>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
+          case 3: tile<3, false>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
+          default: tile<kTileBlocks, false>(x, m, k, wt, pairs, bt, ot, ldo, pf, up, up_bias); break;
         }
       }
     }

@@ -29,8 +29,9 @@
 //              sequences, on fewer than 2 threads or inside a parallel region runs as one part
 //
 // It does exactly what lockgate.models.decoder.DecoderModel._layers does on KernelOps for such a step
-// (the same functions, in the same order, rounding in the same places; on lockgate's bf16 kernel
-// the gate/up projection and silu_mul are one call, bf16_linear_silu, with the same bits), without
+// (the same functions, in the same order, rounding in the same places; on lockgate's bf16 kernel,
+// when the MLP's width is a multiple of 16, the gate/up projection and silu_mul are one call,
+// bf16_linear_silu, with the same bits), without
 // returning to Python between the ~12 calls of each layer: at decode batch 1 those returns, not the arithmetic, were a
 // quarter of the step, at batch 32 on dense bf16 forms still 1-1.5 ms of ~30, and a 256-token prompt
 // paid ~3 ms of them. The Python side (KernelOps.whole_step) only takes this path when every
@@ -119,7 +120,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
 // silu_mul(project(x, p, kind)): on lockgate's bf16 kernel in one pass (bf16_linear_silu: the gate
 // and up outputs meet in registers, the same bits without writing and reading them back).
 at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
-  if (kind == kBf16GemmKind && p[0].dim() == 3 && p[0].size(0) % 2 == 0) {
+  if (kind == kBf16GemmKind && p[0].size(0) % 2 == 0) {  // F % 16 == 0: gate and up blocks pair up
     return lockgate::bf16_linear_silu(x, p[0], opt(p[3]));
   }
   return lockgate::silu_mul(project(x, p, kind));
