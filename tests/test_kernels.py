@@ -502,3 +502,52 @@ def test_work_stealing_computes_every_row_once(ops) -> None:
                 assert torch.equal(ops.argmax_rows(logits), want_arg)
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpus_to_pin_pins_only_threads_that_fill_the_process_cpus() -> None:
+    # The scheduler process pins torch's threads one per CPU only when they are as many as the CPUs
+    # it may use (2 or more), and LOCKGATE_PIN_THREADS=0 turns it off.
+    from lockgate.engine.process import cpus_to_pin
+
+    assert cpus_to_pin(2, {0, 1}, None) == [0, 1]
+    assert cpus_to_pin(4, {5, 1, 3, 2}, "1") == [1, 2, 3, 5]
+    assert cpus_to_pin(2, {0, 1}, "0") is None  # opted out
+    assert cpus_to_pin(2, {0, 1, 2, 3}, None) is None  # serve --dp: a replica's share of the cores
+    assert cpus_to_pin(1, {0}, None) is None  # one thread: nothing to keep apart
+
+
+PIN_CHILD = """
+import os, sys, torch
+from lockgate import kernels
+assert kernels.load(), kernels.error()
+cpus = sorted(os.sched_getaffinity(0))[:2]
+torch.set_num_threads(2)
+for bad, what in (([cpus[0]], "one CPU per torch thread"), ([cpus[0], cpus[0]], "distinct")):
+    try:
+        torch.ops.lockgate.bind_threads(bad)
+    except RuntimeError as e:
+        assert what in str(e), e
+    else:
+        raise AssertionError(f"bind_threads({bad}) did not raise")
+tids = torch.ops.lockgate.bind_threads(cpus)
+assert len(tids) == 2 and len(set(tids)) == 2 and os.getpid() in tids, tids  # the caller is thread 0
+got = [open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:")[1].split()[0] for t in tids]
+assert got == [str(c) for c in cpus], (got, cpus)
+x = torch.randn(300, 300)
+assert torch.allclose(x @ x, (x.double() @ x.double()).float(), atol=1e-3)  # the pinned pool still works
+print("pinned", got)
+"""
+
+
+def test_bind_threads_pins_each_torch_thread_to_its_own_cpu(ops) -> None:
+    # In a child process (pinning is for a whole process's life): two torch threads, each pinned
+    # to one of the first two CPUs this process may use, checked in /proc; wrong CPU lists raise.
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("pinning two threads needs two CPUs; this process may use one")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", PIN_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pinned" in out.stdout

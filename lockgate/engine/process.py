@@ -99,6 +99,40 @@ class Watchdog:
             os._exit(WATCHDOG_EXIT_CODE)
 
 
+PIN_ENV = "LOCKGATE_PIN_THREADS"  # "0": leave torch's threads where Linux puts them
+
+
+def cpus_to_pin(threads: int, allowed: set[int], env: str | None) -> list[int] | None:
+    """The CPU for each of torch's ``threads`` intra-op threads, or None to leave them unpinned:
+    pinned only when they are as many as the process's ``allowed`` CPUs (the whole of what it may
+    use: ``serve --dp N`` gives each replica fewer threads, and then nothing is pinned), at least
+    two, and ``LOCKGATE_PIN_THREADS`` (``env``) is not "0"."""
+    if env is not None and env.strip() == "0":
+        return None
+    if threads < 2 or threads != len(allowed):
+        return None
+    return sorted(allowed)
+
+
+def pin_torch_threads() -> None:
+    """Pin torch's intra-op threads one per CPU (``lockgate::bind_threads`` says why: two of them
+    woken onto one CPU while another idles made c = 1's slow first tokens) where ``cpus_to_pin``
+    says so and lockgate's kernels are loaded; called once the scheduler process has started its
+    own threads (they keep every CPU)."""
+    import torch
+
+    from lockgate import kernels
+
+    cpus = cpus_to_pin(torch.get_num_threads(), os.sched_getaffinity(0), os.environ.get(PIN_ENV))
+    if cpus is None or not kernels.loaded():
+        return
+    tids = torch.ops.lockgate.bind_threads(cpus)
+    if tids:
+        log.info("pinned torch's %d threads to CPUs %s (%s=0 to leave them unpinned)", len(cpus), cpus, PIN_ENV)
+    else:
+        log.warning("could not pin torch's threads to CPUs %s; they stay unpinned", cpus)
+
+
 class SchedulerProcess:
     def __init__(self, args: SchedulerProcArgs) -> None:
         self.args = args
@@ -125,6 +159,7 @@ class SchedulerProcess:
         self.decode_t0 = time.monotonic()
         r = self.engine.runner
         self._heartbeats()
+        pin_torch_threads()
         freeze_heap()
         self.out.send(Ready(model=args.model_name, model_dir=str(getattr(r, "model_dir", "") or "") or None,
                             max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,

@@ -17,6 +17,8 @@ contracts are documented at the top of each source file:
 * ``argmax_rows`` (``argmax.cpp``): each row's argmax of float32 or bf16 logits, torch's rules
   (greedy steps take it on the LM head's own output instead of float32 logits).
 * ``decode_layers_`` (``decode_layers.cpp``): a step's layers in one call (decode, prompt and mixed steps).
+* ``bind_threads`` (``threads.cpp``): torch's intra-op threads pinned one per CPU (the server's
+  scheduler process, ``lockgate.engine.process.pin_torch_threads``).
 
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++
 compiler (``-O3 -march=native``: the code is built where it runs) into
@@ -117,6 +119,11 @@ def load(mode: str = "auto") -> bool:
         if "ok" not in _state:
             _state["ok"], _state["error"] = _build()
         return bool(_state["ok"])
+
+
+def loaded() -> bool:
+    """Whether an earlier ``load`` put the kernels in ``torch.ops.lockgate`` (never builds)."""
+    return bool(_state.get("ok"))
 
 
 def error() -> str | None:
