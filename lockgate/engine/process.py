@@ -118,7 +118,10 @@ def pin_torch_threads() -> None:
     """Pin torch's intra-op threads one per CPU (``lockgate::bind_threads`` says why: two of them
     woken onto one CPU while another idles made c = 1's slow first tokens) where ``cpus_to_pin``
     says so and lockgate's kernels are loaded; called once the scheduler process has started its
-    own threads (they keep every CPU)."""
+    own threads (they keep every CPU). A process without torch (the sim runner) has nothing to pin
+    and must not load it."""
+    if "torch" not in sys.modules:
+        return
     import torch
 
     from lockgate import kernels
