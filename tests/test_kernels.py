@@ -514,6 +514,8 @@ def test_cpus_to_pin_pins_only_threads_that_fill_the_process_cpus() -> None:
     assert cpus_to_pin(2, {0, 1}, "0") is None  # opted out
     assert cpus_to_pin(2, {0, 1, 2, 3}, None) is None  # serve --dp: a replica's share of the cores
     assert cpus_to_pin(1, {0}, None) is None  # one thread: nothing to keep apart
+    with pytest.raises(ValueError, match="LOCKGATE_PIN_THREADS must be 0 or 1, got 'no'"):
+        cpus_to_pin(2, {0, 1}, "no")  # not silently read as "pin"
 
 
 PIN_CHILD = """

@@ -102,14 +102,22 @@ class Watchdog:
 PIN_ENV = "LOCKGATE_PIN_THREADS"  # "0": leave torch's threads where Linux puts them
 
 
+def pin_opted_out(env: str | None) -> bool:
+    """``LOCKGATE_PIN_THREADS``: unset or "1" pins where ``cpus_to_pin`` says, "0" never; anything
+    else is a ValueError naming the variable (checked when the scheduler process starts)."""
+    if env is None or env.strip() == "1":
+        return False
+    if env.strip() == "0":
+        return True
+    raise ValueError(f"{PIN_ENV} must be 0 or 1, got {env!r}")
+
+
 def cpus_to_pin(threads: int, allowed: set[int], env: str | None) -> list[int] | None:
     """The CPU for each of torch's ``threads`` intra-op threads, or None to leave them unpinned:
     pinned only when they are as many as the process's ``allowed`` CPUs (the whole of what it may
     use: ``serve --dp N`` gives each replica fewer threads, and then nothing is pinned), at least
     two, and ``LOCKGATE_PIN_THREADS`` (``env``) is not "0"."""
-    if env is not None and env.strip() == "0":
-        return None
-    if threads < 2 or threads != len(allowed):
+    if pin_opted_out(env) or threads < 2 or threads != len(allowed):
         return None
     return sorted(allowed)
 
@@ -143,6 +151,7 @@ class SchedulerProcess:
         self.inbox: Receiver[ToScheduler] = Receiver(self.ctx, args.in_endpoint, ToScheduler)
         self.out = Sender(self.ctx, args.detok_endpoint)
         try:
+            pin_opted_out(os.environ.get(PIN_ENV))  # a bad value stops the start, before the model loads
             self.engine = EngineCore(args.engine)
             self.engine.runner.warmup()
             self.engine.grammars.prepare_in_background()  # the first constrained request then does not wait
