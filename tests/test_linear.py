@@ -484,6 +484,38 @@ def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
     assert cheapest_invariant(o, samples) == PromptForm("dense", 1)
     assert cheapest_invariant({"dense": None, "int-gemm": 2}, samples) == PromptForm("int-gemm", 2)
     assert cheapest_invariant(o, {}) == PromptForm("int-gemm", 2)  # nothing measured: the integer GEMM
+    # --exact-prefill's check stops at a role's first invariant candidate; the later ones are never called
+    first, later = _CountedForm(w, 1), _CountedForm(w, 1)
+    lin = Linear(w)
+    lin.forms["dense"], lin.forms["int-gemm"] = first, later
+    assert row_floors({"o": [lin]}, torch.float32, {"o": ["dense", "int-gemm"]}, 64, first_only=True) == {"o": {"dense": 1}}
+    assert first.calls and not later.calls
+    first.exact_from = 40  # not invariant (no floor of <= 32 rows helps): the next candidate is checked
+    assert row_floors({"o": [lin]}, torch.float32, {"o": ["dense", "int-gemm"]}, 64, first_only=True) \
+        == {"o": {"dense": None, "int-gemm": 1}}
+
+
+def test_row_check_covers_fewer_rows_of_a_large_weight_and_still_finds_a_call_size_effect() -> None:
+    from lockgate.runner.row_invariance import (
+        COVERED_BYTES,
+        COVERED_ROWS,
+        MIN_COVERED_ROWS,
+        covered_rows,
+        min_rows_for,
+    )
+
+    assert covered_rows(COVERED_BYTES) == COVERED_ROWS and covered_rows(1) == COVERED_ROWS
+    assert covered_rows(4 * COVERED_BYTES) == COVERED_ROWS // 4
+    assert covered_rows(671 << 20) == MIN_COVERED_ROWS  # a 262,144 x 640 float32 LM head
+    torch.manual_seed(0)
+    w = torch.randint(-4, 5, (32, 64)).float()
+    calls = {}
+    for covered in (MIN_COVERED_ROWS, COVERED_ROWS):
+        form = _CountedForm(w, 3)
+        assert min_rows_for(form, None, 64, torch.float32, 256, covered=covered) == 4  # the same floor
+        calls[covered] = len(form.calls)
+        assert form.calls.count(1) == 1  # the first 1-row call already shows the effect
+    assert calls[MIN_COVERED_ROWS] * 3 < calls[COVERED_ROWS]  # with far fewer calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -250,7 +250,7 @@ class ModelRunner:
             want = {role: names | {"fp32"} for role, names in want.items()}
         if cfg.exact_prefill or cfg.deterministic:  # the forms the row check found (or may find) invariant
             candidates = self._candidates(cfg, choices)
-            floors = (tuning.peek(self._rows_key(candidates)) or {}).get("floors", {})
+            floors = (tuning.peek(self._rows_key(candidates, cfg.deterministic)) or {}).get("floors", {})
             want = {role: names | ({f for f, fl in floors[role].items() if fl is not None} if role in floors
                                    else set(candidates[role])) for role, names in want.items()}
         return want
@@ -335,9 +335,12 @@ class ModelRunner:
 
     # ---- row-invariant forms (--exact-prefill, --deterministic; issue 19) ----
 
-    def _rows_key(self, candidates: dict[str, list[str]]) -> tuning.TuningKey:
+    def _rows_key(self, candidates: dict[str, list[str]], every: bool) -> tuning.TuningKey:
+        """``every``: all candidates checked (--deterministic compares their costs), else each
+        role's up to its first invariant one (--exact-prefill)."""
         return dataclasses.replace(self._forms_key, kind="rows", weights={
-            **self._forms_key.weights, "candidates": candidates, "max_rows": row_invariance.INVARIANCE_ROWS[-1]})
+            **self._forms_key.weights, "candidates": candidates, "max_rows": row_invariance.INVARIANCE_ROWS[-1],
+            "check": "every" if every else "first"})
 
     def _candidates(self, cfg: ModelConfig, choices: dict[str, FormChoice]) -> dict[str, list[str]]:
         """The forms checked per role: a forced --matmul-forms under --deterministic, else
@@ -357,8 +360,9 @@ class ModelRunner:
             return
         roles = self.model.projections()
         candidates = self._candidates(cfg, {role: lins[0].choice for role, lins in roles.items()})
-        data, _ = tuning.cached(self._rows_key(candidates), lambda: {
-            "floors": row_invariance.row_floors(roles, self.dtype, candidates)}, refresh=cfg.tuning == "refresh")
+        data, _ = tuning.cached(self._rows_key(candidates, cfg.deterministic), lambda: {
+            "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
+            refresh=cfg.tuning == "refresh")
         samples = info.get("samples") or {}
         picks = {role: row_invariance.cheapest_invariant(data["floors"].get(role, {}), samples.get(role, {}))
                  if cfg.deterministic else row_invariance.first_invariant(data["floors"].get(role, {}), candidates[role])

@@ -7,8 +7,9 @@ measured, not assumed (``min_rows_for``): MKL's sgemm on the Zen 5 class CPU rou
 3, 5, 7 or 9 rows differently from larger ones; oneDNN's bf16 kernel a 1-row call of the
 1,536-column down projection (about one row in ten, in the last bit); lockgate's integer GEMM and
 bf16 kernel are row-invariant by construction. ``row_floors`` checks every candidate of every
-role on the role's first projection, calls of 1..``INVARIANCE_ROWS[-1]`` rows (the LM head up to ``HEAD_MAX_ROWS``);
-the runner caches the result per machine and model (tuning kind "rows").
+role on the role's first projection (for ``--exact-prefill`` only up to the first invariant one),
+calls of 1..``INVARIANCE_ROWS[-1]`` rows (the LM head up to ``HEAD_MAX_ROWS``); the runner caches
+the result per machine, model and check (tuning kind "rows").
 
 The two choices (``lockgate.runner.model_runner`` applies them to ``Linear.set_prompt_form``):
 
@@ -38,25 +39,35 @@ from lockgate.runner.tuning import HEAD_MAX_ROWS, one_form_cost
 INVARIANCE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
                    511, 512, 513, 1024)  # call sizes compared
 MIN_ROWS_FLOORS = (1, 2, 4, 8, 16, 32)  # the padding floors tried, fewest first
-COVERED_ROWS = 128  # calls smaller than this are checked on every row of the first COVERED_ROWS
+COVERED_ROWS = 128  # calls smaller than this are checked on every row of the first COVERED_ROWS ...
+COVERED_BYTES = 64 << 20  # ... of a weight up to this size; a larger one on proportionally fewer rows
+MIN_COVERED_ROWS = 16  # (but never fewer than these): a call streams the whole weight, and the LM
+# head of a 262,144-token vocabulary in float32 (671 MB) took 68 s at 128 rows, 9 s at 16
+
+
+def covered_rows(weight_bytes: int) -> int:
+    """How many leading rows of the reference call the small calls cover for a weight of this
+    size: ``COVERED_ROWS`` up to ``COVERED_BYTES``, fewer (not under ``MIN_COVERED_ROWS``) above.
+    A wide projection compares many outputs per row, so fewer rows still test every call size."""
+    return max(MIN_COVERED_ROWS, min(COVERED_ROWS, COVERED_ROWS * COVERED_BYTES // max(1, weight_bytes)))
 
 
 def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dtype, max_rows: int,
-                 seed: int = 0) -> int | None:
+                 seed: int = 0, covered: int = COVERED_ROWS) -> int | None:
     """The fewest rows ``form`` must be called with for every row's result to be the same bits
     whatever the call's size (calls of fewer rows padded with zero rows to that floor), among
     ``MIN_ROWS_FLOORS``; None when no floor makes it so. Checked on random rows against the
     largest call (``max_rows`` or the largest ``INVARIANCE_ROWS`` below it), at every size of
-    ``INVARIANCE_ROWS`` up to it: small calls cover the first ``COVERED_ROWS`` rows one after the
-    other (a different accumulation order shows in the rounded result of only some rows), large
-    ones take the rows from the front and from the back."""
+    ``INVARIANCE_ROWS`` up to it: calls of fewer than ``COVERED_ROWS`` rows cover the first
+    ``covered`` rows one after the other (a different accumulation order shows in the rounded
+    result of only some rows), larger ones take the rows from the front and from the back."""
     sizes = [r for r in INVARIANCE_ROWS if r <= max_rows] or [1]
     big = sizes[-1]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(big, k, generator=g).to(dtype)
 
     def starts(r: int) -> list[int]:
-        return list(range(0, min(COVERED_ROWS, big) - r + 1, r)) if r < COVERED_ROWS else [0, big - r]
+        return list(range(0, max(r, min(covered, big)) - r + 1, r)) if r < COVERED_ROWS else [0, big - r]
 
     def agrees(r: int, floor: int) -> bool:
         for i in starts(r):
@@ -76,15 +87,23 @@ def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dty
 
 
 def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates: dict[str, list[str]],
-               max_rows: int = INVARIANCE_ROWS[-1]) -> dict[str, dict[str, int | None]]:
+               max_rows: int = INVARIANCE_ROWS[-1], first_only: bool = False) -> dict[str, dict[str, int | None]]:
     """Per role, each of ``candidates[role]`` the role's first projection has -> its
-    ``min_rows_for`` floor (None: its rows depend on the call's size whatever the floor)."""
+    ``min_rows_for`` floor (None: its rows depend on the call's size whatever the floor). With
+    ``first_only`` (all ``first_invariant`` needs) a role's check stops at its first invariant
+    candidate: the later ones are left out, not recorded as None."""
     out: dict[str, dict[str, int | None]] = {}
     for role, lins in projections.items():
         lin = lins[0]
         limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
-        out[role] = {name: min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit)
-                     for name in candidates.get(role, []) if name in lin.forms}
+        covered = covered_rows(lin.weight.numel() * lin.weight.element_size())
+        out[role] = {}
+        for name in candidates.get(role, []):
+            if name in lin.forms:
+                floor = min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit, covered=covered)
+                out[role][name] = floor
+                if first_only and floor is not None:
+                    break
     return out
 
 
