@@ -133,6 +133,22 @@ def test_measure_forms_times_every_form_and_prunes_hopeless_ones() -> None:
     assert str(tuning.decide(samples)["qkv"]) == "int-gemm:4,dense"
 
 
+def test_cpu_description_names_family_and_model_so_look_alike_cpus_do_not_share_a_cache() -> None:
+    """A hypervisor shows Zen 4 and Zen 5 parts both as "AMD EPYC" with nearly the same flags;
+    the family and model numbers from /proc/cpuinfo tell them apart (round 23)."""
+    from pathlib import Path
+
+    if not Path("/proc/cpuinfo").is_file():
+        pytest.skip("no /proc/cpuinfo: the name is platform.processor()'s")
+    first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    name = tuning.cpu_description()["cpu"]
+    if "cpu family" in fields:
+        assert f"family {fields['cpu family']}" in name and f"model {fields['model']}" in name
+    if "model name" in fields:
+        assert name.startswith(fields["model name"])
+
+
 def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path))
     key = tuning.TuningKey(kind="forms", cpu="cpu", flags="avx2", threads=2, torch="t", kernels="k",

@@ -95,16 +95,26 @@ ROLES = ("qkv", "o", "gate_up", "down", "head")
 # ---- the CPU and the key ----
 
 def cpu_description() -> dict[str, str]:
-    """The CPU's model name and its /proc/cpuinfo flags (Linux; what is known elsewhere)."""
+    """The CPU's model name with its family, model and stepping numbers, and its /proc/cpuinfo
+    flags (Linux; what is known elsewhere). The numbers are part of the name because a hypervisor
+    may show two cores as the same "AMD EPYC" with nearly the same flags: a Zen 4 (family 25) and
+    a Zen 5 (family 26) part differ by half in bf16 matmul rate, so their measurements must not
+    share a cache entry."""
     name, flags = platform.processor() or platform.machine(), ""
+    ids: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
+            key = key.strip()
+            if key == "model name" and name in ("", platform.machine(), platform.processor()):
                 name = value.strip()
-            elif key.strip() == "flags":
+            elif key in ("cpu family", "model", "stepping") and key not in ids:
+                ids[key] = value.strip()
+            elif key == "flags":
                 flags = value.strip()
                 break
+    if ids:
+        name += " (" + ", ".join(f"{'family' if k == 'cpu family' else k} {v}" for k, v in ids.items()) + ")"
     return {"cpu": name, "flags": flags}
 
 
