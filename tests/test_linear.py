@@ -495,27 +495,36 @@ def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
         == {"o": {"dense": None, "int-gemm": 1}}
 
 
-def test_row_check_covers_fewer_rows_of_a_large_weight_and_still_finds_a_call_size_effect() -> None:
-    from lockgate.runner.row_invariance import (
-        COVERED_BYTES,
-        COVERED_ROWS,
-        MIN_COVERED_ROWS,
-        covered_rows,
-        min_rows_for,
-    )
+def test_row_check_covers_fewer_rows_of_a_wide_projection(monkeypatch) -> None:
+    from lockgate.runner import row_invariance as ri
 
-    assert covered_rows(COVERED_BYTES) == COVERED_ROWS and covered_rows(1) == COVERED_ROWS
-    assert covered_rows(4 * COVERED_BYTES) == COVERED_ROWS // 4
-    assert covered_rows(671 << 20) == MIN_COVERED_ROWS  # a 262,144 x 640 float32 LM head
+    assert ri.covered_rows(576) == ri.covered_rows(8192) == ri.COVERED_ROWS
+    assert ri.covered_rows(4 * 8192) == ri.COVERED_ROWS // 4
+    assert ri.covered_rows(262_144) == ri.MIN_COVERED_ROWS  # a 262,144-token vocabulary's LM head
     torch.manual_seed(0)
     w = torch.randint(-4, 5, (32, 64)).float()
     calls = {}
-    for covered in (MIN_COVERED_ROWS, COVERED_ROWS):
+    for covered in (ri.MIN_COVERED_ROWS, ri.COVERED_ROWS):
         form = _CountedForm(w, 3)
-        assert min_rows_for(form, None, 64, torch.float32, 256, covered=covered) == 4  # the same floor
+        assert ri.min_rows_for(form, None, 64, torch.float32, 256, covered=covered) == 4  # the same floor
         calls[covered] = len(form.calls)
-        assert form.calls.count(1) == 1  # the first 1-row call already shows the effect
-    assert calls[MIN_COVERED_ROWS] * 3 < calls[COVERED_ROWS]  # with far fewer calls
+    assert calls[ri.MIN_COVERED_ROWS] * 3 < calls[ri.COVERED_ROWS]  # with far fewer calls
+
+    class Rarely(_CountedForm):  # wrong on one 1-row call in 40: what fewer covered rows can miss
+        def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            y = F.linear(x.round(), self.weight, bias)
+            self.calls.append(x.shape[0])
+            return y + 1e-3 if x.shape[0] == 1 and self.calls.count(1) % 40 == 0 else y
+
+    assert ri.min_rows_for(Rarely(w, 1), None, 64, torch.float32, 256, covered=ri.COVERED_ROWS) != 1
+    assert ri.min_rows_for(Rarely(w, 1), None, 64, torch.float32, 256, covered=ri.MIN_COVERED_ROWS) == 1
+    # row_floors sizes the coverage by the projection's outputs (its weight's rows)
+    seen = []
+    monkeypatch.setattr(ri, "covered_rows", lambda outputs: seen.append(outputs) or ri.MIN_COVERED_ROWS)
+    lin = Linear(w)
+    lin.forms["dense"] = form = _CountedForm(w, 1)
+    assert ri.row_floors({"o": [lin]}, torch.float32, {"o": ["dense"]}, 256) == {"o": {"dense": 1}}
+    assert seen == [32] and form.calls.count(1) == ri.MIN_COVERED_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -40,16 +40,20 @@ INVARIANCE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1
                    511, 512, 513, 1024)  # call sizes compared
 MIN_ROWS_FLOORS = (1, 2, 4, 8, 16, 32)  # the padding floors tried, fewest first
 COVERED_ROWS = 128  # calls smaller than this are checked on every row of the first COVERED_ROWS ...
-COVERED_BYTES = 64 << 20  # ... of a weight up to this size; a larger one on proportionally fewer rows
-MIN_COVERED_ROWS = 16  # (but never fewer than these): a call streams the whole weight, and the LM
-# head of a 262,144-token vocabulary in float32 (671 MB) took 68 s at 128 rows, 9 s at 16
+COVERED_OUTPUTS = COVERED_ROWS * 8192  # ... of a projection with up to 8,192 outputs a row; a wider
+MIN_COVERED_ROWS = 16  # one on proportionally fewer rows, never fewer than these. Every call
+# streams the whole weight: the float32 LM head of a 262,144-token vocabulary (640 MiB) took 68 s
+# at 128 rows, 15 s at 16.
 
 
-def covered_rows(weight_bytes: int) -> int:
-    """How many leading rows of the reference call the small calls cover for a weight of this
-    size: ``COVERED_ROWS`` up to ``COVERED_BYTES``, fewer (not under ``MIN_COVERED_ROWS``) above.
-    A wide projection compares many outputs per row, so fewer rows still test every call size."""
-    return max(MIN_COVERED_ROWS, min(COVERED_ROWS, COVERED_ROWS * COVERED_BYTES // max(1, weight_bytes)))
+def covered_rows(outputs: int) -> int:
+    """How many leading rows of the reference call the small calls cover for a projection with
+    ``outputs`` outputs a row: ``COVERED_ROWS`` up to 8,192 outputs, fewer above (never under
+    ``MIN_COVERED_ROWS``), so that every call size still compares at least ``COVERED_OUTPUTS``
+    results. A different accumulation order shows in some outputs of some rows (oneDNN's 1-row
+    call of a 576-output projection: about one row in ten); what matters is how many outputs are
+    compared, and a wide row holds many."""
+    return max(MIN_COVERED_ROWS, min(COVERED_ROWS, COVERED_OUTPUTS // max(1, outputs)))
 
 
 def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dtype, max_rows: int,
@@ -59,8 +63,9 @@ def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dty
     ``MIN_ROWS_FLOORS``; None when no floor makes it so. Checked on random rows against the
     largest call (``max_rows`` or the largest ``INVARIANCE_ROWS`` below it), at every size of
     ``INVARIANCE_ROWS`` up to it: calls of fewer than ``COVERED_ROWS`` rows cover the first
-    ``covered`` rows one after the other (a different accumulation order shows in the rounded
-    result of only some rows), larger ones take the rows from the front and from the back."""
+    ``covered`` rows one after the other (a call of more rows than that, its first rows only; a
+    different accumulation order shows in the rounded result of only some rows), larger calls take
+    the rows from the front and from the back."""
     sizes = [r for r in INVARIANCE_ROWS if r <= max_rows] or [1]
     big = sizes[-1]
     g = torch.Generator().manual_seed(seed)
@@ -96,7 +101,7 @@ def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates
     for role, lins in projections.items():
         lin = lins[0]
         limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
-        covered = covered_rows(lin.weight.numel() * lin.weight.element_size())
+        covered = covered_rows(lin.weight.shape[0])
         out[role] = {}
         for name in candidates.get(role, []):
             if name in lin.forms:

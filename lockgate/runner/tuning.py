@@ -41,7 +41,8 @@ Whether a form's rows depend on the call's size is checked in ``lockgate.runner.
 
 Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``;
 ``$LOCKGATE_TUNING_DIR`` moves the tuning files alone), the hash
-over ``TuningKey``: the CPU's model name and full flag list, torch's thread count and version,
+over ``TuningKey``: the CPU's model name (with its family, model and stepping numbers) and full
+flag list, torch's thread count and version,
 the kernels' build name (their sources' hash), ``TUNING_VERSION``, the model's shape and what
 decides the forms each role has (the checkpoint's content fingerprint, ``--quantization``, float32
 copies). That key is known before the weights load, so a cached table (``peek``) tells the loader
@@ -94,25 +95,28 @@ ROLES = ("qkv", "o", "gate_up", "down", "head")
 
 # ---- the CPU and the key ----
 
-def cpu_description() -> dict[str, str]:
-    """The CPU's model name with its family, model and stepping numbers, and its /proc/cpuinfo
-    flags (Linux; what is known elsewhere). The numbers are part of the name because a hypervisor
-    may show two cores as the same "AMD EPYC" with nearly the same flags: a Zen 4 (family 25) and
-    a Zen 5 (family 26) part differ by half in bf16 matmul rate, so their measurements must not
-    share a cache entry."""
+def cpu_description(cpuinfo: str | None = None) -> dict[str, str]:
+    """The CPU's model name with its family, model and stepping numbers, and its flags, from
+    ``cpuinfo`` (default: /proc/cpuinfo's text; what is known elsewhere). The numbers are part of
+    the name because a hypervisor may show two cores as the same "AMD EPYC" with nearly the same
+    flags: a Zen 4 (family 25) and a Zen 5 (family 26) part differ by half in bf16 matmul rate, so
+    their measurements must not share a cache entry."""
     name, flags = platform.processor() or platform.machine(), ""
+    if cpuinfo is None:
+        cpuinfo = ""
+        with contextlib.suppress(OSError):
+            cpuinfo = Path("/proc/cpuinfo").read_text()
     ids: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and name in ("", platform.machine(), platform.processor()):
-                name = value.strip()
-            elif key in ("cpu family", "model", "stepping") and key not in ids:
-                ids[key] = value.strip()
-            elif key == "flags":
-                flags = value.strip()
-                break
+    for line in cpuinfo.splitlines():  # the first processor's block: it ends at its flags
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name in ("", platform.machine(), platform.processor()):
+            name = value.strip()
+        elif key in ("cpu family", "model", "stepping") and key not in ids:
+            ids[key] = value.strip()
+        elif key == "flags":
+            flags = value.strip()
+            break
     if ids:
         name += " (" + ", ".join(f"{'family' if k == 'cpu family' else k} {v}" for k, v in ids.items()) + ")"
     return {"cpu": name, "flags": flags}
