@@ -103,12 +103,10 @@ def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates
         limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
         covered = covered_rows(lin.weight.shape[0])
         out[role] = {}
-        for name in candidates.get(role, []):
-            if name in lin.forms:
-                floor = min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit, covered=covered)
-                out[role][name] = floor
-                if first_only and floor is not None:
-                    break
+        for name in (n for n in candidates.get(role, []) if n in lin.forms):
+            out[role][name] = min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit, covered=covered)
+            if first_only and out[role][name] is not None:
+                break
     return out
 
 
