@@ -608,3 +608,38 @@ def test_prefill_kernel_rejects_bad_input() -> None:
         op(q5, kc, vc, slots, torch.tensor([3, 7]), torch.tensor([0, 5]), 0.25)
     with pytest.raises(RuntimeError, match="has no query tokens"):
         op(q5, kc, vc, slots, offsets, torch.tensor([0, 0, 5]), 0.25)
+
+
+def test_lookahead_changes_no_result_and_the_switch_reports_its_setting() -> None:
+    """The AVX512-BF16 path's look-ahead (lockgate::set_attention_lookahead) only prefetches the
+    next work item's rows: decode rows, guess rows, shared prefixes and a prompt chunk must give
+    bitwise the same outputs with it on and off; the switch returns the setting it replaces.
+    Where the build has no such path the switch stays off (returns False) and the property is
+    that path's, so it is reported as skipped, not passed."""
+    ops = load_kernels()
+    if not ops.bf16_linear_available():
+        assert ops.set_attention_lookahead(True) is False and ops.set_attention_lookahead(False) is False
+        pytest.skip("the look-ahead is the AVX512-BF16 path's; this CPU's build has none")
+    rng = np.random.default_rng(7)
+    capacity = 8000
+    kc, vc = _random_pool(capacity, torch.bfloat16)
+    prefix = rng.permutation(capacity)[:700]
+    seqs = [rng.permutation(capacity)[:n] for n in (321, 300, 129, 1, 600)]  # scattered, several chunks each
+    seqs += [np.concatenate([prefix, rng.permutation(capacity)[:40]]) for _ in range(3)]  # one shared prefix
+    seqs += [seqs[0][:322], seqs[0][:323]]  # guess rows of the first sequence
+    new = [1] * 10
+    seqs.append(rng.permutation(capacity)[:300])  # a prompt chunk: the last 100 keys are its new tokens
+    new.append(100)
+    slots = torch.from_numpy(np.concatenate(seqs).astype(np.int64))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64))
+    q_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(new)]).astype(np.int64))
+    q = torch.randn(int(q_offsets[-1]), 9, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    before = ops.set_attention_lookahead(False)
+    try:
+        off = ops.prefill_attention(q, kc, vc, slots, offsets, q_offsets, 0.125)
+        assert ops.set_attention_lookahead(True) is False
+        on = ops.prefill_attention(q, kc, vc, slots, offsets, q_offsets, 0.125)
+        assert ops.set_attention_lookahead(True) is True
+    finally:
+        ops.set_attention_lookahead(before)
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])

@@ -84,6 +84,37 @@ def test_attention_decision_prefers_the_kernel() -> None:
     assert tuning.decide_attention({}) == "sdpa"  # no kernel built
 
 
+def test_lookahead_decision_needs_a_paired_gain_beyond_noise() -> None:
+    """The attention kernel's look-ahead is on only when the paired rounds say it is at least
+    LOOKAHEAD_MARGIN faster; within noise, slower, or unmeasured: off (the plainer schedule)."""
+    assert tuning.decide_attention_lookahead({"off": [10.0, 11.0, 10.5], "on": [9.0, 9.9, 9.5]}) == "on"
+    assert tuning.decide_attention_lookahead({"off": [10.0, 11.0, 10.5], "on": [9.9, 10.9, 10.4]}) == "off"  # 1%
+    assert tuning.decide_attention_lookahead({"off": [10.0] * 3, "on": [12.0] * 3}) == "off"
+    assert tuning.decide_attention_lookahead({}) == "off"
+    # paired: a drift of the host that hits both sides alike does not decide it
+    assert tuning.decide_attention_lookahead({"off": [10.0, 20.0, 10.0], "on": [9.5, 19.0, 9.5]}) == "on"
+
+
+def test_lookahead_is_measured_only_where_it_can_change_something() -> None:
+    """A float32 pool never takes the AVX512-BF16 path the look-ahead belongs to: nothing to time.
+    On a bf16 pool where the build has that path, both settings are timed, paired, and the switch
+    is left as it was."""
+    from lockgate import kernels
+
+    assert kernels.load(), kernels.error()
+    assert tuning.measure_attention_lookahead(9, 3, 64, torch.float32, layers=2) == {}
+    if not torch.ops.lockgate.bf16_linear_available():
+        assert tuning.measure_attention_lookahead(9, 3, 64, torch.bfloat16, layers=2) == {}
+        return
+    before = torch.ops.lockgate.set_attention_lookahead(True)
+    try:
+        times = tuning.measure_attention_lookahead(9, 3, 64, torch.bfloat16, layers=2, rounds=3)
+        assert torch.ops.lockgate.set_attention_lookahead(True) is True  # left as it was
+    finally:
+        torch.ops.lockgate.set_attention_lookahead(before)
+    assert set(times) == {"off", "on"} and all(len(ts) == 3 and min(ts) > 0 for ts in times.values())
+
+
 def _grid(n: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k // 32, 32), generator=g)
@@ -204,6 +235,10 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
         assert all(t > 0 for by_p in samples[role].values() for ts in by_p.values() for t in ts)
         assert "1" in samples[role]["dense"]
     assert data["decode_attention"] in ("kernel", "sdpa")
+    assert data["attention_lookahead"] in ("on", "off")
+    if data["attention_lookahead"] == "on":  # only ever chosen by a measurement that favoured it
+        look = data["attention_lookahead_ms"]
+        assert tuning.decide_attention_lookahead(look) == "on" and data["decode_attention"] == "kernel"
     # prompt rows: a row-invariant form for every role (the integer GEMM always qualifies where it
     # is built), or the reason there is none
     if data["prompt_forms"]:
@@ -236,6 +271,9 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
     monkeypatch.setattr(llama, "make_forms", spy)
     runner = ModelRunner(ModelConfig(model="default"), CacheConfig(max_total_tokens=64))
     assert runner.tuned["cached"] is True and runner.tuned["choices"] == data["choices"]
+    assert runner.tuned["attention_lookahead"] == data["attention_lookahead"]
+    on = data["attention_lookahead"] == "on"
+    assert torch.ops.lockgate.set_attention_lookahead(on) is on  # the process runs what the table says
     called = set()
     for role, lins in runner.model.projections().items():
         prompt = {data["prompt_forms"][role]["form"]} if data["prompt_forms"] else set()

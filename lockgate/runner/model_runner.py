@@ -131,6 +131,9 @@ class ModelRunner:
         self._greedy_argmax = (self.cpu_kernels and self.device.type == "cpu" and self.model.args.final_softcap is None
                                and argmax_kernel())
         self.prefill_kernel: bool = False
+        # the attention kernel prefetches its next item's K/V rows (measured with the forms; off
+        # unless measured faster: lockgate::set_attention_lookahead)
+        self.attention_lookahead: bool = False
         # --deterministic: every token's attention is a decode-kernel row (AttentionMetadata.build)
         self.row_invariant: bool = model_cfg.deterministic
         # --exact-prefill: each role's prompt-row form (checked row-invariant), or why there is none
@@ -305,7 +308,10 @@ class ModelRunner:
             choices = {role: FormChoice.parse(text) for role, text in info["choices"].items()}
             self.decode_kernel = self.cpu_kernels and info.get("attention", "kernel") == "kernel"
             self.prefill_kernel = self.decode_kernel and info.get("prefill_attention", "sdpa") == "kernel"
+            self.attention_lookahead = self.decode_kernel and info.get("attention_lookahead") == "on"
             source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
+        if self.cpu_kernels:  # process-wide: the last model loaded in a process decides
+            torch.ops.lockgate.set_attention_lookahead(self.attention_lookahead)
         self.model.choose_forms(choices)
         if cfg.fp32_matmul_rows not in ("auto", "off"):  # (--deterministic refuses it: ModelConfig)
             rows = int(cfg.fp32_matmul_rows)
@@ -319,7 +325,8 @@ class ModelRunner:
         lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning.notable_flags(cpu['flags'])}, "
                  f"{torch.get_num_threads()} threads, {self.dtype}, int-gemm path {int_gemm_isa() or 'not built'}):"]
         lines += [f"  {role:<8} {roles[role][0].choice.describe()}" for role in roles]
-        lines.append(f"  decode attention: {'lockgate kernel' if self.decode_kernel else 'gathers + SDPA'}; "
+        lines.append(f"  decode attention: {'lockgate kernel' if self.decode_kernel else 'gathers + SDPA'}"
+                     f"{' (look-ahead on)' if self.attention_lookahead else ''}; "
                      f"prefill attention: {'lockgate kernel' if self.prefill_kernel or self.row_invariant else 'SDPA'}")
         lines.append(f"  prompt rows: {self.describe_prompt_forms()}")
         log.info("\n".join(lines))
@@ -330,7 +337,8 @@ class ModelRunner:
                 "prompt_forms": {role: {"form": p.name, "min_rows": p.min_rows} for role, p in self.prompt_forms.items()},
                 "exact_prefill": self.describe_prompt_forms(),
                 "decode_attention": "kernel" if self.decode_kernel else "sdpa",
-                "prefill_attention": "kernel" if self.prefill_kernel else "sdpa", "source": source,
+                "prefill_attention": "kernel" if self.prefill_kernel else "sdpa",
+                "attention_lookahead": "on" if self.attention_lookahead else "off", "source": source,
                 "int_gemm_isa": int_gemm_isa()}
 
     # ---- row-invariant forms (--exact-prefill, --deterministic; issue 19) ----
@@ -417,10 +425,14 @@ class ModelRunner:
                                                  args.num_layers) if self.cpu_kernels else {}
             prefill = tuning.measure_prefill_attention(args.num_heads, args.num_kv_heads, args.head_dim,
                                                        self.dtype) if self.cpu_kernels else {}
+            lookahead = tuning.measure_attention_lookahead(args.num_heads, args.num_kv_heads, args.head_dim,
+                                                           self.dtype, args.num_layers) if self.cpu_kernels else {}
             choices = tuning.decide(samples)
             return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
                     "attention_ms": attention, "attention": tuning.decide_attention(attention),
                     "prefill_attention_ms": prefill, "prefill_attention": tuning.decide_prefill_attention(prefill),
+                    "attention_lookahead_ms": lookahead,
+                    "attention_lookahead": tuning.decide_attention_lookahead(lookahead),
                     "forms": forms}
 
         data, hit = tuning.cached(self._forms_key, measure, refresh=refresh)

@@ -36,6 +36,13 @@ unless SDPA (causal, flash) is at least ``PREFILL_ATTENTION_MARGIN`` faster on f
 256 and 1,024 tokens (4 layers timed; on the Zen 5 class CPU the kernel took 0.61 vs 1.1 ms per
 layer at 256 tokens, 8.1 vs 10.6 at 1,024).
 
+The attention kernel's look-ahead (``decide_attention_lookahead``: prefetching the next work
+item's K/V rows while one computes, ``lockgate::set_attention_lookahead``) is on when a decode
+step of ``LOOKAHEAD_BATCH`` sequences at ``LOOKAHEAD_CONTEXT`` keys, every layer of a pool too
+large for the caches, is at least ``LOOKAHEAD_MARGIN`` faster with it (paired rounds): 8-10% on
+the Zen 4 class CPU of round 24, slower in round 22's forms on the Zen 5 class. It changes which
+cache level a row is read from, never a result.
+
 Whether a form's rows depend on the call's size is checked in ``lockgate.runner.row_invariance``
 (cached here too, kind "rows"); ``one_form_cost`` prices serving a role on one form for it.
 
@@ -80,7 +87,7 @@ from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, quantize_int
 
 log = logging.getLogger("lockgate.tuning")
 
-TUNING_VERSION = 5  # bump when what is measured or how it is decided changes
+TUNING_VERSION = 6  # bump when what is measured or how it is decided changes
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEAD_MAX_ROWS = 256
 ROUNDS = 3
@@ -90,6 +97,8 @@ DTYPE_MARGIN = 0.10
 ATTENTION_MARGIN = 0.25
 PREFILL_ATTENTION_MARGIN = 0.10
 PREFILL_ATTENTION_TOKENS = (256, 1024)  # fresh prompts timed for the prefill attention choice
+LOOKAHEAD_MARGIN = 0.03
+LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT, LOOKAHEAD_ROUNDS = 32, 320, 7  # the decode step timed for the look-ahead
 ROLES = ("qkv", "o", "gate_up", "down", "head")
 
 
@@ -486,6 +495,51 @@ def measure_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, 
     return times
 
 
+def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                layers: int, rounds: int = LOOKAHEAD_ROUNDS) -> dict[str, list[float]]:
+    """Per-round ms of a decode step's attention (``LOOKAHEAD_BATCH`` sequences of
+    ``LOOKAHEAD_CONTEXT`` keys, each one contiguous run, over ``layers`` layers of a pool of that
+    size) on lockgate's kernel with its look-ahead off and on; {} where the switch changes
+    nothing (the look-ahead is the AVX512-BF16 path's: a bf16 pool in a build that has it). The
+    switch is left as it was."""
+    ops = torch.ops.lockgate
+    if dtype != torch.bfloat16 or not ops.bf16_linear_available():
+        return {}
+    batch, context = LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT
+    cap = batch * context
+    # constant keys and values: the kernel's time does not depend on them, and filling is fast
+    k_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.5, dtype=dtype)
+    v_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.25, dtype=dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    slots = np.arange(cap, dtype=np.int64)
+    offsets = np.arange(0, cap + 1, context, dtype=np.int64)
+    meta = AttentionMetadata.build(np.ones(batch, np.int64), np.full(batch, context, np.int64), slots, offsets,
+                                   offsets[1:] - 1, num_heads // num_kv_heads, decode_kernel=True)
+    scale = 1.0 / math.sqrt(head_dim)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    before = ops.set_attention_lookahead(False)
+    try:
+        with torch.inference_mode():
+            paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
+            for rnd in range(rounds):
+                for name in (["off", "on"] if rnd % 2 == 0 else ["on", "off"]):
+                    ops.set_attention_lookahead(name == "on")
+                    t0 = time.perf_counter()
+                    for i in range(layers):
+                        paged_attention(q, None, None, k_cache[i], v_cache[i], meta, scale)
+                    times[name].append(1e3 * (time.perf_counter() - t0))
+    finally:
+        ops.set_attention_lookahead(before)
+    return times
+
+
+def decide_attention_lookahead(times: dict[str, list[float]], margin: float = LOOKAHEAD_MARGIN) -> str:
+    """"on" when the paired ratio on / off has a median <= 1 - margin; else "off" (the plainer
+    schedule; also when nothing was measured)."""
+    ratios = [a / b for a, b in zip(times.get("on", []), times.get("off", []), strict=False) if b > 0]
+    return "on" if ratios and statistics.median(ratios) <= 1 - margin else "off"
+
+
 def decide_prefill_attention(times: dict[str, list[float]], margin: float = PREFILL_ATTENTION_MARGIN) -> str:
     """"kernel" unless SDPA's paired ratio to it has a median <= 1 - margin (or nothing was measured: "sdpa")."""
     if not times.get("kernel"):
@@ -551,6 +605,11 @@ def report(tuned: dict[str, Any], dtype_info: dict[str, Any], dtype: str) -> str
     figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in att.items() if ts)
     lines.append(f"decode attention: {'lockgate kernel' if tuned.get('decode_attention') == 'kernel' else 'gathers + SDPA'}"
                  + (f" (a decode step's layers at batch 16 x 256 keys: {figures})" if figures else ""))
+    look = tuned.get("attention_lookahead_ms") or {}
+    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in look.items() if ts)
+    if figures:
+        lines.append(f"  its look-ahead (next item's K/V rows prefetched): {tuned.get('attention_lookahead', 'off')} "
+                     f"(a decode step's layers at batch {LOOKAHEAD_BATCH} x {LOOKAHEAD_CONTEXT} keys: {figures})")
     pre = tuned.get("prefill_attention_ms") or {}
     figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in pre.items() if ts)
     lines.append(f"prefill attention: {'lockgate kernel' if tuned.get('prefill_attention') == 'kernel' else 'SDPA'}"

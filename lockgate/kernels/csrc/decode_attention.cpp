@@ -17,6 +17,10 @@
 //   out [T, H, D], lse [T, H]: token i of sequence b (the last Q_b of its n_b keys are the new
 //   tokens) attends to keys 0 .. n_b - Q_b + i: causal.
 //
+// lockgate::set_attention_lookahead(on) -> bool: the process-wide switch of the AVX512-BF16 path's
+// look-ahead (Ahead, below: a prefetch schedule, never a change in what is computed); returns the
+// setting before (always false in a build without AVX-512). Start-up tuning sets it by measuring.
+//
 // The invariant both operators keep, and what lockgate's determinism rests on: **a token's result
 // is a function of its own query and its own keys only**, bitwise: the same whether it is a
 // decode row, one row of a prefill chunk (of any length, cut anywhere), a speculative guess row,
@@ -120,6 +124,10 @@ struct Item {
 };
 
 inline int64_t chunks_of(int64_t n) { return (n + kChunkKeys - 1) / kChunkKeys; }
+// Keys an item reads: those of its chunk its last token sees (slots from its first token's list).
+inline int64_t keys_of(const Item& it, const Tokens& tk) {
+  return std::min(kChunkKeys, tk.count[it.t1 - 1] - it.chunk * kChunkKeys);
+}
 
 // Sequences (runs of rows with the same key list start and one more key each) in the rows' order,
 // stably regrouped by their first key slot: requests on one cached prompt prefix start on the same
@@ -216,7 +224,7 @@ std::vector<int64_t> stripes(const std::vector<Item>& items, const Tokens& tk, i
   int64_t left = 0;
   for (int64_t i = 0; i < ni; ++i) {
     const Item& it = items[static_cast<size_t>(i)];
-    const int64_t keys = std::min(kChunkKeys, tk.count[it.t1 - 1] - it.chunk * kChunkKeys);
+    const int64_t keys = keys_of(it, tk);
     cost[static_cast<size_t>(i)] = (it.t1 - it.t0) * keys + kItemOverheadKeys;
     left += cost[static_cast<size_t>(i)];
   }
@@ -548,11 +556,56 @@ void value_pass(const float* sc, int64_t sc_stride, const Rows& vf, const int64_
 constexpr int64_t kInPlaceTokens = 3;
 constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefetch cannot guess them
 
+// Look-ahead (lockgate::set_attention_lookahead, off until start-up tuning measures it faster):
+// the next item's K and V rows, asked for a few cache lines at a time while the current item
+// computes. touch_rows reads an item's rows before its arithmetic, so on one thread memory idles
+// while the item computes and the core idles while it reads; a short run (decode, guess rows) that
+// prefetches the next item's rows during its value pass (step, once per key pair and kv head)
+// lets the next item skip touch_rows, its rows arriving while this one works. On the AMD EPYC Zen
+// 4 class CPU (2 threads, pool on huge pages) decode at 321 keys took 8-10% less time at b = 32
+// and 128; on the Zen 5 class, round 22's forms of it (one thread) were slower: hence measured,
+// per CPU (docs/performance.md, round 24). Which cache level a row comes from is all it changes:
+// never what is computed.
+std::atomic<bool> g_lookahead{false};
+
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* sl = nullptr;
+  int64_t lines = 0;  // cache lines per K (and per V) row
+  int64_t total = 0, done = 0, quota = 0;  // lines in all (K and V of every key), asked for, per step
+
+  // The K and V rows (row_bytes each) of keys slots[0 .. keys), spread over `steps` calls of step.
+  void start(const void* kc, const void* vc, const int64_t* slots, int64_t keys, int64_t row_bytes,
+             int64_t steps) {
+    k = static_cast<const char*>(kc);
+    v = static_cast<const char*>(vc);
+    sl = slots;
+    lines = row_bytes / 64;
+    total = 2 * keys * lines;
+    done = 0;
+    quota = (total + steps - 1) / std::max<int64_t>(1, steps);
+  }
+  bool active() const { return total > 0; }
+  void finish() {
+    quota = total;
+    step();
+  }
+  void step() {
+    for (const int64_t end = std::min(total, done + quota); done < end; ++done) {
+      const int64_t key = done / (2 * lines), line = (done % (2 * lines)) / 2;
+      _mm_prefetch((done % 2 ? v : k) + (sl[key] * lines + line) * 64, _MM_HINT_T1);
+    }
+  }
+};
+
 struct Scratch {
   std::vector<float> kt, vf, qf, sc;
   std::vector<int64_t> n;
   std::vector<float*> out;
   std::vector<uint32_t> kp, vp, qp, pb;  // the AVX512-BF16 path's bf16 pairs
+  Ahead ahead;           // the next item's rows, asked for during this one (Ahead)
+  bool fetched = false;  // this item's rows were asked for during the previous one
 };
 
 // Reads every kv head's K and V rows of an item's keys once, before the passes over its kv heads.
@@ -767,12 +820,13 @@ inline void value_rows_bf16(const uint32_t* pb, int64_t pb_stride, const uint32_
 template <int NV, int R>
 inline void value_rows_bf16_in_place(const uint32_t* pb, int64_t pb_stride, const c10::BFloat16* vk,
                                      const int64_t* sl, int64_t row_stride, int64_t nk, int64_t pairs,
-                                     float* const* out) {
+                                     float* const* out, Ahead& ahead) {
   static_assert(NV % 2 == 0, "a 512-bit register holds 32 bf16 dimensions");
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < pairs; ++j) {  // the key pairs the rows see (nk: the item's keys)
+    ahead.step();
     const c10::BFloat16* a = vk + sl[2 * j] * row_stride;
     const bool has_b = 2 * j + 1 < nk;
     const c10::BFloat16* b = has_b ? vk + sl[2 * j + 1] * row_stride : a;
@@ -817,7 +871,7 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
   s.pb.resize(static_cast<size_t>(rows * pb_stride));
   s.n.resize(static_cast<size_t>(rows));
   s.out.resize(static_cast<size_t>(rows));
-  if (it.first) touch_rows(kc, vc, sl, nk, hkv * d * 2);
+  if (it.first && !s.fetched) touch_rows(kc, vc, sl, nk, hkv * d * 2);
   for (int64_t kv = 0; kv < hkv; ++kv) {
     for (int64_t b = 0; b < blocks; ++b) {
       const c10::BFloat16* krows[16];
@@ -883,12 +937,12 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
         const uint32_t* pr = s.pb.data() + r0 * pb_stride;
         float* const* o = s.out.data() + r0;
         switch (rr) {
-          case 1: value_rows_bf16_in_place<NV, 1>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
-          case 2: if constexpr (RV >= 2) value_rows_bf16_in_place<NV, 2>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
-          case 3: if constexpr (RV >= 3) value_rows_bf16_in_place<NV, 3>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
-          case 4: if constexpr (RV >= 4) value_rows_bf16_in_place<NV, 4>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
-          case 5: if constexpr (RV >= 5) value_rows_bf16_in_place<NV, 5>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
-          default: if constexpr (RV >= 6) value_rows_bf16_in_place<NV, RV>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o); break;
+          case 1: value_rows_bf16_in_place<NV, 1>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o, s.ahead); break;
+          case 2: if constexpr (RV >= 2) value_rows_bf16_in_place<NV, 2>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o, s.ahead); break;
+          case 3: if constexpr (RV >= 3) value_rows_bf16_in_place<NV, 3>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o, s.ahead); break;
+          case 4: if constexpr (RV >= 4) value_rows_bf16_in_place<NV, 4>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o, s.ahead); break;
+          case 5: if constexpr (RV >= 5) value_rows_bf16_in_place<NV, 5>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o, s.ahead); break;
+          default: if constexpr (RV >= 6) value_rows_bf16_in_place<NV, RV>(pr, pb_stride, vk, sl, hkv * d, nk, kp_rows, o, s.ahead); break;
         }
       }
       continue;  // next kv head
@@ -908,6 +962,7 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
       }
     }
   }
+  s.ahead.finish();  // whatever its steps left (none when the value pass ran them all)
 }
 #endif  // __AVX512BF16__
 #endif  // __AVX512F__
@@ -1016,6 +1071,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const float sc = static_cast<float>(scale);
   // Stripes of items are taken from a shared counter; which thread runs an item changes nothing in
   // its result.
+#if defined(__AVX512F__)
+  const bool lookahead = g_lookahead.load(std::memory_order_relaxed);  // (read by the bf16 path)
+  (void)lookahead;
+#endif
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(ni, at::get_num_threads()));
   const std::vector<int64_t> stripe = stripes(items, tk, workers);
   const int64_t ns = static_cast<int64_t>(stripe.size()) - 1;
@@ -1031,6 +1090,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
+        // a short run asks for the next item's rows (if it reads its chunk first) during its value pass
+        scratch.fetched = i > stripe[st] && scratch.ahead.active();
+        const Item* nx = lookahead && it.t1 - it.t0 <= kInPlaceTokens && i + 1 < stripe[st + 1] && items[i + 1].first
+                             ? &items[i + 1] : nullptr;
+        scratch.ahead.start(kc, vc, nx ? sl + tk.base[nx->t0] + nx->chunk * kChunkKeys : sl, nx ? keys_of(*nx, tk) : 0,
+                            hkv * d * 2, hkv * ((keys_of(it, tk) + 1) / 2));
         switch (d) {
           case 64: item_avx512_bf16<4>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
           case 128: item_avx512_bf16<8>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
@@ -1174,6 +1239,15 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
   return dispatch(q, k_cache, v_cache, slots, std::move(base), std::move(count), scale, "prefill_attention");
 }
 
+bool set_attention_lookahead(bool on) {
+#if defined(__AVX512F__)
+  return g_lookahead.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace lockgate
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
@@ -1181,6 +1255,7 @@ TORCH_LIBRARY_FRAGMENT(lockgate, m) {
         " -> (Tensor, Tensor)");
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor offsets, "
         "Tensor q_offsets, float scale) -> (Tensor, Tensor)");
+  m.def("set_attention_lookahead(bool on) -> bool", &lockgate::set_attention_lookahead);
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
