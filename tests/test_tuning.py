@@ -23,7 +23,7 @@ import torch
 
 from lockgate.kernel_choice import FormChoice
 from lockgate.layers.linear import Linear
-from lockgate.runner import tuning
+from lockgate.runner import tuning, tuning_attention
 
 
 def test_winner_takes_the_fastest_unless_a_more_exact_form_is_within_noise() -> None:
@@ -79,20 +79,20 @@ def test_dtype_decision_needs_bf16_faster_everywhere() -> None:
 
 
 def test_attention_decision_prefers_the_kernel() -> None:
-    assert tuning.decide_attention({"kernel": [10.0] * 3, "sdpa": [8.5] * 3}) == "kernel"  # 15% is not enough
-    assert tuning.decide_attention({"kernel": [10.0] * 3, "sdpa": [7.0] * 3}) == "sdpa"
-    assert tuning.decide_attention({}) == "sdpa"  # no kernel built
+    assert tuning_attention.decide_attention({"kernel": [10.0] * 3, "sdpa": [8.5] * 3}) == "kernel"  # 15% is not enough
+    assert tuning_attention.decide_attention({"kernel": [10.0] * 3, "sdpa": [7.0] * 3}) == "sdpa"
+    assert tuning_attention.decide_attention({}) == "sdpa"  # no kernel built
 
 
 def test_lookahead_decision_needs_a_paired_gain_beyond_noise() -> None:
     """The attention kernel's look-ahead is on only when the paired rounds say it is at least
     LOOKAHEAD_MARGIN faster; within noise, slower, or unmeasured: off (the plainer schedule)."""
-    assert tuning.decide_attention_lookahead({"off": [10.0, 11.0, 10.5], "on": [9.0, 9.9, 9.5]}) == "on"
-    assert tuning.decide_attention_lookahead({"off": [10.0, 11.0, 10.5], "on": [9.9, 10.9, 10.4]}) == "off"  # 1%
-    assert tuning.decide_attention_lookahead({"off": [10.0] * 3, "on": [12.0] * 3}) == "off"
-    assert tuning.decide_attention_lookahead({}) == "off"
+    assert tuning_attention.decide_attention_lookahead({"off": [10.0, 11.0, 10.5], "on": [9.0, 9.9, 9.5]}) == "on"
+    assert tuning_attention.decide_attention_lookahead({"off": [10.0, 11.0, 10.5], "on": [9.9, 10.9, 10.4]}) == "off"  # 1%
+    assert tuning_attention.decide_attention_lookahead({"off": [10.0] * 3, "on": [12.0] * 3}) == "off"
+    assert tuning_attention.decide_attention_lookahead({}) == "off"
     # paired: a drift of the host that hits both sides alike does not decide it
-    assert tuning.decide_attention_lookahead({"off": [10.0, 20.0, 10.0], "on": [9.5, 19.0, 9.5]}) == "on"
+    assert tuning_attention.decide_attention_lookahead({"off": [10.0, 20.0, 10.0], "on": [9.5, 19.0, 9.5]}) == "on"
 
 
 def test_lookahead_is_measured_only_where_it_can_change_something() -> None:
@@ -102,13 +102,13 @@ def test_lookahead_is_measured_only_where_it_can_change_something() -> None:
     from lockgate import kernels
 
     assert kernels.load(), kernels.error()
-    assert tuning.measure_attention_lookahead(9, 3, 64, torch.float32, layers=2) == {}
+    assert tuning_attention.measure_attention_lookahead(9, 3, 64, torch.float32, layers=2) == {}
     if not torch.ops.lockgate.bf16_linear_available():
-        assert tuning.measure_attention_lookahead(9, 3, 64, torch.bfloat16, layers=2) == {}
+        assert tuning_attention.measure_attention_lookahead(9, 3, 64, torch.bfloat16, layers=2) == {}
         return
     before = torch.ops.lockgate.set_attention_lookahead(True)
     try:
-        times = tuning.measure_attention_lookahead(9, 3, 64, torch.bfloat16, layers=2, rounds=3)
+        times = tuning_attention.measure_attention_lookahead(9, 3, 64, torch.bfloat16, layers=2, rounds=3)
         assert torch.ops.lockgate.set_attention_lookahead(True) is True  # left as it was
     finally:
         torch.ops.lockgate.set_attention_lookahead(before)
@@ -238,7 +238,7 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
     assert data["attention_lookahead"] in ("on", "off")
     if data["attention_lookahead"] == "on":  # only ever chosen by a measurement that favoured it
         look = data["attention_lookahead_ms"]
-        assert tuning.decide_attention_lookahead(look) == "on" and data["decode_attention"] == "kernel"
+        assert tuning_attention.decide_attention_lookahead(look) == "on" and data["decode_attention"] == "kernel"
     # prompt rows: a row-invariant form for every role (the integer GEMM always qualifies where it
     # is built), or the reason there is none
     if data["prompt_forms"]:

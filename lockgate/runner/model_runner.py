@@ -48,7 +48,7 @@ from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
 from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
-from lockgate.runner import row_invariance, tuning
+from lockgate.runner import row_invariance, tuning, tuning_attention
 from lockgate.runner.pool_memory import allocate_pool
 from lockgate.runner.sampler import argmax_kernel, greedy_output, plain_greedy, sample
 
@@ -421,18 +421,18 @@ class ModelRunner:
         def measure() -> dict[str, Any]:
             log.info("measuring the matmul forms at this model's shapes (once per CPU, threads and shape)")
             samples = tuning.measure_forms(roles, self.dtype) if any(len(f) > 1 for f in forms.values()) else {}
-            attention = tuning.measure_attention(args.num_heads, args.num_kv_heads, args.head_dim, self.dtype,
+            attention = tuning_attention.measure_attention(args.num_heads, args.num_kv_heads, args.head_dim, self.dtype,
                                                  args.num_layers) if self.cpu_kernels else {}
-            prefill = tuning.measure_prefill_attention(args.num_heads, args.num_kv_heads, args.head_dim,
+            prefill = tuning_attention.measure_prefill_attention(args.num_heads, args.num_kv_heads, args.head_dim,
                                                        self.dtype) if self.cpu_kernels else {}
-            lookahead = tuning.measure_attention_lookahead(args.num_heads, args.num_kv_heads, args.head_dim,
+            lookahead = tuning_attention.measure_attention_lookahead(args.num_heads, args.num_kv_heads, args.head_dim,
                                                            self.dtype, args.num_layers) if self.cpu_kernels else {}
             choices = tuning.decide(samples)
             return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
-                    "attention_ms": attention, "attention": tuning.decide_attention(attention),
-                    "prefill_attention_ms": prefill, "prefill_attention": tuning.decide_prefill_attention(prefill),
+                    "attention_ms": attention, "attention": tuning_attention.decide_attention(attention),
+                    "prefill_attention_ms": prefill, "prefill_attention": tuning_attention.decide_prefill_attention(prefill),
                     "attention_lookahead_ms": lookahead,
-                    "attention_lookahead": tuning.decide_attention_lookahead(lookahead),
+                    "attention_lookahead": tuning_attention.decide_attention_lookahead(lookahead),
                     "forms": forms}
 
         data, hit = tuning.cached(self._forms_key, measure, refresh=refresh)

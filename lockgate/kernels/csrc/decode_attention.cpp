@@ -562,9 +562,9 @@ constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefe
 // while the item computes and the core idles while it reads; a short run (decode, guess rows) that
 // prefetches the next item's rows during its value pass (step, once per key pair and kv head)
 // lets the next item skip touch_rows, its rows arriving while this one works. On the AMD EPYC Zen
-// 4 class CPU (2 threads, pool on huge pages) decode at 321 keys took 8-10% less time at b = 32
-// and 128; on the Zen 5 class, round 22's forms of it (one thread) were slower: hence measured,
-// per CPU (docs/performance.md, round 24). Which cache level a row comes from is all it changes:
+// 4 class CPU (2 threads, pool on huge pages) decode at 321 keys took 9% less time at b = 32 and
+// 12% at b = 128; on the Zen 5 class, round 22's forms of it (one thread) were slower: hence
+// measured, per CPU (docs/performance.md, round 24). Which cache level a row comes from is all it changes:
 // never what is computed.
 std::atomic<bool> g_lookahead{false};
 

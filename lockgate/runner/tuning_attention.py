@@ -1,0 +1,171 @@
+"""Measured attention choices: decode attention on lockgate's kernel or gathers + SDPA, prefill
+attention on the kernel or SDPA, and the kernel's look-ahead on or off.
+
+Owns timing the attention paths at a model's head shapes on the CPU at hand and turning the
+timings into decisions. Called by ``lockgate.runner.model_runner`` while it measures the matmul
+forms; the figures and decisions are stored in the same "forms" table (``lockgate.runner.tuning``
+keeps the cache) and printed by ``lockgate tune``. Invariant: each ``decide_*`` depends only on
+the stored figures, so a cached table gives the decision it gave when measured; nothing here reads
+CPU flags to decide.
+
+* Decode attention (``decide_attention``): lockgate's kernel unless SDPA is at least
+  ``ATTENTION_MARGIN`` faster, since the kernel also makes a sequence's result independent of its
+  batch and enables the one-call step.
+* Prefill attention (``decide_prefill_attention``): the whole step on lockgate's kernel
+  (``prefill_attention``: every token causal over its own keys) unless SDPA (causal, flash) is at
+  least ``PREFILL_ATTENTION_MARGIN`` faster on fresh prompts of 256 and 1,024 tokens (4 layers
+  timed; on the Zen 5 class CPU the kernel took 0.61 vs 1.1 ms per layer at 256 tokens, 8.1 vs
+  10.6 at 1,024).
+* The kernel's look-ahead (``decide_attention_lookahead``: prefetching the next work item's K/V
+  rows while one computes, ``lockgate::set_attention_lookahead``): on when a decode step of
+  ``LOOKAHEAD_BATCH`` sequences at ``LOOKAHEAD_CONTEXT`` keys, every layer of a pool too large
+  for the caches, is at least ``LOOKAHEAD_MARGIN`` faster with it (paired rounds): 9-12% faster
+  at 32 and 128 sequences on the Zen 4 class CPU of round 24; round 22's forms of it were slower
+  on the Zen 5 class. It changes which cache level a row is read from, never a result.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from lockgate.layers.attention import AttentionMetadata, paged_attention
+
+ATTENTION_ROUNDS = 3  # paired rounds per decode / prefill attention measurement
+ATTENTION_MARGIN = 0.25
+PREFILL_ATTENTION_MARGIN = 0.10
+PREFILL_ATTENTION_TOKENS = (256, 1024)  # fresh prompts timed for the prefill attention choice
+LOOKAHEAD_MARGIN = 0.03
+LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT, LOOKAHEAD_ROUNDS = 32, 320, 7  # the decode step timed for the look-ahead
+
+
+def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
+                      batch: int = 16, context: int = 256, rounds: int = ATTENTION_ROUNDS) -> dict[str, list[float]]:
+    """Per-round ms of a decode step's attention over ``layers`` layers (batch sequences of
+    ``context`` keys, each one contiguous run of a synthetic pool), on lockgate's kernel and
+    on gathers + SDPA."""
+    g = torch.Generator().manual_seed(0)
+    cap = batch * context
+    k_cache = torch.randn(layers, cap, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(layers, cap, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
+    ones = np.ones(batch, np.int64)
+    seq = np.full(batch, context, np.int64)
+    slots = np.arange(cap, dtype=np.int64)
+    offsets = np.arange(0, cap + 1, context, dtype=np.int64)
+    out_slots = offsets[1:] - 1
+    metas = {name: AttentionMetadata.build(ones, seq, slots, offsets, out_slots, num_heads // num_kv_heads,
+                                           decode_kernel=name == "kernel") for name in ("kernel", "sdpa")}
+    scale = 1.0 / math.sqrt(head_dim)
+    times: dict[str, list[float]] = {n: [] for n in metas}
+    with torch.inference_mode():
+        for meta in metas.values():
+            paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
+        for rnd in range(rounds):
+            names = list(metas)[rnd % 2:] + list(metas)[:rnd % 2]
+            for name in names:
+                t0 = time.perf_counter()
+                for i in range(layers):
+                    paged_attention(q, None, None, k_cache[i], v_cache[i], metas[name], scale)
+                times[name].append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def measure_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                              layers: int = 4, rounds: int = ATTENTION_ROUNDS) -> dict[str, list[float]]:
+    """Per-round ms of ``layers`` layers' attention for fresh prompts of each of
+    ``PREFILL_ATTENTION_TOKENS`` tokens (one contiguous run of a synthetic pool, as a new prompt
+    gets), on lockgate's prefill kernel and on SDPA's causal path; a round sums the sizes."""
+    g = torch.Generator().manual_seed(0)
+    cap = max(PREFILL_ATTENTION_TOKENS)
+    k_cache = torch.randn(layers, cap, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(layers, cap, num_kv_heads, head_dim, generator=g).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    cases = []
+    for n in PREFILL_ATTENTION_TOKENS:
+        q = torch.randn(n, num_heads, head_dim, generator=g).to(dtype)
+        lens, slots = np.array([n], np.int64), np.arange(n, dtype=np.int64)
+        offsets = np.array([0, n], np.int64)
+        metas = {name: AttentionMetadata.build(lens, lens, slots, offsets, slots, num_heads // num_kv_heads,
+                                               decode_kernel=True, prefill_kernel=name == "kernel")
+                 for name in ("kernel", "sdpa")}
+        cases.append((q, metas))
+    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    with torch.inference_mode():
+        for q, metas in cases:
+            for meta in metas.values():
+                paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
+        for rnd in range(rounds):
+            names = ["kernel", "sdpa"][rnd % 2:] + ["kernel", "sdpa"][:rnd % 2]
+            for name in names:
+                t0 = time.perf_counter()
+                for q, metas in cases:
+                    for i in range(layers):
+                        paged_attention(q, None, None, k_cache[i], v_cache[i], metas[name], scale)
+                times[name].append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                layers: int, rounds: int = LOOKAHEAD_ROUNDS) -> dict[str, list[float]]:
+    """Per-round ms of a decode step's attention (``LOOKAHEAD_BATCH`` sequences of
+    ``LOOKAHEAD_CONTEXT`` keys, each one contiguous run, over ``layers`` layers of a pool of that
+    size) on lockgate's kernel with its look-ahead off and on; {} where the switch changes
+    nothing (the look-ahead is the AVX512-BF16 path's: a bf16 pool in a build that has it). The
+    switch is left as it was."""
+    ops = torch.ops.lockgate
+    if dtype != torch.bfloat16 or not ops.bf16_linear_available():
+        return {}
+    batch, context = LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT
+    cap = batch * context
+    # constant keys and values: the kernel's time does not depend on them, and filling is fast
+    k_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.5, dtype=dtype)
+    v_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.25, dtype=dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    slots = np.arange(cap, dtype=np.int64)
+    offsets = np.arange(0, cap + 1, context, dtype=np.int64)
+    meta = AttentionMetadata.build(np.ones(batch, np.int64), np.full(batch, context, np.int64), slots, offsets,
+                                   offsets[1:] - 1, num_heads // num_kv_heads, decode_kernel=True)
+    scale = 1.0 / math.sqrt(head_dim)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    before = ops.set_attention_lookahead(False)
+    try:
+        with torch.inference_mode():
+            paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
+            for rnd in range(rounds):
+                for name in (["off", "on"] if rnd % 2 == 0 else ["on", "off"]):
+                    ops.set_attention_lookahead(name == "on")
+                    t0 = time.perf_counter()
+                    for i in range(layers):
+                        paged_attention(q, None, None, k_cache[i], v_cache[i], meta, scale)
+                    times[name].append(1e3 * (time.perf_counter() - t0))
+    finally:
+        ops.set_attention_lookahead(before)
+    return times
+
+
+def decide_attention_lookahead(times: dict[str, list[float]], margin: float = LOOKAHEAD_MARGIN) -> str:
+    """"on" when the paired ratio on / off has a median <= 1 - margin; else "off" (the plainer
+    schedule; also when nothing was measured)."""
+    ratios = [a / b for a, b in zip(times.get("on", []), times.get("off", []), strict=False) if b > 0]
+    return "on" if ratios and statistics.median(ratios) <= 1 - margin else "off"
+
+
+def decide_prefill_attention(times: dict[str, list[float]], margin: float = PREFILL_ATTENTION_MARGIN) -> str:
+    """"kernel" unless SDPA's paired ratio to it has a median <= 1 - margin (or nothing was measured: "sdpa")."""
+    if not times.get("kernel"):
+        return "sdpa"
+    ratios = [s / k for s, k in zip(times.get("sdpa", []), times["kernel"], strict=False) if k > 0]
+    return "sdpa" if ratios and statistics.median(ratios) <= 1 - margin else "kernel"
+
+
+def decide_attention(times: dict[str, list[float]], margin: float = ATTENTION_MARGIN) -> str:
+    """"kernel" unless SDPA's paired ratio to it has a median <= 1 - margin."""
+    if "kernel" not in times or not times["kernel"]:
+        return "sdpa"
+    ratios = [s / k for s, k in zip(times.get("sdpa", []), times["kernel"], strict=False) if k > 0]
+    return "sdpa" if ratios and statistics.median(ratios) <= 1 - margin else "kernel"
