@@ -421,16 +421,16 @@ class ModelRunner:
         def measure() -> dict[str, Any]:
             log.info("measuring the matmul forms at this model's shapes (once per CPU, threads and shape)")
             samples = tuning.measure_forms(roles, self.dtype) if any(len(f) > 1 for f in forms.values()) else {}
-            attention = tuning_attention.measure_attention(args.num_heads, args.num_kv_heads, args.head_dim, self.dtype,
-                                                 args.num_layers) if self.cpu_kernels else {}
-            prefill = tuning_attention.measure_prefill_attention(args.num_heads, args.num_kv_heads, args.head_dim,
-                                                       self.dtype) if self.cpu_kernels else {}
-            lookahead = tuning_attention.measure_attention_lookahead(args.num_heads, args.num_kv_heads, args.head_dim,
-                                                           self.dtype, args.num_layers) if self.cpu_kernels else {}
+            heads = (args.num_heads, args.num_kv_heads, args.head_dim, self.dtype)
+            attention = tuning_attention.measure_attention(*heads, args.num_layers) if self.cpu_kernels else {}
+            prefill = tuning_attention.measure_prefill_attention(*heads) if self.cpu_kernels else {}
+            lookahead = (tuning_attention.measure_attention_lookahead(*heads, args.num_layers)
+                         if self.cpu_kernels else {})
             choices = tuning.decide(samples)
             return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
                     "attention_ms": attention, "attention": tuning_attention.decide_attention(attention),
-                    "prefill_attention_ms": prefill, "prefill_attention": tuning_attention.decide_prefill_attention(prefill),
+                    "prefill_attention_ms": prefill,
+                    "prefill_attention": tuning_attention.decide_prefill_attention(prefill),
                     "attention_lookahead_ms": lookahead,
                     "attention_lookahead": tuning_attention.decide_attention_lookahead(lookahead),
                     "forms": forms}

@@ -41,6 +41,7 @@ PREFILL_ATTENTION_MARGIN = 0.10
 PREFILL_ATTENTION_TOKENS = (256, 1024)  # fresh prompts timed for the prefill attention choice
 LOOKAHEAD_MARGIN = 0.03
 LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT, LOOKAHEAD_ROUNDS = 32, 320, 7  # the decode step timed for the look-ahead
+LOOKAHEAD_POOL_BYTES = 256 << 20  # per K and V pool of that measurement (the default model's 30 layers: 118 MB)
 
 
 def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
@@ -114,14 +115,16 @@ def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int
                                 layers: int, rounds: int = LOOKAHEAD_ROUNDS) -> dict[str, list[float]]:
     """Per-round ms of a decode step's attention (``LOOKAHEAD_BATCH`` sequences of
     ``LOOKAHEAD_CONTEXT`` keys, each one contiguous run, over ``layers`` layers of a pool of that
-    size) on lockgate's kernel with its look-ahead off and on; {} where the switch changes
-    nothing (the look-ahead is the AVX512-BF16 path's: a bf16 pool in a build that has it). The
-    switch is left as it was."""
+    size, fewer where the pool would pass ``LOOKAHEAD_POOL_BYTES``) on lockgate's kernel with its
+    look-ahead off and on; {} where the switch changes nothing (the look-ahead is the AVX512-BF16
+    path's: a bf16 pool in a build that has it). The switch is left as it was."""
     ops = torch.ops.lockgate
     if dtype != torch.bfloat16 or not ops.bf16_linear_available():
         return {}
     batch, context = LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT
     cap = batch * context
+    # far beyond any cache, yet a bounded transient beside the model: at most LOOKAHEAD_POOL_BYTES a pool
+    layers = max(2, min(layers, LOOKAHEAD_POOL_BYTES // (cap * num_kv_heads * head_dim * dtype.itemsize)))
     # constant keys and values: the kernel's time does not depend on them, and filling is fast
     k_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.5, dtype=dtype)
     v_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.25, dtype=dtype)
