@@ -74,7 +74,7 @@ from lockgate.runner.tuning_attention import LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT,
 
 log = logging.getLogger("lockgate.tuning")
 
-TUNING_VERSION = 6  # bump when what is measured or how it is decided changes
+TUNING_VERSION = 7  # bump when what is measured or how it is decided changes
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEAD_MAX_ROWS = 256
 ROUNDS = 3

@@ -41,6 +41,7 @@ PREFILL_ATTENTION_MARGIN = 0.10
 PREFILL_ATTENTION_TOKENS = (256, 1024)  # fresh prompts timed for the prefill attention choice
 LOOKAHEAD_MARGIN = 0.03
 LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT, LOOKAHEAD_ROUNDS = 32, 320, 7  # the decode step timed for the look-ahead
+LOOKAHEAD_PROMPT = 256  # of those keys, the prompt's (one run); the rest decoded, interleaved
 LOOKAHEAD_POOL_BYTES = 256 << 20  # per K and V pool of that measurement (the default model's 30 layers: 118 MB)
 
 
@@ -114,7 +115,8 @@ def measure_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, 
 def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                                 layers: int, rounds: int = LOOKAHEAD_ROUNDS) -> dict[str, list[float]]:
     """Per-round ms of a decode step's attention (``LOOKAHEAD_BATCH`` sequences of
-    ``LOOKAHEAD_CONTEXT`` keys, each one contiguous run, over ``layers`` layers of a pool of that
+    ``LOOKAHEAD_CONTEXT`` keys: ``LOOKAHEAD_PROMPT`` in one run, the rest one per decode step
+    interleaved with the others'; over ``layers`` layers of a pool of that
     size, fewer where the pool would pass ``LOOKAHEAD_POOL_BYTES``) on lockgate's kernel with its
     look-ahead off and on; {} where the switch changes nothing (the look-ahead is the AVX512-BF16
     path's: a bf16 pool in a build that has it). The switch is left as it was."""
@@ -129,10 +131,16 @@ def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int
     k_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.5, dtype=dtype)
     v_cache = torch.full((layers, cap, num_kv_heads, head_dim), 0.25, dtype=dtype)
     q = torch.randn(batch, num_heads, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
-    slots = np.arange(cap, dtype=np.int64)
+    # slots as the scheduler leaves them: each sequence's prompt one run, then the tokens decoded
+    # since, one slot per step, interleaved with the batch's (the look-ahead's gain is there: the
+    # hardware prefetchers follow the prompt runs by themselves)
+    prompt, decoded = LOOKAHEAD_PROMPT, context - LOOKAHEAD_PROMPT
+    steps = batch * prompt + np.arange(decoded, dtype=np.int64) * batch
+    slots = np.concatenate([np.concatenate([np.arange(b * prompt, (b + 1) * prompt, dtype=np.int64), steps + b])
+                            for b in range(batch)])
     offsets = np.arange(0, cap + 1, context, dtype=np.int64)
     meta = AttentionMetadata.build(np.ones(batch, np.int64), np.full(batch, context, np.int64), slots, offsets,
-                                   offsets[1:] - 1, num_heads // num_kv_heads, decode_kernel=True)
+                                   slots[offsets[1:] - 1], num_heads // num_kv_heads, decode_kernel=True)
     scale = 1.0 / math.sqrt(head_dim)
     times: dict[str, list[float]] = {"off": [], "on": []}
     before = ops.set_attention_lookahead(False)
