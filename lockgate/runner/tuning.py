@@ -3,8 +3,8 @@
 Owns timing the forms a loaded model's projections have (``lockgate.layers.forms``) at that
 model's shapes on the CPU at hand, turning the timings into one ``FormChoice`` per projection
 role (qkv, o, gate_up, down, head), choosing ``--dtype auto`` the same way, and caching these
-and the attention choices (``tuning_attention``) on disk. Nothing here reads CPU flags to decide: flags only go
-into the cache key and the log.
+and the attention choices (``tuning_attention``) on disk. Nothing here reads CPU flags to
+decide: flags only go into the cache key and the log.
 
 How a measurement runs (``measure_forms``), built to survive a noisy, shared host:
 

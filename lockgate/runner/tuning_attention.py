@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -43,6 +45,35 @@ LOOKAHEAD_MARGIN = 0.03
 LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT, LOOKAHEAD_ROUNDS = 32, 320, 7  # the decode step timed for the look-ahead
 LOOKAHEAD_PROMPT = 256  # of those keys, the prompt's (one run); the rest decoded, interleaved
 LOOKAHEAD_POOL_BYTES = 256 << 20  # per K and V pool of that measurement (the default model's 30 layers: 118 MB)
+
+
+
+def _paired_rounds(passes: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Per-round ms of each pass (one warm-up call each first); within a round every pass runs
+    once, and the order rotates from round to round, so drifts of the host hit them alike."""
+    names = list(passes)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    with torch.inference_mode():
+        for run in passes.values():
+            run()
+        for rnd in range(rounds):
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                t0 = time.perf_counter()
+                passes[name]()
+                times[name].append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def _paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float | None:
+    """The median over rounds of a's time / b's (None when nothing was measured)."""
+    ratios = [x / y for x, y in zip(times.get(a, []), times.get(b, []), strict=False) if y > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def _layers_pass(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, layers: int) -> None:
+    for i in range(layers):
+        paged_attention(q, None, None, k_cache[i], v_cache[i], meta, scale)
 
 
 def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
@@ -63,18 +94,8 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
     metas = {name: AttentionMetadata.build(ones, seq, slots, offsets, out_slots, num_heads // num_kv_heads,
                                            decode_kernel=name == "kernel") for name in ("kernel", "sdpa")}
     scale = 1.0 / math.sqrt(head_dim)
-    times: dict[str, list[float]] = {n: [] for n in metas}
-    with torch.inference_mode():
-        for meta in metas.values():
-            paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
-        for rnd in range(rounds):
-            names = list(metas)[rnd % 2:] + list(metas)[:rnd % 2]
-            for name in names:
-                t0 = time.perf_counter()
-                for i in range(layers):
-                    paged_attention(q, None, None, k_cache[i], v_cache[i], metas[name], scale)
-                times[name].append(1e3 * (time.perf_counter() - t0))
-    return times
+    return _paired_rounds({name: partial(_layers_pass, q, k_cache, v_cache, meta, scale, layers)
+                           for name, meta in metas.items()}, rounds)
 
 
 def measure_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -96,20 +117,12 @@ def measure_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, 
                                                decode_kernel=True, prefill_kernel=name == "kernel")
                  for name in ("kernel", "sdpa")}
         cases.append((q, metas))
-    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
-    with torch.inference_mode():
+
+    def prompts(name: str) -> None:
         for q, metas in cases:
-            for meta in metas.values():
-                paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
-        for rnd in range(rounds):
-            names = ["kernel", "sdpa"][rnd % 2:] + ["kernel", "sdpa"][:rnd % 2]
-            for name in names:
-                t0 = time.perf_counter()
-                for q, metas in cases:
-                    for i in range(layers):
-                        paged_attention(q, None, None, k_cache[i], v_cache[i], metas[name], scale)
-                times[name].append(1e3 * (time.perf_counter() - t0))
-    return times
+            _layers_pass(q, k_cache, v_cache, metas[name], scale, layers)
+
+    return _paired_rounds({name: partial(prompts, name) for name in ("kernel", "sdpa")}, rounds)
 
 
 def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -142,41 +155,39 @@ def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int
     meta = AttentionMetadata.build(np.ones(batch, np.int64), np.full(batch, context, np.int64), slots, offsets,
                                    slots[offsets[1:] - 1], num_heads // num_kv_heads, decode_kernel=True)
     scale = 1.0 / math.sqrt(head_dim)
-    times: dict[str, list[float]] = {"off": [], "on": []}
+
+    def step(on: bool) -> None:
+        ops.set_attention_lookahead(on)
+        _layers_pass(q, k_cache, v_cache, meta, scale, layers)
+
     before = ops.set_attention_lookahead(False)
     try:
-        with torch.inference_mode():
-            paged_attention(q, None, None, k_cache[0], v_cache[0], meta, scale)
-            for rnd in range(rounds):
-                for name in (["off", "on"] if rnd % 2 == 0 else ["on", "off"]):
-                    ops.set_attention_lookahead(name == "on")
-                    t0 = time.perf_counter()
-                    for i in range(layers):
-                        paged_attention(q, None, None, k_cache[i], v_cache[i], meta, scale)
-                    times[name].append(1e3 * (time.perf_counter() - t0))
+        return _paired_rounds({"off": partial(step, False), "on": partial(step, True)}, rounds)
     finally:
         ops.set_attention_lookahead(before)
-    return times
 
 
 def decide_attention_lookahead(times: dict[str, list[float]], margin: float = LOOKAHEAD_MARGIN) -> str:
     """"on" when the paired ratio on / off has a median <= 1 - margin; else "off" (the plainer
     schedule; also when nothing was measured)."""
-    ratios = [a / b for a, b in zip(times.get("on", []), times.get("off", []), strict=False) if b > 0]
-    return "on" if ratios and statistics.median(ratios) <= 1 - margin else "off"
+    ratio = _paired_ratio(times, "on", "off")
+    return "on" if ratio is not None and ratio <= 1 - margin else "off"
+
+
+def _kernel_unless_sdpa_faster(times: dict[str, list[float]], margin: float) -> str:
+    """"kernel" unless SDPA's paired ratio to it has a median <= 1 - margin; "sdpa" when the
+    kernel was not measured (not built)."""
+    if not times.get("kernel"):
+        return "sdpa"
+    ratio = _paired_ratio(times, "sdpa", "kernel")
+    return "sdpa" if ratio is not None and ratio <= 1 - margin else "kernel"
 
 
 def decide_prefill_attention(times: dict[str, list[float]], margin: float = PREFILL_ATTENTION_MARGIN) -> str:
-    """"kernel" unless SDPA's paired ratio to it has a median <= 1 - margin (or nothing was measured: "sdpa")."""
-    if not times.get("kernel"):
-        return "sdpa"
-    ratios = [s / k for s, k in zip(times.get("sdpa", []), times["kernel"], strict=False) if k > 0]
-    return "sdpa" if ratios and statistics.median(ratios) <= 1 - margin else "kernel"
+    """The prefill attention path (``_kernel_unless_sdpa_faster``)."""
+    return _kernel_unless_sdpa_faster(times, margin)
 
 
 def decide_attention(times: dict[str, list[float]], margin: float = ATTENTION_MARGIN) -> str:
-    """"kernel" unless SDPA's paired ratio to it has a median <= 1 - margin."""
-    if "kernel" not in times or not times["kernel"]:
-        return "sdpa"
-    ratios = [s / k for s, k in zip(times.get("sdpa", []), times["kernel"], strict=False) if k > 0]
-    return "sdpa" if ratios and statistics.median(ratios) <= 1 - margin else "kernel"
+    """The decode attention path (``_kernel_unless_sdpa_faster``)."""
+    return _kernel_unless_sdpa_faster(times, margin)

@@ -564,8 +564,9 @@ constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefe
 // lets the next item skip touch_rows, its rows arriving while this one works. On the AMD EPYC Zen
 // 4 class CPU (2 threads, pool on huge pages) decode at 321 keys took 9% less time at b = 32 and
 // 12% at b = 128; on the Zen 5 class, round 22's forms of it (one thread) were slower: hence
-// measured, per CPU (docs/performance.md, round 24). Which cache level a row comes from is all it changes:
-// never what is computed.
+// measured, per CPU (docs/performance.md, round 24). Which cache level a row comes from is all it
+// changes: never what is computed. An item's start() with no next item leaves it inactive, so the
+// first item of a stripe (its thread's previous item ended another stripe) reads its own rows.
 std::atomic<bool> g_lookahead{false};
 
 struct Ahead {
@@ -1071,9 +1072,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const float sc = static_cast<float>(scale);
   // Stripes of items are taken from a shared counter; which thread runs an item changes nothing in
   // its result.
-#if defined(__AVX512F__)
-  const bool lookahead = g_lookahead.load(std::memory_order_relaxed);  // (read by the bf16 path)
-  (void)lookahead;
+#if defined(__AVX512BF16__)
+  const bool lookahead = g_lookahead.load(std::memory_order_relaxed);  // once per call: Ahead
 #endif
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(ni, at::get_num_threads()));
   const std::vector<int64_t> stripe = stripes(items, tk, workers);
@@ -1091,7 +1091,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
         // a short run asks for the next item's rows (if it reads its chunk first) during its value pass
-        scratch.fetched = i > stripe[st] && scratch.ahead.active();
+        scratch.fetched = scratch.ahead.active();  // the thread's previous item asked for this one's rows
         const Item* nx = lookahead && it.t1 - it.t0 <= kInPlaceTokens && i + 1 < stripe[st + 1] && items[i + 1].first
                              ? &items[i + 1] : nullptr;
         scratch.ahead.start(kc, vc, nx ? sl + tk.base[nx->t0] + nx->chunk * kChunkKeys : sl, nx ? keys_of(*nx, tk) : 0,
