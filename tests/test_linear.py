@@ -484,6 +484,14 @@ def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
     assert cheapest_invariant(o, samples) == PromptForm("dense", 1)
     assert cheapest_invariant({"dense": None, "int-gemm": 2}, samples) == PromptForm("int-gemm", 2)
     assert cheapest_invariant(o, {}) == PromptForm("int-gemm", 2)  # nothing measured: the integer GEMM
+    # cached floors naming a form one of the role's projections lacks (not built at this start)
+    # are not picked: that projection's prompt rows would go by row count under the form's name
+    from lockgate.runner.row_invariance import built_floors
+
+    lacking = Linear(w)
+    assert built_floors(o, [good, lacking]) == {"dense": 1}
+    assert first_invariant(built_floors(o, [good, lacking]), ["int-gemm", "dense"]) == PromptForm("dense", 1)
+    assert first_invariant(built_floors({"int-gemm": 2}, [good, lacking]), ["int-gemm", "dense"]) is None
     # --exact-prefill's check stops at a role's first invariant candidate; the later ones are never called
     first, later = _CountedForm(w, 1), _CountedForm(w, 1)
     lin = Linear(w)

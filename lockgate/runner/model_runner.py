@@ -372,8 +372,9 @@ class ModelRunner:
             "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
             refresh=cfg.tuning == "refresh")
         samples = info.get("samples") or {}
-        picks = {role: row_invariance.cheapest_invariant(data["floors"].get(role, {}), samples.get(role, {}))
-                 if cfg.deterministic else row_invariance.first_invariant(data["floors"].get(role, {}), candidates[role])
+        floors = {role: row_invariance.built_floors(data["floors"].get(role, {}), lins) for role, lins in roles.items()}
+        picks = {role: row_invariance.cheapest_invariant(floors[role], samples.get(role, {}))
+                 if cfg.deterministic else row_invariance.first_invariant(floors[role], candidates[role])
                  for role in roles}
         lacking = [role for role, pick in picks.items() if pick is None]
         if lacking:
@@ -385,8 +386,7 @@ class ModelRunner:
             for lin in lins:
                 if cfg.deterministic:
                     lin.choose(FormChoice.single(self.prompt_forms[role].name))
-                if self.prompt_forms[role].name in lin.forms:
-                    lin.set_prompt_form(self.prompt_forms[role])
+                lin.set_prompt_form(self.prompt_forms[role])  # built on every projection (built_floors)
         self.decode_kernel = self.prefill_kernel = True  # every token's attention: one kernel row over its keys
         self.model.ops.forget()
         a = self.model.args

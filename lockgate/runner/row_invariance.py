@@ -21,6 +21,9 @@ The two choices (``lockgate.runner.model_runner`` applies them to ``Linear.set_p
   row-invariant candidate whose medians summed over the measured row counts are least
   (``tuning.one_form_cost``; the integer GEMM when nothing was measured).
 
+Both pick only among forms every projection of the role has (``built_floors``): the floors are
+cached, the forms built at each start.
+
 Torch only for the check; the choices are plain dictionaries.
 """
 
@@ -116,6 +119,14 @@ def candidates_for(choices: dict[str, FormChoice]) -> dict[str, list[str]]:
     is checked on those it has)."""
     return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "bf16-gemm", "dense", DETERMINISTIC_FORM]))
             for role, c in choices.items()}
+
+
+def built_floors(floors: dict[str, int | None], projections: list[Any]) -> dict[str, int | None]:
+    """``floors`` without the forms some of ``projections`` (one role's) lack. The floors come from
+    a cache kept per machine and model: a form a later start did not build (another --matmul-forms,
+    a kernel that failed to compile) must not be picked, or its role's prompt rows would quietly
+    go by row count while the start-up log names the form."""
+    return {f: fl for f, fl in floors.items() if all(f in lin.forms for lin in projections)}
 
 
 def first_invariant(floors: dict[str, int | None], candidates: list[str]) -> PromptForm | None:
