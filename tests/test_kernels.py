@@ -9,6 +9,7 @@ has its own tests in tests/test_attention.py.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,18 @@ def test_cpu_kernels_off_and_bad_mode(monkeypatch) -> None:
     assert k.load("auto") is False
     with pytest.raises(ValueError, match="--cpu-kernels"):
         k.load("sometimes")
+
+
+def test_kernel_march_override_names_its_own_build_and_rejects_junk(monkeypatch) -> None:
+    monkeypatch.delenv(kernels.MARCH_ENV, raising=False)
+    native = kernels.build_name()
+    assert kernels.march() == "native" and "-march=native" in kernels.cflags()
+    monkeypatch.setenv(kernels.MARCH_ENV, "x86-64-v3")
+    assert "-march=x86-64-v3" in kernels.cflags()
+    assert kernels.build_name() != native  # never the native build's library under another target
+    monkeypatch.setenv(kernels.MARCH_ENV, "native; rm -rf /")
+    with pytest.raises(ValueError, match="LOCKGATE_KERNEL_MARCH must name a compiler target"):
+        kernels.cflags()
 
 
 def test_silu_edges_match_torch(ops) -> None:
@@ -395,10 +408,24 @@ def test_int_linear_rejects_bad_input(ops) -> None:
         ops.int_linear(x, q.packed, q.scales, q.zeros, 3)
 
 
+def _build_target_flags() -> set[str]:
+    """The instruction sets the kernels were compiled for, in /proc/cpuinfo's names: the CPU's own
+    flags for -march=native, else what the compiler defines for $LOCKGATE_KERNEL_MARCH."""
+    if kernels.march() == "native":
+        return set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    macros = subprocess.run([os.environ.get("CXX", "c++"), f"-march={kernels.march()}", "-dM", "-E", "-x", "c++",
+                             os.devnull], capture_output=True, text=True, check=True).stdout.split()
+    names = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVXVNNI__": "avx_vnni",
+             "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VNNI__": "avx512_vnni",
+             "__AVX512BF16__": "avx512_bf16"}
+    return {flag for macro, flag in names.items() if macro in macros}
+
+
 def test_int_linear_builds_the_vector_path_the_cpu_has(ops) -> None:
     # Built with -march=native: the widest path the CPU can run must be compiled in (else large
-    # float32 calls would silently fall back to the scalar loop).
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    # float32 calls would silently fall back to the scalar loop); with $LOCKGATE_KERNEL_MARCH, the
+    # widest that target has.
+    flags = _build_target_flags()
     if {"avx512bw", "avx512_vnni"} <= flags:
         want = "avx512-vnni"
     elif "avx512bw" in flags:

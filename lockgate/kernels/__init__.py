@@ -21,7 +21,8 @@ contracts are documented at the top of each source file:
   scheduler process, ``lockgate.engine.process.pin_torch_threads``).
 
 Building: ``torch.utils.cpp_extension.load`` compiles the sources with the machine's C++
-compiler (``-O3 -march=native``: the code is built where it runs) into
+compiler (``-O3 -march=native``: the code is built where it runs; ``$LOCKGATE_KERNEL_MARCH`` names
+another target, e.g. ``haswell``, to run a CPU without AVX-512's paths here) into
 ``$LOCKGATE_CACHE_DIR/kernels/<name>`` (default ``~/.cache/lockgate/kernels``), where ``<name>``
 carries a hash of the sources' content, the flags, the torch version, the compiler and the CPU's
 feature flags, so a changed source, torch, compiler or CPU builds anew and no stale build is ever
@@ -48,6 +49,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -61,7 +63,22 @@ log = logging.getLogger("lockgate.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+MARCH_ENV = "LOCKGATE_KERNEL_MARCH"  # the -march the kernels are built for; default native
+
+
+def march() -> str:
+    """The target the kernels are compiled for: ``native`` (this CPU), or ``$LOCKGATE_KERNEL_MARCH``
+    (e.g. ``haswell`` or ``x86-64-v3`` for AVX2 + FMA without AVX-512, ``x86-64-v2`` for neither),
+    to run and test the paths of a CPU without the instructions this one has."""
+    value = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", value):
+        raise ValueError(f"{MARCH_ENV} must name a compiler target such as native, haswell or x86-64-v3; "
+                         f"got {value!r}")
+    return value
+
+
+def cflags() -> tuple[str, ...]:
+    return ("-O3", f"-march={march()}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 MODES = ("auto", "off")
 BUILT = "BUILT"  # written into a build directory once its library compiled and loaded
 PROGRESS_EVERY = 15.0  # seconds between "still compiling" lines
@@ -102,7 +119,7 @@ def build_name() -> str:
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    for part in (" ".join(CFLAGS), torch.__version__, _compiler_version(), _cpu_flags()):
+    for part in (" ".join(cflags()), torch.__version__, _compiler_version(), _cpu_flags()):
         h.update(part.encode())
     return f"lockgate_cpu_{h.hexdigest()[:12]}"
 
@@ -196,7 +213,7 @@ def _compile(name: str, where: Path) -> None:
     ticker = threading.Thread(target=progress, name="kernel-build-progress", daemon=True)
     ticker.start()
     try:
-        cpp_extension.load(name=name, sources=[str(src / s.name) for s in SOURCES], extra_cflags=list(CFLAGS),
+        cpp_extension.load(name=name, sources=[str(src / s.name) for s in SOURCES], extra_cflags=list(cflags()),
                            extra_include_paths=[str(src)], build_directory=str(where),
                            is_python_module=False, verbose=False)
     finally:
