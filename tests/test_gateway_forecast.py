@@ -232,8 +232,10 @@ def test_forecast_routing_eta_and_hit_attribution() -> None:
         assert (r2["replica"], r2["reason"], r2["matched_blocks"]) == (home, "match", "6"), r2
         assert float(r2["est_ttft_s"]) < 0.2
         # ... unless the queue there clearly outweighs the prefill saved (~0.4 s, counted twice, plus the
-        # policy's margin: ~1.3 s in all): ~6,000 tokens (~3 s) queued at home
-        threads = occupy(home, [f"busy {i} " + chr(75 + i) * 1500 for i in range(4)])
+        # policy's margin: ~1.3 s in all): ~9,000 tokens (~4.5 s) queued at home, so that the ETA
+        # stays above 2 s for more than one of the gateway's 1 s polls (with 6,000 it did for ~0.5 s,
+        # and the wait below missed it when the streams reached the scheduler one by one)
+        threads = occupy(home, [f"busy {i} " + chr(75 + i) * 1500 for i in range(6)])
         wait_until(lambda: gateway_view(gw)[home]["forecast"]["queue_eta_s"] > 2.0, 5, gw)
         third = complete(gw.url, group + "Q2")
         r3 = route_of(third)

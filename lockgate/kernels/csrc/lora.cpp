@@ -23,8 +23,8 @@
 // tile, blocks outside every rank row's span skipped). Parallel over tiles.
 //
 // Invariants: a row's result depends only on that row and its slot's weights, never on the other
-// rows or their number: every sum runs in the same order whatever the tile (batch-invariant, as
-// the deterministic mode needs).
+// rows or their number: every sum runs in the same order, with the same roundings (mul_add),
+// whatever the tile (batch-invariant, as the deterministic mode needs).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -64,7 +64,7 @@ void tile(T* yp, int64_t ys, const float* xr, const int64_t* rows, const Slot& s
       for (int64_t l = 0; l < kLanes; ++l) av[l] = widen(arow[l]);
       for (int m = 0; m < M; ++m) {
         const float xi = xr[m * k + i];
-        for (int64_t l = 0; l < kLanes; ++l) acc[m][l] += xi * av[l];
+        for (int64_t l = 0; l < kLanes; ++l) acc[m][l] = mul_add(xi, av[l], acc[m][l]);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -84,12 +84,12 @@ void tile(T* yp, int64_t ys, const float* xr, const int64_t* rows, const Slot& s
         for (int64_t l = 0; l < kCols; ++l) bv[l] = widen(brow[l]);
         for (int m = 0; m < M; ++m) {
           const float t = tmp[m * rank + r];
-          for (int64_t l = 0; l < kCols; ++l) acc[m][l] += t * bv[l];
+          for (int64_t l = 0; l < kCols; ++l) acc[m][l] = mul_add(t, bv[l], acc[m][l]);
         }
       } else {
         for (int m = 0; m < M; ++m) {
           const float t = tmp[m * rank + r];
-          for (int64_t l = 0; l < w; ++l) acc[m][l] += t * widen(brow[l]);
+          for (int64_t l = 0; l < w; ++l) acc[m][l] = mul_add(t, widen(brow[l]), acc[m][l]);
         }
       }
     }

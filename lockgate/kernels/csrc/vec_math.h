@@ -1,6 +1,7 @@
 // Small numeric helpers shared by lockgate's CPU kernels: widening/narrowing of bf16 (one value, or
 // 16 lanes on AVX-512: load16 / store16 / round16), an exp that the compiler can vectorise (libm's
-// expf is a scalar call in a loop) and its 16-lane form, and silu on one value or 16 lanes.
+// expf is a scalar call in a loop) and its 16-lane form, silu on one value or 16 lanes, and a
+// multiply-add whose rounding the code fixes rather than the compiler (mul_add).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -15,6 +16,18 @@
 #endif
 
 namespace lockgate {
+
+// a * b + c, rounded once where the target has FMA and twice where it has not, in every caller and
+// template instance alike. Plain `c += a * b` leaves contraction to the compiler, expression by
+// expression: on an AVX2 build it fused the sums of one LoRA tile size and not of another, so a
+// row's result depended on how many rows shared its tile.
+inline float mul_add(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;  // no FMA instruction to contract into
+#endif
+}
 
 inline float widen(float x) { return x; }
 // (by reference, reading the bits: copying the struct by value keeps gcc from vectorising the loop)
