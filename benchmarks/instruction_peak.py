@@ -11,8 +11,8 @@ latency or memory:
 * ``bf16_dot``: ``VDPBF16PS`` on 16 float32 lanes, each adding two bf16 products (4 FLOP per
   lane), where the target has AVX512-BF16 (the bf16 matmul's ceiling); null elsewhere.
 
-Prints one JSON line: machine, command, GFLOP/s per kind for 1 thread and for all (the sum over
-threads). Usage: ``.venv/bin/python benchmarks/instruction_peak.py [--seconds 1.0]``
+Prints one JSON line: machine, command, GFLOP/s per kind for 1 thread and for every CPU the
+process may use (all threads' work over the time from their common start to the last one's end). Usage: ``.venv/bin/python benchmarks/instruction_peak.py [--seconds 1.0]``
 """
 
 from __future__ import annotations
@@ -56,15 +56,19 @@ static float SUM(__m256 v) { float f[8]; _mm256_storeu_ps(f, v); float s = 0; fo
 #define TWELVE(stmt) ONE(stmt, 0) ONE(stmt, 1) ONE(stmt, 2) ONE(stmt, 3) ONE(stmt, 4) ONE(stmt, 5) \
                      ONE(stmt, 6) ONE(stmt, 7) ONE(stmt, 8) ONE(stmt, 9) ONE(stmt, 10) ONE(stmt, 11)
 
-/* kind 0: fp32 FMA, kind 1: bf16 dot products; prints GFLOP/s per thread, then the sum */
+/* kind 0: fp32 FMA, kind 1: bf16 dot products; prints GFLOP/s over all threads */
 int main(int argc, char** argv) {
   int kind = atoi(argv[1]);
   long n = atol(argv[2]);
-  double total = 0;
+  double total = 0, start = 0, end = 0;
   float sink = 0;
 #pragma omp parallel reduction(+ : total, sink)
   {
-    double t = now(), flop = 0;
+    double flop = 0;
+#pragma omp barrier
+#pragma omp single
+    start = now();
+    /* (the single's own barrier: every thread starts after start was taken) */
     if (kind == 0) {
 #if defined(LANES)
       vec a[12];
@@ -90,9 +94,13 @@ int main(int argc, char** argv) {
       flop = (double)n * 12 * 16 * 4;
 #endif
     }
-    total += flop / (now() - t) / 1e9;
+    total += flop;
+#pragma omp barrier
+#pragma omp single
+    end = now();
   }
-  printf("%.1f %g\n", total, (double)sink);
+  /* every thread's work over the time from the common start to the last one's end */
+  printf("%.1f %g\n", total / (end - start) / 1e9, (double)sink);
   return 0;
 }
 """
@@ -113,6 +121,9 @@ def main() -> None:
     cc = os.environ.get("CC", "cc")
     kinds = {"fp32_fma": 0 if has("__AVX512F__", cc) or (has("__AVX2__", cc) and has("__FMA__", cc)) else None,
              "bf16_dot": 1 if has("__AVX512BF16__", cc) else None}
+    cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use
+    if all(kind is None for kind in kinds.values()):
+        raise SystemExit("the compiler's target has neither AVX2 + FMA nor AVX-512: nothing to measure")
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "peak.c", Path(tmp) / "peak"
         src.write_text(SOURCE)
@@ -122,16 +133,17 @@ def main() -> None:
             if kind is None:
                 result[name] = None
                 continue
-            # ~12 multiply-adds a cycle at ~3 GHz: scale the loop count to the wanted time
+            # an iteration is 12 multiply-adds, about one a cycle at ~3 GHz: loops for the wanted time
             n = max(1, int(args.seconds * 3e9 / 12))
             row = {}
-            for label, threads in (("1_thread", 1), ("all_threads", os.cpu_count() or 1)):
+            for label, threads in (("1_thread", 1), ("all_threads", cpus)):
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "spread"}
                 out = subprocess.run([str(exe), str(kind), str(n)], capture_output=True, text=True, check=True,
                                      env=env).stdout.split()
                 row[label] = float(out[0])
             result[name] = row
-    print(json.dumps({"machine": machine(), "command": command(), "gflops": result}))
+    print(json.dumps({"machine": machine(), "command": command(), "threads": {"1_thread": 1, "all_threads": cpus},
+                      "gflops": result}))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ has its own tests in tests/test_attention.py.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -177,6 +176,18 @@ def test_kernel_march_override_names_its_own_build_and_rejects_junk(monkeypatch)
     monkeypatch.setenv(kernels.MARCH_ENV, "native; rm -rf /")
     with pytest.raises(ValueError, match="LOCKGATE_KERNEL_MARCH must name a compiler target"):
         kernels.cflags()
+    # a target the compiler does not know, and one whose instructions this CPU lacks, are refused
+    # before anything is built (a library for another CPU would load and die on its first call)
+    monkeypatch.setenv(kernels.MARCH_ENV, "haswel")
+    with pytest.raises(ValueError, match="the compiler rejects it"):
+        kernels._check_march()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "fpu sse4_2 avx avx2 fma f16c")  # as an AVX2 CPU
+    monkeypatch.setenv(kernels.MARCH_ENV, "x86-64-v4")
+    with pytest.raises(ValueError, match="x86-64-v4 needs avx512bw avx512f, which this CPU lacks"):
+        kernels._check_march()
+    monkeypatch.setenv(kernels.MARCH_ENV, "haswell")
+    kernels._check_march()  # within it: accepted
+    assert kernels.target_flags("x86-64-v2").isdisjoint({"avx2", "avx512f"})
 
 
 def test_silu_edges_match_torch(ops) -> None:
@@ -413,12 +424,7 @@ def _build_target_flags() -> set[str]:
     flags for -march=native, else what the compiler defines for $LOCKGATE_KERNEL_MARCH."""
     if kernels.march() == "native":
         return set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    macros = subprocess.run([os.environ.get("CXX", "c++"), f"-march={kernels.march()}", "-dM", "-E", "-x", "c++",
-                             os.devnull], capture_output=True, text=True, check=True).stdout.split()
-    names = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVXVNNI__": "avx_vnni",
-             "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VNNI__": "avx512_vnni",
-             "__AVX512BF16__": "avx512_bf16"}
-    return {flag for macro, flag in names.items() if macro in macros}
+    return kernels.target_flags(kernels.march())
 
 
 def test_int_linear_builds_the_vector_path_the_cpu_has(ops) -> None:

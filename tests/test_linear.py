@@ -492,6 +492,13 @@ def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
     assert built_floors(o, [good, lacking]) == {"dense": 1}
     assert first_invariant(built_floors(o, [good, lacking]), ["int-gemm", "dense"]) == PromptForm("dense", 1)
     assert first_invariant(built_floors({"int-gemm": 2}, [good, lacking]), ["int-gemm", "dense"]) is None
+    # ... and the check itself passes over a form only some of a role's projections have (a GGUF
+    # mixing 4- and 6-bit layers gives the integer GEMM to some): it could never be the role's form
+    some = _CountedForm(w, 1)
+    half = Linear(w)
+    half.forms["int-gemm"] = some
+    checked = row_floors({"o": [half, Linear(w)]}, torch.float32, {"o": ["int-gemm", "dense"]}, 64, first_only=True)
+    assert "int-gemm" not in checked["o"] and "dense" in checked["o"] and not some.calls
     # --exact-prefill's check stops at a role's first invariant candidate; the later ones are never called
     first, later = _CountedForm(w, 1), _CountedForm(w, 1)
     lin = Linear(w)

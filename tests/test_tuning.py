@@ -179,6 +179,15 @@ def test_cpu_description_names_family_and_model_so_look_alike_cpus_do_not_share_
     assert tuning.cpu_description("model name\t: Some CPU\nflags\t: a b\n") == {"cpu": "Some CPU", "flags": "a b"}
 
 
+def test_torch_isa_switches_enter_the_key(monkeypatch) -> None:
+    for name in tuning.ISA_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert tuning.torch_build() == torch.__version__  # a plain start: the key it always had
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert tuning.torch_build() == f"{torch.__version__} ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"
+
+
 def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path))
     key = tuning.TuningKey(kind="forms", cpu="cpu", flags="avx2", threads=2, torch="t", kernels="k",

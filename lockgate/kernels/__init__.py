@@ -79,6 +79,41 @@ def march() -> str:
 
 def cflags() -> tuple[str, ...]:
     return ("-O3", f"-march={march()}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+
+
+# the compiler's macros for the instruction sets the kernels use, by /proc/cpuinfo's names
+TARGET_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVXVNNI__": "avx_vnni",
+                 "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VNNI__": "avx512_vnni",
+                 "__AVX512BF16__": "avx512_bf16", "__AMX_BF16__": "amx_bf16"}
+
+
+def target_flags(target: str) -> set[str]:
+    """The instruction sets (cpuinfo names, of ``TARGET_MACROS``) the compiler enables for
+    ``-march=target``; ValueError with the compiler's words when it rejects the target."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        r = subprocess.run([cxx, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"cannot ask the compiler ({cxx}) about -march={target}: {e}") from e
+    if r.returncode != 0:
+        said = (r.stderr.strip().splitlines() or ["no message"])[0]
+        raise ValueError(f"{MARCH_ENV}={target}: the compiler rejects it ({said})")
+    macros = set(r.stdout.split())
+    return {flag for macro, flag in TARGET_MACROS.items() if macro in macros}
+
+
+def _check_march() -> None:
+    """An explicit target must be one this CPU can run (else the library would load and die on an
+    illegal instruction); it is logged, so a variable left set in a shell is seen."""
+    target = march()
+    if target == "native":
+        return
+    missing = target_flags(target) - set(_cpu_flags().split())
+    if missing:
+        raise ValueError(f"{MARCH_ENV}={target} needs {' '.join(sorted(missing))}, which this CPU lacks")
+    log.warning("lockgate CPU kernels built for -march=%s (%s), not for this CPU's own instructions",
+                target, MARCH_ENV)
 MODES = ("auto", "off")
 BUILT = "BUILT"  # written into a build directory once its library compiled and loaded
 PROGRESS_EVERY = 15.0  # seconds between "still compiling" lines
@@ -112,9 +147,10 @@ def _compiler_version() -> str:
 
 
 def build_name() -> str:
-    """A name unique to the sources, the flags, the torch build, the compiler and the CPU's
-    features: a cache shared between machines (or restored onto another CPU) never hands out a
-    library built for instructions this CPU lacks."""
+    """A name unique to the sources, the flags (the -march target among them), the torch build, the
+    compiler and the CPU's features: a cache shared between machines (or restored onto another
+    CPU) never hands out a library built for instructions this CPU lacks (an explicit target is
+    checked against the CPU first: ``_check_march``)."""
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode())
@@ -167,6 +203,7 @@ def _ninja_on_path() -> None:
 def _build() -> tuple[bool, str | None]:
     t0 = time.perf_counter()
     try:
+        _check_march()
         name = build_name()
         where = cache_dir() / name
         where.mkdir(parents=True, exist_ok=True)

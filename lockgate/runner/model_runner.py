@@ -265,7 +265,7 @@ class ModelRunner:
                  "vocab": args.vocab_size}
         built = kernels.build_name() if kernels.error() is None and kernels.load(self.cfg.cpu_kernels) else "none"
         return tuning.TuningKey(kind=kind, cpu=cpu["cpu"], flags=cpu["flags"], threads=torch.get_num_threads(),
-                                torch=torch.__version__, kernels=built, shape=shape, dtype=dtype, weights=weights or {})
+                                torch=tuning.torch_build(), kernels=built, shape=shape, dtype=dtype, weights=weights or {})
 
     def _auto_dtype(self, args: ModelArgs, kernels_built: bool) -> torch.dtype:
         """``--dtype auto`` on a CPU: float32 unless bf16's matmuls measure faster (``tuning``)."""
@@ -348,7 +348,7 @@ class ModelRunner:
         role's up to its first invariant one (--exact-prefill)."""
         return dataclasses.replace(self._forms_key, kind="rows", weights={
             **self._forms_key.weights, "candidates": candidates, "max_rows": row_invariance.INVARIANCE_ROWS[-1],
-            "check": "every" if every else "first"})
+            "check": "every" if every else "first", "forms_on": "every projection"})
 
     def _candidates(self, cfg: ModelConfig, choices: dict[str, FormChoice]) -> dict[str, list[str]]:
         """The forms checked per role: a forced --matmul-forms under --deterministic, else
@@ -368,18 +368,26 @@ class ModelRunner:
             return
         roles = self.model.projections()
         candidates = self._candidates(cfg, {role: lins[0].choice for role, lins in roles.items()})
-        data, _ = tuning.cached(self._rows_key(candidates, cfg.deterministic), lambda: {
-            "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
-            refresh=cfg.tuning == "refresh")
         samples = info.get("samples") or {}
-        floors = {role: row_invariance.built_floors(data["floors"].get(role, {}), lins) for role, lins in roles.items()}
-        picks = {role: row_invariance.cheapest_invariant(floors[role], samples.get(role, {}))
-                 if cfg.deterministic else row_invariance.first_invariant(floors[role], candidates[role])
-                 for role in roles}
-        lacking = [role for role, pick in picks.items() if pick is None]
+        refresh = cfg.tuning == "refresh"
+        while True:
+            data, _ = tuning.cached(self._rows_key(candidates, cfg.deterministic), lambda: {
+                "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
+                refresh=refresh)
+            floors = {role: row_invariance.built_floors(data["floors"].get(role, {}), lins)
+                      for role, lins in roles.items()}
+            picks = {role: row_invariance.cheapest_invariant(floors[role], samples.get(role, {}))
+                     if cfg.deterministic else row_invariance.first_invariant(floors[role], candidates[role])
+                     for role in roles}
+            lacking = [role for role, pick in picks.items() if pick is None]
+            stale = any(floors[role] != data["floors"].get(role, {}) for role in lacking)
+            if not (lacking and stale and not refresh):
+                break
+            refresh = True  # the cache named a form this start did not build: check what it has
         if lacking:
+            checked = data["floors"].get(lacking[0], {})
             self.exact_prefill_problem = (f"no form of {', '.join(lacking)} gives a row the same bits whatever the "
-                                          f"call's row count (checked {', '.join(candidates[lacking[0]])})")
+                                          f"call's row count (checked {', '.join(checked) or 'no form'})")
             return
         self.prompt_forms = {role: pick for role, pick in picks.items() if pick is not None}  # (all of them)
         for role, lins in roles.items():

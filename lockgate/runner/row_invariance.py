@@ -96,17 +96,19 @@ def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dty
 
 def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates: dict[str, list[str]],
                max_rows: int = INVARIANCE_ROWS[-1], first_only: bool = False) -> dict[str, dict[str, int | None]]:
-    """Per role, each of ``candidates[role]`` the role's first projection has -> its
-    ``min_rows_for`` floor (None: its rows depend on the call's size whatever the floor). With
-    ``first_only`` (all ``first_invariant`` needs) a role's check stops at its first invariant
-    candidate: the later ones are left out, not recorded as None."""
+    """Per role, each of ``candidates[role]`` that every projection of the role has -> its
+    ``min_rows_for`` floor on the role's first projection (None: its rows depend on the call's size
+    whatever the floor). With ``first_only`` (all ``first_invariant`` needs) a role's check stops
+    at its first invariant candidate: the later ones are left out, not recorded as None. (A form
+    only some layers have, e.g. the integer GEMM where a GGUF mixes 4- and 6-bit layers, is never
+    a role's prompt form, so it is not checked.)"""
     out: dict[str, dict[str, int | None]] = {}
     for role, lins in projections.items():
         lin = lins[0]
         limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
         covered = covered_rows(lin.weight.shape[0])
         out[role] = {}
-        for name in (n for n in candidates.get(role, []) if n in lin.forms):
+        for name in (n for n in candidates.get(role, []) if all(n in other.forms for other in lins)):
             out[role][name] = min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit, covered=covered)
             if first_only and out[role][name] is not None:
                 break
@@ -123,9 +125,10 @@ def candidates_for(choices: dict[str, FormChoice]) -> dict[str, list[str]]:
 
 def built_floors(floors: dict[str, int | None], projections: list[Any]) -> dict[str, int | None]:
     """``floors`` without the forms some of ``projections`` (one role's) lack. The floors come from
-    a cache kept per machine and model: a form a later start did not build (another --matmul-forms,
-    a kernel that failed to compile) must not be picked, or its role's prompt rows would quietly
-    go by row count while the start-up log names the form."""
+    a cache kept per machine and model, the forms are built at each start: a start short of memory
+    skips lockgate's bf16 copies, and a floor for them must not be picked, or the role's prompt
+    rows would quietly go by row count while the start-up log names the form. (The runner checks
+    again when that leaves a role without a form.)"""
     return {f: fl for f, fl in floors.items() if all(f in lin.forms for lin in projections)}
 
 

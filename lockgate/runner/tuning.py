@@ -86,6 +86,17 @@ ROLES = ("qkv", "o", "gate_up", "down", "head")
 
 # ---- the CPU and the key ----
 
+# torch's, oneDNN's and MKL's own instruction-set switches: what is measured under one setting does
+# not hold under another (README, "Another CPU's paths on this one")
+ISA_SWITCHES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def torch_build() -> str:
+    """torch's version, then every instruction-set switch set in the environment (none: the
+    version alone, so a plain start keeps the key it always had)."""
+    return " ".join([torch.__version__, *(f"{k}={os.environ[k]}" for k in ISA_SWITCHES if os.environ.get(k))])
+
+
 def cpu_description(cpuinfo: str | None = None) -> dict[str, str]:
     """The CPU's model name with its family, model and stepping numbers, and its flags, from
     ``cpuinfo`` (default: /proc/cpuinfo's text; what is known elsewhere). The numbers are part of

@@ -88,6 +88,7 @@ namespace {
 
 using lockgate::exp_nonpositive;
 using lockgate::widen;
+using lockgate::mul_add;
 #if defined(__AVX512F__)
 using lockgate::exp16_nonpositive;
 using lockgate::load16;
@@ -1026,11 +1027,7 @@ inline void merge_partials(const float* part, int64_t stride, int64_t chunks, in
   float sum = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
     w[c] = std::exp(part[c * stride] - m);
-#if defined(__FMA__)
-    sum = std::fma(w[c], part[c * stride + 1], sum);
-#else
-    sum += w[c] * part[c * stride + 1];
-#endif
+    sum = mul_add(w[c], part[c * stride + 1], sum);
   }
   const float inv = 1.f / sum;
   int64_t k = 0;
@@ -1046,11 +1043,7 @@ inline void merge_partials(const float* part, int64_t stride, int64_t chunks, in
   for (; k < d; ++k) {
     float acc = 0.f;
     for (int64_t c = 0; c < chunks; ++c) {
-#if defined(__FMA__)
-      acc = std::fma(w[c], part[c * stride + 2 + k], acc);
-#else
-      acc += w[c] * part[c * stride + 2 + k];
-#endif
+      acc = mul_add(w[c], part[c * stride + 2 + k], acc);
     }
     narrow(acc * inv, dst + k);
   }

@@ -21,8 +21,9 @@ namespace lockgate {
 // template instance alike. Plain `c += a * b` leaves contraction to the compiler, expression by
 // expression: on an AVX2 build it fused the sums of one LoRA tile size and not of another, so a
 // row's result depended on how many rows shared its tile.
+// (Built for x86-64: a target with FMA defines __FMA__; an ARM one __ARM_FEATURE_FMA.)
 inline float mul_add(float a, float b, float c) {
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
   return std::fma(a, b, c);
 #else
   return a * b + c;  // no FMA instruction to contract into
