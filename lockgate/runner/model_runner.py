@@ -369,25 +369,27 @@ class ModelRunner:
         roles = self.model.projections()
         candidates = self._candidates(cfg, {role: lins[0].choice for role, lins in roles.items()})
         samples = info.get("samples") or {}
-        refresh = cfg.tuning == "refresh"
-        while True:
+
+        def check(refresh: bool) -> tuple[dict[str, dict[str, int | None]], dict[str, PromptForm | None], bool]:
+            """The cached (or new) floors, each role's pick among the forms built, and whether a
+            role lacks one because the cache named a form this start did not build."""
             data, _ = tuning.cached(self._rows_key(candidates, cfg.deterministic), lambda: {
                 "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
                 refresh=refresh)
-            floors = {role: row_invariance.built_floors(data["floors"].get(role, {}), lins)
-                      for role, lins in roles.items()}
-            picks = {role: row_invariance.cheapest_invariant(floors[role], samples.get(role, {}))
-                     if cfg.deterministic else row_invariance.first_invariant(floors[role], candidates[role])
+            checked = {role: data["floors"].get(role, {}) for role in roles}
+            built = {role: row_invariance.built_floors(checked[role], lins) for role, lins in roles.items()}
+            picks = {role: row_invariance.cheapest_invariant(built[role], samples.get(role, {}))
+                     if cfg.deterministic else row_invariance.first_invariant(built[role], candidates[role])
                      for role in roles}
-            lacking = [role for role, pick in picks.items() if pick is None]
-            stale = any(floors[role] != data["floors"].get(role, {}) for role in lacking)
-            if not (lacking and stale and not refresh):
-                break
-            refresh = True  # the cache named a form this start did not build: check what it has
+            return checked, picks, any(picks[r] is None and built[r] != checked[r] for r in roles)
+
+        checked, picks, stale = check(cfg.tuning == "refresh")
+        if stale and cfg.tuning != "refresh":
+            checked, picks, _ = check(True)  # check the forms this start has
+        lacking = [role for role, pick in picks.items() if pick is None]
         if lacking:
-            checked = data["floors"].get(lacking[0], {})
             self.exact_prefill_problem = (f"no form of {', '.join(lacking)} gives a row the same bits whatever the "
-                                          f"call's row count (checked {', '.join(checked) or 'no form'})")
+                                          f"call's row count (checked {', '.join(checked[lacking[0]]) or 'no form'})")
             return
         self.prompt_forms = {role: pick for role, pick in picks.items() if pick is not None}  # (all of them)
         for role, lins in roles.items():

@@ -63,6 +63,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,12 @@ import torch
 
 from lockgate.kernel_choice import FORM_NAMES, FormChoice
 from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, quantize_int4
-from lockgate.runner.tuning_attention import LOOKAHEAD_BATCH, LOOKAHEAD_CONTEXT, PREFILL_ATTENTION_TOKENS
+from lockgate.runner.tuning_attention import (
+    LOOKAHEAD_BATCH,
+    LOOKAHEAD_CONTEXT,
+    PREFILL_ATTENTION_TOKENS,
+    paired_rounds,
+)
 
 log = logging.getLogger("lockgate.tuning")
 
@@ -388,18 +394,13 @@ def measure_dtypes(shapes: list[tuple[int, int]], int_gemm: bool, rounds: int = 
     with torch.inference_mode():
         for rows in points:
             xs = [torch.randn(rows, k, generator=g) for _, k in shapes]
-            at: dict[str, list[float]] = {c: [] for c in cands}
-            names = list(cands)
-            for c in names:  # warm-up
-                for form, x in zip(cands[c], xs, strict=True):
-                    form(x.to(torch.bfloat16) if c.startswith("bfloat16") else x, None)
-            for rnd in range(rounds):
-                for c in names[rnd % len(names):] + names[:rnd % len(names)]:
-                    ins = [x.to(torch.bfloat16) if c.startswith("bfloat16") else x for x in xs]
-                    t0 = time.perf_counter()
-                    for form, x in zip(cands[c], ins, strict=True):
-                        form(x, None)
-                    at[c].append(1e3 * (time.perf_counter() - t0))
+            ins = {c: [x.to(torch.bfloat16) if c.startswith("bfloat16") else x for x in xs] for c in cands}
+
+            def calls(c: str, ins: dict[str, list[torch.Tensor]] = ins) -> None:
+                for form, x in zip(cands[c], ins[c], strict=True):
+                    form(x, None)
+
+            at = paired_rounds({c: partial(calls, c) for c in cands}, rounds)
             out[str(rows)] = at
             if statistics.median(at["bfloat16/dense"]) > 3 * statistics.median(at["float32/dense"]):
                 break

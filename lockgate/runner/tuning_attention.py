@@ -47,10 +47,10 @@ LOOKAHEAD_PROMPT = 256  # of those keys, the prompt's (one run); the rest decode
 LOOKAHEAD_POOL_BYTES = 256 << 20  # per K and V pool of that measurement (the default model's 30 layers: 118 MB)
 
 
-
-def _paired_rounds(passes: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+def paired_rounds(passes: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
     """Per-round ms of each pass (one warm-up call each first); within a round every pass runs
-    once, and the order rotates from round to round, so drifts of the host hit them alike."""
+    once, and the order rotates from round to round, so drifts of the host hit them alike. (Also
+    ``tuning.measure_dtype``'s loop.)"""
     names = list(passes)
     times: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():
@@ -94,7 +94,7 @@ def measure_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
     metas = {name: AttentionMetadata.build(ones, seq, slots, offsets, out_slots, num_heads // num_kv_heads,
                                            decode_kernel=name == "kernel") for name in ("kernel", "sdpa")}
     scale = 1.0 / math.sqrt(head_dim)
-    return _paired_rounds({name: partial(_layers_pass, q, k_cache, v_cache, meta, scale, layers)
+    return paired_rounds({name: partial(_layers_pass, q, k_cache, v_cache, meta, scale, layers)
                            for name, meta in metas.items()}, rounds)
 
 
@@ -122,7 +122,7 @@ def measure_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, 
         for q, metas in cases:
             _layers_pass(q, k_cache, v_cache, metas[name], scale, layers)
 
-    return _paired_rounds({name: partial(prompts, name) for name in ("kernel", "sdpa")}, rounds)
+    return paired_rounds({name: partial(prompts, name) for name in ("kernel", "sdpa")}, rounds)
 
 
 def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -162,7 +162,7 @@ def measure_attention_lookahead(num_heads: int, num_kv_heads: int, head_dim: int
 
     before = ops.set_attention_lookahead(False)
     try:
-        return _paired_rounds({"off": partial(step, False), "on": partial(step, True)}, rounds)
+        return paired_rounds({"off": partial(step, False), "on": partial(step, True)}, rounds)
     finally:
         ops.set_attention_lookahead(before)
 
