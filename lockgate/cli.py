@@ -164,9 +164,9 @@ def _tune(ns: argparse.Namespace) -> int:
         return 2
     if ns.json:
         print(json.dumps({"dtype": str(runner.dtype).removeprefix("torch."), "dtype_choice": runner.dtype_info,
-                          **runner.tuned}, indent=1, sort_keys=True))
+                          **runner.paths.tuned}, indent=1, sort_keys=True))
     else:
-        print(report(runner.tuned, runner.dtype_info, str(runner.dtype).removeprefix("torch.")))
+        print(report(runner.paths.tuned, runner.dtype_info, str(runner.dtype).removeprefix("torch.")))
     return 0
 
 

@@ -78,9 +78,9 @@ def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch, prefill_kerne
     from lockgate import LLM
     from lockgate.layers import attention
 
-    if prefill_kernel and not smol_fp32.engine.runner.decode_kernel:
+    if prefill_kernel and not smol_fp32.engine.runner.paths.decode_kernel:
         pytest.skip("lockgate's CPU kernels are not loaded here")
-    monkeypatch.setattr(smol_fp32.engine.runner, "prefill_kernel", prefill_kernel)
+    monkeypatch.setattr(smol_fp32.engine.runner.paths, "prefill_kernel", prefill_kernel)
     calls = []
     real = attention._add_prefixes
     monkeypatch.setattr(attention, "_add_prefixes", lambda *a: calls.append(len(a[5])) or real(*a))

@@ -279,8 +279,8 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
 
     monkeypatch.setattr(llama, "make_forms", spy)
     runner = ModelRunner(ModelConfig(model="default"), CacheConfig(max_total_tokens=64))
-    assert runner.tuned["cached"] is True and runner.tuned["choices"] == data["choices"]
-    assert runner.tuned["attention_lookahead"] == data["attention_lookahead"]
+    assert runner.paths.tuned["cached"] is True and runner.paths.tuned["choices"] == data["choices"]
+    assert runner.paths.tuned["attention_lookahead"] == data["attention_lookahead"]
     on = data["attention_lookahead"] == "on"
     assert torch.ops.lockgate.set_attention_lookahead(on) is on  # the process runs what the table says
     called = set()

@@ -2,7 +2,9 @@
 
 Owns: the model (``DecoderModel``), the KV pool tensors ``k_cache`` / ``v_cache`` of shape
 [num_layers, capacity, Hkv, D] (slot s = one token's K/V in every layer), the run dtype and
-device, and the torch.Generator used for unseeded sampling (seeded from ``--seed``).
+device, and the torch.Generator used for unseeded sampling (seeded from ``--seed``). How the
+model runs on this machine (dtype, matmul forms, attention paths, prompt-row forms) is chosen
+at start by ``lockgate.runner.form_choice``; ``paths`` is what it decided.
 
 Invariants:
 
@@ -38,30 +40,24 @@ from lockgate import kernels
 from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
-from lockgate.kernel_choice import FORM_NAMES, QUANTIZED_FORMS, FormChoice
 from lockgate.layers.attention import AttentionMetadata
-from lockgate.layers.forms import int_gemm_available, int_gemm_isa, weight_copies_fit
-from lockgate.layers.linear import PromptForm
+from lockgate.layers.forms import weight_copies_fit
 from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
-from lockgate.models.args import ModelArgs
-from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
+from lockgate.models.decoder import DecoderModel
 from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
-from lockgate.runner import row_invariance, tuning, tuning_attention
+from lockgate.runner import form_choice
 from lockgate.runner.pool_memory import allocate_pool
 from lockgate.runner.sampler import argmax_kernel, greedy_output, plain_greedy, sample
 
 log = logging.getLogger("lockgate.runner")
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
     """The dtype ``name`` names; for ``auto``: bf16 on a CUDA device that supports it, float32 on
-    one that does not, and None on a CPU (measured: ``ModelRunner._auto_dtype``)."""
+    one that does not, and None on a CPU (measured: ``form_choice.auto_dtype``)."""
     if name != "auto":
-        return _DTYPES[name]
+        return form_choice.DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return None
@@ -102,7 +98,10 @@ class ModelRunner:
         # dtype float16, which they lack).
         kernels_built = self.device.type == "cpu" and model_cfg.dtype != "float16" and kernels.load(model_cfg.cpu_kernels)
         self.dtype_info: dict[str, Any] = {"how": f"--dtype {model_cfg.dtype}"}  # how the dtype was chosen
-        self.dtype: torch.dtype = resolve_dtype(model_cfg.dtype, self.device) or self._auto_dtype(args, kernels_built)
+        dtype = resolve_dtype(model_cfg.dtype, self.device)
+        if dtype is None:
+            dtype, self.dtype_info = form_choice.auto_dtype(model_cfg, args, kernels_built)
+        self.dtype: torch.dtype = dtype
         self.cpu_kernels: bool = kernels_built and self.dtype in (torch.float32, torch.bfloat16)
         # auto keeps an explicit --dtype float32 dense: what one asks for to match a reference exactly.
         # float32 chosen by --dtype auto still takes the lossless quantized forms.
@@ -114,34 +113,16 @@ class ModelRunner:
                      "measured fastest), or --quantization int4 with it, keeps the checkpoint's 4/8-bit forms")
         fp32 = (self.dtype != torch.float32 and model_cfg.fp32_matmul_rows != "off"
                 and (model_cfg.fp32_matmul_rows != "auto" or weight_copies_fit(4 * args.matmul_parameters)))
-        # lockgate's bf16 kernel keeps its own packed copy (2 bytes a parameter; all forms are made
-        # while the table is measured): only where it fits beside the float32 copies
-        self._bf16_gemm_fits = weight_copies_fit((2 + (4 if fp32 else 0)) * args.matmul_parameters)
-        self._forms_key = self._key("forms", args, str(self.dtype).removeprefix("torch."), {
-            "checkpoint": checkpoint_fingerprint(self.model_dir), "quantization": self.quantization, "fp32": fp32})
-        self._stored_table = tuning.peek(self._forms_key) \
-            if model_cfg.tuning == "auto" and model_cfg.matmul_forms == "auto" else None
+        plan = form_choice.FormPlan(model_cfg, args, self.dtype, self.cpu_kernels, self.quantization, fp32,
+                                    checkpoint_fingerprint(self.model_dir))
         self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
-                                                fp32, self.cpu_kernels, self._wanted_forms(model_cfg)).eval()
-        # decode attention on lockgate's kernel (else gathers + SDPA), and prefill attention on it
-        # too (else SDPA): measured with the forms
-        self.decode_kernel: bool = self.cpu_kernels
+                                                fp32, self.cpu_kernels, plan.wanted_forms()).eval()
         # plain greedy steps take the argmax on the LM head's own output (lockgate::argmax_rows,
         # vectorised); a final softcap could merge the largest logits, so those models keep the logits
         self._greedy_argmax = (self.cpu_kernels and self.device.type == "cpu" and self.model.args.final_softcap is None
                                and argmax_kernel())
-        self.prefill_kernel: bool = False
-        # the attention kernel prefetches its next item's K/V rows (measured with the forms; off
-        # unless measured faster: lockgate::set_attention_lookahead)
-        self.attention_lookahead: bool = False
-        # --deterministic: every token's attention is a decode-kernel row (AttentionMetadata.build)
-        self.row_invariant: bool = model_cfg.deterministic
-        # --exact-prefill: each role's prompt-row form (checked row-invariant), or why there is none
-        self.prompt_forms: dict[str, PromptForm] = {}
-        self.exact_prefill_problem: str | None = "off (--no-exact-prefill)"
-        self.tuned = self._choose_forms(model_cfg)
-        if self.row_invariant:
-            self._check_deterministic()
+        # the matmul forms, attention paths and prompt-row forms (form_choice: measured, cached, logged)
+        self.paths: form_choice.Paths = plan.choose(self.model)
         args = self.model.args
         self.vocab_size: int = args.vocab_size
         self._logits = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)  # _logits_buffer
@@ -199,217 +180,7 @@ class ModelRunner:
         else:
             self.lora_slots.put(slot, uid, self._adapters[uid])
 
-    # ---- measured choices (lockgate.runner.tuning) ----
-
-    def _check_deterministic(self) -> None:
-        """--deterministic holds only if every projection really runs the batch-invariant form and
-        the attention kernel is there: else a start-up error saying what is missing."""
-        if not self.cpu_kernels:
-            raise ValueError(f"--deterministic needs lockgate's CPU kernels ({kernels.error() or 'not loaded'}; "
-                             f"dtype {self.dtype})")
-        a = self.model.args
-        if a.attn_softcap is not None or any(a.layer_windows) or a.moe is not None:
-            raise ValueError(f"--deterministic does not cover {a.model_type} yet: its sliding-window or soft-capped "
-                             "attention, or its experts, do not run on batch-invariant paths")
-        self.decode_kernel = True
-        lacking = sorted(role for role, lins in self.model.projections().items()
-                         if any(lin.prompt is None or lin.choice.names() != {lin.prompt.name} for lin in lins))
-        if lacking:
-            raise ValueError(f"--deterministic needs, for every projection, one matmul form whose rows do not depend on "
-                             f"how many share the call; {', '.join(lacking)} have none on this machine (checked: "
-                             f"{self.cfg.matmul_forms if self.cfg.matmul_forms != 'auto' else 'dense and int-gemm'}; "
-                             f"int-gemm comes with a 4- or 8-bit GGUF checkpoint such as the default model, "
-                             f"--quantization auto or int4, and int_linear's vector path: {int_gemm_isa() or 'not built'})")
-
-    def _wanted_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
-        """``_table_forms``, without the bf16-gemm copy where it does not fit memory."""
-        want = self._table_forms(cfg)
-        if self._bf16_gemm_fits:
-            return want
-        if want is None:
-            return {role: set(FORM_NAMES) - {"bf16-gemm"} for role in PROJECTION_ROLES}
-        return {role: names - {"bf16-gemm"} for role, names in want.items()}
-
-    def _table_forms(self, cfg: ModelConfig) -> dict[str, set[str]] | None:
-        """Per role the forms worth building (dense is always built): those a forced
-        ``--matmul-forms`` names, those a stored table calls (``peek`` before loading), the
-        quantized ones for the static rule (``--tuning off``), plus ``fp32`` under
-        ``--fp32-matmul-rows N``, plus the row-invariant ones a stored check found (all candidates
-        while unchecked); None (every form a projection can have) when the table is
-        still to be measured."""
-        if cfg.matmul_forms != "auto":
-            choices = {role: FormChoice.parse(cfg.matmul_forms) for role in PROJECTION_ROLES}
-            want = {role: c.names() for role, c in choices.items()}
-        elif cfg.tuning == "off":
-            choices = {role: FormChoice.static(("dense", *QUANTIZED_FORMS)) for role in PROJECTION_ROLES}
-            want = {role: set(QUANTIZED_FORMS) for role in PROJECTION_ROLES}
-        elif self._stored_table is not None:
-            stored = self._stored_table.get("choices", {})
-            choices = {role: FormChoice.parse(stored.get(role, "dense")) for role in PROJECTION_ROLES}
-            want = {role: c.names() for role, c in choices.items()}
-        else:
-            return None
-        if cfg.fp32_matmul_rows not in ("auto", "off"):
-            want = {role: names | {"fp32"} for role, names in want.items()}
-        if cfg.exact_prefill or cfg.deterministic:  # the forms the row check found (or may find) invariant
-            candidates = self._candidates(cfg, choices)
-            floors = (tuning.peek(self._rows_key(candidates, cfg.deterministic)) or {}).get("floors", {})
-            want = {role: names | ({f for f, fl in floors[role].items() if fl is not None} if role in floors
-                                   else set(candidates[role])) for role, names in want.items()}
-        return want
-
-    def _key(self, kind: str, args: ModelArgs, dtype: str, weights: dict[str, Any] | None = None) -> tuning.TuningKey:
-        cpu = tuning.cpu_description()
-        shape = {"layers": args.num_layers, "hidden": args.hidden_size, "intermediate": args.intermediate_size,
-                 "heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
-                 "vocab": args.vocab_size}
-        built = kernels.build_name() if kernels.error() is None and kernels.load(self.cfg.cpu_kernels) else "none"
-        return tuning.TuningKey(kind=kind, cpu=cpu["cpu"], flags=cpu["flags"], threads=torch.get_num_threads(),
-                                torch=tuning.torch_build(), kernels=built, shape=shape, dtype=dtype, weights=weights or {})
-
-    def _auto_dtype(self, args: ModelArgs, kernels_built: bool) -> torch.dtype:
-        """``--dtype auto`` on a CPU: float32 unless bf16's matmuls measure faster (``tuning``)."""
-        if self.cfg.tuning == "off":
-            self.dtype_info = {"how": "--dtype auto with --tuning off: float32 without measuring"}
-            return torch.float32
-        shapes = [((args.num_heads + 2 * args.num_kv_heads) * args.head_dim, args.hidden_size),
-                  (args.hidden_size, args.num_heads * args.head_dim),
-                  (2 * args.intermediate_size, args.hidden_size), (args.hidden_size, args.intermediate_size)]
-        int_gemm = kernels_built and int_gemm_available()
-
-        def measure() -> dict[str, Any]:
-            log.info("measuring bf16 against float32 matmuls at this model's shapes (once per CPU and shape)")
-            figures = tuning.measure_dtypes(shapes, int_gemm)
-            return {"figures": figures, "dtype": tuning.decide_dtype(figures)}
-
-        data, hit = tuning.cached(self._key("dtype", args, "auto"), measure, refresh=self.cfg.tuning == "refresh")
-        dtype = str(data["dtype"])
-        if dtype not in ("float32", "bfloat16"):
-            dtype = tuning.decide_dtype(data.get("figures", {}))
-        ms = {p: {c: round(float(np.median(ts)), 2) for c, ts in at.items()} for p, at in data.get("figures", {}).items()}
-        how = "cached" if hit else f"measured in {data.get('seconds', 0):.1f}s"
-        self.dtype_info = {"how": f"--dtype auto: {how}, {data['path']}", "ms_per_layer_pass": ms}
-        log.info("--dtype auto -> %s (%s: one layer's projections, ms per pass by rows: %s)", dtype, how, ms)
-        return _DTYPES[dtype]
-
-    def _choose_forms(self, cfg: ModelConfig) -> dict[str, Any]:
-        """Give every projection its FormChoice and pick the decode attention path: measured
-        (cached), or ``--tuning off`` (static rule), or ``--matmul-forms`` (forced); then the
-        ``--fp32-matmul-rows N`` override. Logs the table; returns what was decided."""
-        roles = self.model.projections()
-        choices: dict[str, FormChoice] = {}
-        source = "static rule (--tuning off)"
-        info: dict[str, Any] = {}
-        if cfg.matmul_forms != "auto":
-            choices = {role: FormChoice.parse(cfg.matmul_forms) for role in roles}
-            source = f"--matmul-forms {cfg.matmul_forms}"
-        elif cfg.tuning != "off":
-            info = self._measured(cfg.tuning == "refresh")
-            choices = {role: FormChoice.parse(text) for role, text in info["choices"].items()}
-            self.decode_kernel = self.cpu_kernels and info.get("attention", "kernel") == "kernel"
-            self.prefill_kernel = self.decode_kernel and info.get("prefill_attention", "sdpa") == "kernel"
-            self.attention_lookahead = self.decode_kernel and info.get("attention_lookahead") == "on"
-            source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
-        if self.cpu_kernels:  # process-wide: the last model loaded in a process decides
-            torch.ops.lockgate.set_attention_lookahead(self.attention_lookahead)
-        self.model.choose_forms(choices)
-        if cfg.fp32_matmul_rows not in ("auto", "off"):  # (--deterministic refuses it: ModelConfig)
-            rows = int(cfg.fp32_matmul_rows)
-            for lin in (lin for lins in roles.values() for lin in lins):
-                if "fp32" in lin.forms:
-                    lin.choose(lin.choice.from_rows(rows, "fp32"))
-        if cfg.exact_prefill or cfg.deterministic:
-            self._choose_row_forms(cfg, info)
-        self.model.choose_forms({}, drop=True)  # free the forms no projection calls
-        cpu = tuning.cpu_description()
-        lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning.notable_flags(cpu['flags'])}, "
-                 f"{torch.get_num_threads()} threads, {self.dtype}, int-gemm path {int_gemm_isa() or 'not built'}):"]
-        lines += [f"  {role:<8} {roles[role][0].choice.describe()}" for role in roles]
-        lines.append(f"  decode attention: {'lockgate kernel' if self.decode_kernel else 'gathers + SDPA'}"
-                     f"{' (look-ahead on)' if self.attention_lookahead else ''}; "
-                     f"prefill attention: {'lockgate kernel' if self.prefill_kernel or self.row_invariant else 'SDPA'}")
-        lines.append(f"  prompt rows: {self.describe_prompt_forms()}")
-        log.info("\n".join(lines))
-        if self.exact_prefill_problem and cfg.exact_prefill:
-            log.warning("prefix-cache hits and prompt chunking may change results in the last bits on this "
-                        "machine: %s", self.exact_prefill_problem)
-        return {**info, "choices": {role: str(lins[0].choice) for role, lins in roles.items()},
-                "prompt_forms": {role: {"form": p.name, "min_rows": p.min_rows} for role, p in self.prompt_forms.items()},
-                "exact_prefill": self.describe_prompt_forms(),
-                "decode_attention": "kernel" if self.decode_kernel else "sdpa",
-                "prefill_attention": "kernel" if self.prefill_kernel else "sdpa",
-                "attention_lookahead": "on" if self.attention_lookahead else "off", "source": source,
-                "int_gemm_isa": int_gemm_isa()}
-
-    # ---- row-invariant forms (--exact-prefill, --deterministic; issue 19) ----
-
-    def _rows_key(self, candidates: dict[str, list[str]], every: bool) -> tuning.TuningKey:
-        """``every``: all candidates checked (--deterministic compares their costs), else each
-        role's up to its first invariant one (--exact-prefill)."""
-        return dataclasses.replace(self._forms_key, kind="rows", weights={
-            **self._forms_key.weights, "candidates": candidates, "max_rows": row_invariance.INVARIANCE_ROWS[-1],
-            "check": "every" if every else "first", "forms_on": "every projection"})
-
-    def _candidates(self, cfg: ModelConfig, choices: dict[str, FormChoice]) -> dict[str, list[str]]:
-        """The forms checked per role: a forced --matmul-forms under --deterministic, else
-        ``row_invariance.candidates_for`` the table's choices."""
-        if cfg.deterministic and cfg.matmul_forms != "auto":
-            return {role: sorted(FormChoice.parse(cfg.matmul_forms).names()) for role in choices}
-        return row_invariance.candidates_for(choices)
-
-    def _choose_row_forms(self, cfg: ModelConfig, info: dict[str, Any]) -> None:
-        """Give every projection its ``PromptForm`` from the cached row-invariance check: with
-        --deterministic the cheapest invariant form, which then serves every call; else (exact
-        prefill) the first invariant candidate, for prompt rows. Every token's attention goes to the
-        kernel. All or nothing: a role without an invariant form leaves every projection as it was
-        and ``exact_prefill_problem`` says why (--deterministic then refuses to start)."""
-        if not self.cpu_kernels:
-            self.exact_prefill_problem = f"it needs lockgate's CPU kernels ({kernels.error() or 'not loaded'})"
-            return
-        roles = self.model.projections()
-        candidates = self._candidates(cfg, {role: lins[0].choice for role, lins in roles.items()})
-        samples = info.get("samples") or {}
-
-        def check(refresh: bool) -> tuple[dict[str, dict[str, int | None]], dict[str, PromptForm | None], bool]:
-            """The cached (or new) floors, each role's pick among the forms built, and whether a
-            role lacks one because the cache named a form this start did not build."""
-            data, _ = tuning.cached(self._rows_key(candidates, cfg.deterministic), lambda: {
-                "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
-                refresh=refresh)
-            checked = {role: data["floors"].get(role, {}) for role in roles}
-            built = {role: row_invariance.built_floors(checked[role], lins) for role, lins in roles.items()}
-            picks = {role: row_invariance.cheapest_invariant(built[role], samples.get(role, {}))
-                     if cfg.deterministic else row_invariance.first_invariant(built[role], candidates[role])
-                     for role in roles}
-            return checked, picks, any(picks[r] is None and built[r] != checked[r] for r in roles)
-
-        checked, picks, stale = check(cfg.tuning == "refresh")
-        if stale and cfg.tuning != "refresh":
-            checked, picks, _ = check(True)  # check the forms this start has
-        lacking = [role for role, pick in picks.items() if pick is None]
-        if lacking:
-            self.exact_prefill_problem = (f"no form of {', '.join(lacking)} gives a row the same bits whatever the "
-                                          f"call's row count (checked {', '.join(checked[lacking[0]]) or 'no form'})")
-            return
-        self.prompt_forms = {role: pick for role, pick in picks.items() if pick is not None}  # (all of them)
-        for role, lins in roles.items():
-            for lin in lins:
-                if cfg.deterministic:
-                    lin.choose(FormChoice.single(self.prompt_forms[role].name))
-                lin.set_prompt_form(self.prompt_forms[role])  # built on every projection (built_floors)
-        self.decode_kernel = self.prefill_kernel = True  # every token's attention: one kernel row over its keys
-        self.model.ops.forget()
-        a = self.model.args
-        self.exact_prefill_problem = ("its sliding-window, soft-capped or expert layers do not run on row-invariant "
-                                      "paths yet" if a.attn_softcap is not None or any(a.layer_windows)
-                                      or a.moe is not None else None)
-
-    def describe_prompt_forms(self) -> str:
-        if not self.prompt_forms:
-            return f"by row count, as decode rows ({self.exact_prefill_problem})"
-        text = ", ".join(f"{role} {p.name}" + (f" (>= {p.min_rows} rows)" if p.min_rows > 1 else "")
-                         for role, p in self.prompt_forms.items())
-        return text + ("" if self.exact_prefill_problem is None else f"; not exact: {self.exact_prefill_problem}")
+    # ---- the paths chosen at start (lockgate.runner.form_choice) ----
 
     @property
     def generated_kv_exact(self) -> bool:
@@ -418,35 +189,6 @@ class ModelRunner:
         (padded alike: ``Linear`` pads any call on the prompt form, the one-call operator refuses)."""
         return all(lin.prompt is None or lin.choice.names() == {lin.prompt.name}
                    for lins in self.model.projections().values() for lin in lins)
-
-    def _measured(self, refresh: bool) -> dict[str, Any]:
-        """The table for ``_forms_key``: the one ``peek`` found before loading, else the cached or
-        a new measurement of the forms the model now has (all it can have: ``_wanted_forms``)."""
-        if self._stored_table is not None and not refresh:
-            return {**self._stored_table, "cached": True}
-        roles = self.model.projections()
-        args = self.model.args
-        forms = {role: sorted({f for lin in lins for f in lin.forms}) for role, lins in roles.items()}
-
-        def measure() -> dict[str, Any]:
-            log.info("measuring the matmul forms at this model's shapes (once per CPU, threads and shape)")
-            samples = tuning.measure_forms(roles, self.dtype) if any(len(f) > 1 for f in forms.values()) else {}
-            heads = (args.num_heads, args.num_kv_heads, args.head_dim, self.dtype)
-            attention = tuning_attention.measure_attention(*heads, args.num_layers) if self.cpu_kernels else {}
-            prefill = tuning_attention.measure_prefill_attention(*heads) if self.cpu_kernels else {}
-            lookahead = (tuning_attention.measure_attention_lookahead(*heads, args.num_layers)
-                         if self.cpu_kernels else {})
-            choices = tuning.decide(samples)
-            return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
-                    "attention_ms": attention, "attention": tuning_attention.decide_attention(attention),
-                    "prefill_attention_ms": prefill,
-                    "prefill_attention": tuning_attention.decide_prefill_attention(prefill),
-                    "attention_lookahead_ms": lookahead,
-                    "attention_lookahead": tuning_attention.decide_attention_lookahead(lookahead),
-                    "forms": forms}
-
-        data, hit = tuning.cached(self._forms_key, measure, refresh=refresh)
-        return {**data, "cached": hit}
 
     def _context_length(self, cfg: ModelConfig) -> int:
         args = self.model.args
@@ -463,8 +205,8 @@ class ModelRunner:
             raise ValueError(f"bad plan: {t} tokens, out_slots {plan.out_slots.shape}, capacity {self.capacity}")
         dev = self.device
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.kv_slots, plan.kv_offsets,
-                                       plan.out_slots, self.model.args.num_queries_per_kv, dev, self.decode_kernel,
-                                       self.row_invariant, self.prefill_kernel)
+                                       plan.out_slots, self.model.args.num_queries_per_kv, dev,
+                                       self.paths.decode_kernel, self.paths.row_invariant, self.paths.prefill_kernel)
         s = int(plan.sample_rows.shape[0])
         rows = None
         if s:
@@ -481,7 +223,7 @@ class ModelRunner:
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
                                 meta, self.k_cache, self.v_cache, rows, lora,
-                                plan.decode_rows if self.prompt_forms else None,
+                                plan.decode_rows if self.paths.prompt_forms else None,
                                 None if greedy else self._logits_buffer(s), argmax=greedy)  # [S, V] f32, [S] or None
             if logits is None:
                 return ForwardResult(tokens=np.zeros(0, np.int64), logprobs=np.zeros(0, np.float32),

@@ -11,7 +11,7 @@ role on the role's first projection (for ``--exact-prefill`` only up to the firs
 calls of 1..``INVARIANCE_ROWS[-1]`` rows (the LM head up to ``HEAD_MAX_ROWS``); the runner caches
 the result per machine, model and check (tuning kind "rows").
 
-The two choices (``lockgate.runner.model_runner`` applies them to ``Linear.set_prompt_form``):
+The two choices (``lockgate.runner.form_choice`` applies them to ``Linear.set_prompt_form``):
 
 * ``first_invariant`` (``--exact-prefill``, the default): a role's prompt rows run on the first
   row-invariant candidate in ``candidates`` order (the measured table's form at large row counts,

@@ -46,7 +46,7 @@ start together: the second finds the first's result). A corrupt or foreign file 
 again. Invariant: a decision depends only on the stored figures (``decide``), so a cached file
 gives the same table it gave when it was measured.
 
-Called by ``lockgate.runner.model_runner`` (at start) and ``lockgate tune`` (``lockgate.cli``).
+Called by ``lockgate.runner.form_choice`` (at start) and ``lockgate tune`` (``lockgate.cli``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 attention on the kernel or SDPA, and the kernel's look-ahead on or off.
 
 Owns timing the attention paths at a model's head shapes on the CPU at hand and turning the
-timings into decisions. Called by ``lockgate.runner.model_runner`` while it measures the matmul
+timings into decisions. Called by ``lockgate.runner.form_choice`` while it measures the matmul
 forms; the figures and decisions are stored in the same "forms" table (``lockgate.runner.tuning``
 keeps the cache) and printed by ``lockgate tune``. Invariant: each ``decide_*`` depends only on
 the stored figures, so a cached table gives the decision it gave when measured; nothing here reads
