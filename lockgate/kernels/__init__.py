@@ -39,7 +39,8 @@ a venv that is not activated.
 Invariants: ``load()`` runs the build at most once per process and never raises: on a machine
 without a compiler (or any build error) it logs why and returns False, and callers keep their
 pure-torch path. ``LOCKGATE_CPU_KERNELS=0`` in the environment disables the kernels, as does
-``--cpu-kernels off``. Called by ``lockgate.runner.model_runner`` (at start-up) and tests.
+``--cpu-kernels off``. Called by ``lockgate.runner.model_runner`` and ``lockgate.runner.form_choice`` (at
+start-up) and tests.
 """
 
 from __future__ import annotations

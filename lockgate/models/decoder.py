@@ -30,7 +30,8 @@ Invariants:
 * Unsupported architectures or features raise ``ValueError`` at load naming the key, and a
   missing or misshapen tensor names the tensor and the shape config.json implies.
 
-Called by ``lockgate.runner.model_runner`` (load + one forward per step) and tests.
+Called by ``lockgate.runner.model_runner`` (load + one forward per step), ``lockgate.runner.form_choice``
+(forms chosen at start) and tests.
 """
 
 from __future__ import annotations

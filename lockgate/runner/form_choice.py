@@ -1,12 +1,15 @@
 """How the model runs on this machine: ``--dtype auto``, each projection's matmul forms, the
 attention paths and the row-invariant prompt forms (``--exact-prefill``, ``--deterministic``).
 
-Owns choosing, not running. ``auto_dtype`` picks the dtype before anything loads. ``FormPlan`` is
-made once the dtype is known and before the weights load: its cache key is known then, so a
-stored table (``tuning.peek``) tells the loader which forms to build at all (``wanted_forms``).
-``FormPlan.choose`` then gives every projection of the loaded ``DecoderModel`` its ``FormChoice``
-and, where asked, its ``PromptForm``, frees the forms nothing calls, logs one readable table, and
-returns ``Paths``: the facts ``ModelRunner.execute`` reads each step.
+Owns choosing, not running steps. ``auto_dtype`` picks the dtype before anything loads.
+``FormPlan`` is made once the dtype is known and before the weights load: its cache key is known
+then, so a stored table (``tuning.peek``) tells the loader which forms to build at all
+(``wanted_forms``). ``FormPlan.choose`` then applies the choices to the loaded ``DecoderModel``:
+every projection's ``FormChoice`` and, where asked, its ``PromptForm``; the forms nothing calls
+freed and the model's packed whole-step weights forgotten; the attention kernel's process-wide
+look-ahead switch set (the last model loaded in a process decides); one readable table logged.
+It returns ``Paths``, the facts ``ModelRunner.execute`` reads each step, or raises ValueError
+(``--deterministic`` where it cannot hold).
 
 Invariants:
 
@@ -15,7 +18,8 @@ Invariants:
   and ``--matmul-forms`` forces one, and ``--fp32-matmul-rows N`` overrides either. Nothing reads
   CPU flags to decide.
 * Row-invariant prompt forms are all or nothing: either every role has one, checked, on every
-  projection, or none changes and ``Paths.exact_prefill_problem`` says why.
+  projection, or none changes and ``Paths.exact_prefill_problem`` says why. (With all of them set,
+  it still names what is not exact: sliding-window, soft-capped or expert layers.)
 * ``--deterministic`` starts only where it holds: every projection on one batch-invariant form
   and the attention kernel there (``check_deterministic``: a ValueError saying what is missing).
 

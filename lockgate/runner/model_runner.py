@@ -2,9 +2,11 @@
 
 Owns: the model (``DecoderModel``), the KV pool tensors ``k_cache`` / ``v_cache`` of shape
 [num_layers, capacity, Hkv, D] (slot s = one token's K/V in every layer), the run dtype and
-device, and the torch.Generator used for unseeded sampling (seeded from ``--seed``). How the
-model runs on this machine (dtype, matmul forms, attention paths, prompt-row forms) is chosen
-at start by ``lockgate.runner.form_choice``; ``paths`` is what it decided.
+device, and the torch.Generator used for unseeded sampling (seeded from ``--seed``). The choices
+read from the flags stay here (an explicit ``--dtype``, ``--quantization auto`` kept dense under an
+explicit float32, whether float32 copies are made, ``--deterministic`` without tuning on the integer
+GEMM); the measured ones (``--dtype auto`` on a CPU, matmul forms, attention paths, prompt-row
+forms) are ``lockgate.runner.form_choice``'s, and ``paths`` is what it decided.
 
 Invariants:
 
@@ -52,6 +54,7 @@ from lockgate.runner.pool_memory import allocate_pool
 from lockgate.runner.sampler import argmax_kernel, greedy_output, plain_greedy, sample
 
 log = logging.getLogger("lockgate.runner")
+
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
     """The dtype ``name`` names; for ``auto``: bf16 on a CUDA device that supports it, float32 on
@@ -180,7 +183,7 @@ class ModelRunner:
         else:
             self.lora_slots.put(slot, uid, self._adapters[uid])
 
-    # ---- the paths chosen at start (lockgate.runner.form_choice) ----
+    # ---- what the prefix cache may keep ----
 
     @property
     def generated_kv_exact(self) -> bool:
