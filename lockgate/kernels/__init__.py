@@ -115,6 +115,8 @@ def _check_march() -> None:
         raise ValueError(f"{MARCH_ENV}={target} needs {' '.join(sorted(missing))}, which this CPU lacks")
     log.warning("lockgate CPU kernels built for -march=%s (%s), not for this CPU's own instructions",
                 target, MARCH_ENV)
+
+
 MODES = ("auto", "off")
 BUILT = "BUILT"  # written into a build directory once its library compiled and loaded
 PROGRESS_EVERY = 15.0  # seconds between "still compiling" lines

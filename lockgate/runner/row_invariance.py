@@ -127,7 +127,7 @@ def built_floors(floors: dict[str, int | None], projections: list[Any]) -> dict[
     """``floors`` without the forms some of ``projections`` (one role's) lack. The floors come from
     a cache kept per machine and model, the forms are built at each start: a start short of memory
     skips lockgate's bf16 copies, and a floor for them must not be picked, or the role's prompt
-    rows would quietly go by row count while the start-up log names the form. (The runner checks
+    rows would quietly go by row count while the start-up log names the form. (``FormPlan`` checks
     again when that leaves a role without a form.)"""
     return {f: fl for f, fl in floors.items() if all(f in lin.forms for lin in projections)}
 
