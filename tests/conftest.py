@@ -52,12 +52,14 @@ class PoolDriver:
 
     def step(self, chunks: dict[int, list[int]], all_rows: bool = False,
              logits_out: torch.Tensor | None = None, decode_rows: int | None = None,
-             argmax: bool = False) -> dict[int, torch.Tensor]:
+             argmax: bool = False, sampled: set[int] | None = None) -> dict[int, torch.Tensor]:
         """One step: sequence id -> new tokens. Returns id -> logits [V] of the last new token
         (or [q, V] for every new token when ``all_rows``); ``logits_out``: the model's logits buffer;
         ``decode_rows``: the step's first rows that are decode rows, the rest prompt rows (as the
         runner passes it with exact prefill; None: no prompt rows, every call by its row count);
-        ``argmax``: the model's greedy path (each row's argmax token, int64, instead of its logits)."""
+        ``argmax``: the model's greedy path (each row's argmax token, int64, instead of its logits);
+        ``sampled``: the sequences whose rows are sampled (None: all; the others, middle prompt
+        chunks, get no logits and are left out of the result)."""
         ids, pos, out, qlens, slens, kv = [], [], [], [], [], []
         for sid, toks in chunks.items():
             ctx = self.slots.setdefault(sid, [])
@@ -77,13 +79,18 @@ class PoolDriver:
                                 prefill_kernel=self.prefill_kernel)
         self.model.use_kernels(self.kernels)
         # every token's row, or the last token of each sequence
-        rows = list(range(len(ids))) if all_rows else list(np.cumsum(qlens) - 1)
+        sampled = set(chunks) if sampled is None else sampled
+        ends = np.cumsum(qlens)
+        rows = [r for sid, q, end in zip(chunks, qlens, ends, strict=True) if sid in sampled
+                for r in (range(end - q, end) if all_rows else [end - 1])]
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.k_cache, self.v_cache,
-                                torch.tensor(rows, dtype=torch.long), logits_out=logits_out,
+                                torch.tensor(rows, dtype=torch.long) if rows else None, logits_out=logits_out,
                                 decode_rows=decode_rows, argmax=argmax)
         res, r = {}, 0
         for sid, toks in chunks.items():
+            if sid not in sampled:
+                continue
             n = len(toks) if all_rows else 1
             res[sid] = logits[r:r + n] if all_rows else logits[r]
             r += n

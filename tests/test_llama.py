@@ -298,6 +298,127 @@ def test_decode_layers_with_dense_forms_equal_the_fused_layers(tmp_path, pool_dr
         assert torch.equal(a, b)
 
 
+def _row_invariant_model(tmp_path, form: str) -> DecoderModel:
+    """The small test model with every projection on ``form``, a kind that gives a row the same bits
+    at any row count (skipped, with the reason, where this CPU's build lacks it)."""
+    from lockgate.layers.forms import bf16_gemm_available, int_gemm_available
+
+    build(tmp_path, "llama_bias_mha", tie=False)
+    assert cpu_kernels.load(), cpu_kernels.error()
+    if form == "bf16-gemm" and not bf16_gemm_available():
+        pytest.skip("lockgate::bf16_linear is built only for CPUs with AVX512-BF16")
+    if form == "int-gemm" and not int_gemm_available():
+        pytest.skip("int_linear has no vector path on this CPU")
+    dtype = torch.bfloat16 if form == "bf16-gemm" else torch.float32
+    model = DecoderModel.from_pretrained(tmp_path, dtype, quantization="none" if form == "bf16-gemm" else "int4",
+                                         cpu_kernels=True)
+    model.choose_forms({role: FormChoice.parse(form) for role in ("qkv", "o", "gate_up", "down")})
+    return model
+
+
+def _out_rows_of_each_call(monkeypatch, replace=None) -> list:
+    """Record the out_rows of every decode_layers_ call (None: all rows wanted); ``replace``: a
+    function of the recorded rows giving the out_rows to call it with instead."""
+    seen: list = []
+    real = torch.ops.lockgate.decode_layers_
+
+    def spy(*a):
+        rows = a[16] if len(a) > 16 else None
+        seen.append(None if rows is None else rows.tolist())
+        if replace is not None and rows is not None:
+            a = (*a[:16], replace(rows))
+        return real(*a)
+
+    monkeypatch.setattr(torch.ops.lockgate, "decode_layers_", spy, raising=False)
+    return seen
+
+
+# Two sequences' prompt chunks, one of them a middle chunk; a middle chunk alone; decode rows beside
+# a chunk; then decode steps, which read every K/V row the trimmed last layers wrote.
+TRIM_STEPS = [({0: PROMPT[:6], 1: OTHER[:3], 2: PROMPT[6:10]}, {0, 2}),
+              ({1: OTHER[3:7]}, set()),
+              ({0: PROMPT[6:7], 1: OTHER[7:9], 2: PROMPT[10:11]}, {0, 1, 2}),
+              ({0: PROMPT[7:8], 1: OTHER[9:10], 2: PROMPT[11:12]}, {0, 1, 2}),
+              ({0: PROMPT[8:9], 1: OTHER[10:11], 2: PROMPT[12:13]}, {0, 1, 2})]
+TRIM_ROWS = [[5, 12], [], [0, 2, 3], None, None]  # the rows sampled, where decode_layers_ gets them
+
+
+def _trim_runs(model, pool_driver, monkeypatch, steps, decode_rows=None, seed: int = 8) -> list[list[dict]]:
+    """The steps' sampled logits through the per-op path (every row through every layer), then
+    through the one-call path."""
+    whole_step = KernelOps.whole_step
+    outs = []
+    for one_call in (False, True):
+        monkeypatch.setattr(KernelOps, "whole_step", whole_step if one_call else (lambda *a, **k: None))
+        drv = pool_driver(model, seed=seed, kernels=True, prefill_kernel=True)
+        rows = decode_rows or [None] * len(steps)
+        outs.append([drv.step(chunks, sampled=sampled, decode_rows=r) for (chunks, sampled), r
+                     in zip(steps, rows, strict=True)])
+    return outs
+
+
+def _assert_equal_steps(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for sid in x:
+            assert torch.equal(x[sid], y[sid]), sid
+
+
+@pytest.mark.parametrize("form", ["bf16-gemm", "int-gemm"])
+def test_last_layer_runs_on_the_sampled_rows_only(tmp_path, pool_driver, monkeypatch, form) -> None:
+    # Only the sampled rows of a step go past the last layer, but every row's K/V must reach the
+    # pool. On forms that give a row the same bits at any row count, a step with prompt rows runs
+    # the last layer's attention, o projection and MLP on its sampled rows alone (decode_layers_'
+    # out_rows): a chunk's last row, none of a middle chunk's, decode rows beside a chunk. The
+    # sampled rows' logits are bitwise what the per-op path (every row through every layer) gives,
+    # and so are the decode steps after, which read the trimmed layers' K/V (the pool starts as NaN).
+    model = _row_invariant_model(tmp_path, form)
+    seen = _out_rows_of_each_call(monkeypatch)
+    per_op, one_call = _trim_runs(model, pool_driver, monkeypatch, TRIM_STEPS)
+    assert seen == TRIM_ROWS
+    _assert_equal_steps(per_op, one_call)
+    assert not any(torch.isnan(v).any() for step in one_call for v in step.values())
+
+
+@pytest.mark.parametrize("form", ["bf16-gemm", "int-gemm"])
+def test_last_layer_trim_keeps_whole_sequences_and_checks_its_rows(tmp_path, pool_driver, monkeypatch, form) -> None:
+    # out_rows that are not the last rows of their sequences (row 3 of a 6-row chunk, given in place
+    # of row 5) make the operator run the last layer over every row (rows 5 and 12, read after, are
+    # then right: bitwise the per-op path's); rows out of order are refused, naming the rule.
+    model = _row_invariant_model(tmp_path, form)
+    steps = TRIM_STEPS[:1]
+    _out_rows_of_each_call(monkeypatch, replace=lambda rows: torch.tensor([3, 12]))
+    per_op, one_call = _trim_runs(model, pool_driver, monkeypatch, steps)
+    _assert_equal_steps(per_op, one_call)
+    monkeypatch.undo()  # the first spy (and whole_step as it was)
+    _out_rows_of_each_call(monkeypatch, replace=lambda rows: torch.tensor([12, 5]))
+    with pytest.raises(RuntimeError, match="out_rows must be strictly ascending"):
+        _trim_runs(model, pool_driver, monkeypatch, steps)
+
+
+def test_last_layer_trim_on_prompt_forms_waits_for_their_floor(tmp_path, pool_driver, monkeypatch) -> None:
+    # Where a step's forms are row-invariant only from a floor (prompt forms checked with min_rows),
+    # the last layer is trimmed only when the sampled rows reach it: below, the projections would
+    # see fewer rows than their floor. Here every kind counts as depending on the row count but the
+    # prompt forms (a row-invariant kind, so the trimmed rows' bits can be compared) have a floor of 3.
+    from lockgate.layers.forms import bf16_gemm_available
+    from lockgate.layers.linear import PromptForm
+
+    form = "bf16-gemm" if bf16_gemm_available() else "int-gemm"
+    model = _row_invariant_model(tmp_path, form)
+    model.choose_forms({role: FormChoice.parse("dense") for role in ("qkv", "o", "gate_up", "down")})
+    for layer in model.layers:
+        for lin in layer.projections().values():
+            lin.set_prompt_form(PromptForm(form, min_rows=3))
+    monkeypatch.setattr(KernelOps, "ROW_INVARIANT_KINDS", frozenset())
+    seen = _out_rows_of_each_call(monkeypatch)
+    steps = [({0: PROMPT[:6], 1: OTHER[:3], 2: PROMPT[6:10]}, {0, 2}),  # 2 sampled rows: below the floor
+             ({0: PROMPT[6:9], 1: OTHER[3:7], 2: PROMPT[10:12]}, {0, 1, 2})]  # 3: trimmed
+    per_op, one_call = _trim_runs(model, pool_driver, monkeypatch, steps, decode_rows=[0, 0])
+    assert seen == [None, [2, 6, 8]]
+    _assert_equal_steps(per_op, one_call)
+
+
 def test_config_parsing_and_errors(tmp_path) -> None:
     base = {**COMMON, "model_type": "llama", "hidden_act": "silu"}
     a = args_from_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500.0})

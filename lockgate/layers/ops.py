@@ -41,7 +41,7 @@ from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import apply_rope
 
 QKV = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-Pack = tuple[list[torch.Tensor], list[int], bool]  # decode_layers_' weights, kinds, and whether it may split
+Pack = tuple[list[torch.Tensor], list[int], frozenset[int]]  # decode_layers_' weights, kinds, the kinds as a set
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,8 @@ class LayerOps(Protocol):
 
     def whole_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, layers: Iterable[LayerWeights], heads: int,
-                   kv_heads: int, eps: float, scale: float, prompt_rows: bool = False) -> torch.Tensor | None: ...
+                   kv_heads: int, eps: float, scale: float, prompt_rows: bool = False,
+                   out_rows: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
     def forget(self) -> None: ...
 
@@ -118,8 +119,8 @@ class KernelOps:
     name = "kernels"
 
     def __init__(self) -> None:
-        # decode_layers_' weights and kinds (and whether every kind may run as two halves,
-        # SPLIT_KINDS), packed on first use from the forms the layer loop would call: per (rows,
+        # decode_layers_' weights and kinds (and the kinds as a set, for SPLIT_KINDS and
+        # ROW_INVARIANT_KINDS), packed on first use from the forms the layer loop would call: per (rows,
         # prompt_rows) key, or under PROMPT_KEY for every prompt step when each projection serves
         # prompt rows on its one prompt form; () when some cannot go through it
         self._packs: dict[tuple[int, bool] | str, Pack | tuple[()]] = {}
@@ -128,6 +129,10 @@ class KernelOps:
     PROMPT_KEY = "prompt"
     SPLIT_MIN_ROWS = 32  # decode steps from this many rows run as two halves (measured: c = 32 and c = 128 gain)
     SPLIT_KINDS = frozenset({202})  # decode_layers_ kinds measured to gain from it (lockgate's bf16 kernel)
+    # kinds that give a row the same bits whatever the call's rows (lockgate's bf16 kernel and integer
+    # GEMM, by construction: row_invariance.py): a step all on them may run its last layer on the
+    # sampled rows alone at any row count (whole_step's out_rows)
+    ROW_INVARIANT_KINDS = frozenset({202, 104, 108})
     MAX_PACKS = 256  # packs kept in all (least recently used dropped first; steps by count: one per size)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -150,13 +155,22 @@ class KernelOps:
 
     def whole_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, layers: Iterable[LayerWeights], heads: int,
-                   kv_heads: int, eps: float, scale: float, prompt_rows: bool = False) -> torch.Tensor | None:
+                   kv_heads: int, eps: float, scale: float, prompt_rows: bool = False,
+                   out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's layers in one call (``lockgate::decode_layers_``: the layer loop's very ops on
         this backend, without returning to Python between them), or None when the step cannot take
         it: its attention must be one kernel group (every sequence read by slot, no cascade over a
         shared prefix), and every projection's form for the step (``prompt_rows``: its prompt form,
         as ``Linear`` calls it) one the operator runs, on the step's rows as they are (no padding
-        up to a prompt form's ``min_rows``)."""
+        up to a prompt form's ``min_rows``).
+
+        ``out_rows`` (int64 [K], ascending; None: all): the only rows of the result the caller
+        reads. In a step with several new tokens per sequence the operator then runs the last
+        layer's attention, o projection and MLP on those rows alone (decode_layers.cpp, "The last
+        layer"), where that gives them the same bits as the full layer: every projection on its
+        prompt form, checked row-invariant from ``min_rows`` <= K rows, or on a kind that gives a
+        row the same bits at any row count (``ROW_INVARIANT_KINDS``). The other rows of the
+        result then hold no meaning."""
         t = x.shape[0]
         if len(meta.groups) != 1:
             return None
@@ -169,13 +183,19 @@ class KernelOps:
         packed = self._pack_for(list(layers), t, prompt_rows)
         if not packed:
             return None
-        weights, kinds, splittable = packed
+        weights, kinds, kind_set = packed
         d = cos.shape[-1]
-        parts = 2 if splittable and one_each and t >= self.SPLIT_MIN_ROWS and torch.get_num_threads() == 2 else 1
+        split = self.SPLIT_KINDS.issuperset(kind_set) and one_each and t >= self.SPLIT_MIN_ROWS
+        parts = 2 if split and torch.get_num_threads() == 2 else 1
+        # the last layer on the sampled rows only, where that changes none of their bits
+        same_bits = self.ROW_INVARIANT_KINDS.issuperset(kind_set) or (
+            packed is self._packs.get(self.PROMPT_KEY) and out_rows is not None
+            and out_rows.shape[0] >= self._prompt_min_rows)
+        trim = out_rows if out_rows is not None and not one_each and out_rows.shape[0] < t and same_bits else None
         return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
                                                  g.kernel_slots, g.kernel_offsets,
                                                  None if one_each else g.kernel_q_offsets, weights, kinds, heads,
-                                                 kv_heads, eps, scale, parts)
+                                                 kv_heads, eps, scale, parts, trim)
 
     def _pack_for(self, layers: list[LayerWeights], rows: int,
                   prompt_rows: bool) -> Pack | tuple[()]:
@@ -216,4 +236,4 @@ class KernelOps:
                     return ()
                 kinds.append(args[0])
                 weights += [*args[1], torch.empty(0) if lin.bias is None else lin.bias]
-        return weights, kinds, cls.SPLIT_KINDS.issuperset(kinds)
+        return weights, kinds, frozenset(kinds)

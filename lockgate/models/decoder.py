@@ -21,7 +21,9 @@ Invariants:
 * The forward gets the step's tokens flat (input_ids [T], positions [T]) plus an
   ``AttentionMetadata`` built once per step, writes the step's K/V into the pool at
   ``out_slots`` and returns float32 logits only for ``logits_rows`` (the last token of each
-  sampled sequence), skipping the final norm and LM head for everything else; with ``argmax``
+  sampled sequence), skipping the final norm and LM head for everything else (on the one-call
+  path also the last layer's attention, o projection and MLP, where that changes no bit of the
+  sampled rows: ``KernelOps.whole_step``); with ``argmax``
   (plain greedy steps) it returns those rows' argmax tokens instead, taken on the head's output
   in the run dtype, in the same row blocks and forms the logits would have come from.
 * The one-call fused step (``LayerOps.whole_step``) runs only for the plain Llama layout
@@ -67,6 +69,7 @@ PROJECTION_ROLES = ("qkv", "o", "gate_up", "down", "head")  # ``DecoderModel.pro
 # largest mmap threshold (32 MB), so steady steps take it from the heap instead of mapping and
 # faulting in fresh pages every step (a 384-row step's 38 MB of bf16 logits: ~35 ms on 2 MB pages).
 HEAD_BLOCK_BYTES = 16 << 20
+_NO_ROWS = torch.zeros(0, dtype=torch.int64)  # a step that samples no row (a middle prompt chunk)
 
 
 
@@ -268,7 +271,7 @@ class DecoderModel(nn.Module):
         prompt_rows = decode_rows is not None and decode_rows < x.shape[0]  # the step has prompt rows
         whole = None if lora is not None or not a.plain else self.ops.whole_step(
             x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads, a.rms_norm_eps, self.scale,
-            prompt_rows)
+            prompt_rows, _NO_ROWS if logits_rows is None else logits_rows)  # only those rows go on
         if whole is not None:
             x = whole
         else:

@@ -3,7 +3,7 @@
 // lockgate::decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache,
 //                          Tensor out_slots, Tensor slots, Tensor offsets, Tensor? q_offsets,
 //                          Tensor[] weights, int[] kinds, int heads, int kv_heads, float eps,
-//                          float scale, int parts=1) -> Tensor(a!)
+//                          float scale, int parts=1, Tensor? out_rows=None) -> Tensor(a!)
 //
 //   x          [T, hidden] the step's embeddings (run dtype: float32 or bf16); used as the residual
 //              stream, returned after the last layer (every MLP output added)
@@ -27,6 +27,11 @@
 //              steps only: no q_offsets): the sequences split in two halves, each half's whole
 //              layer stack run by one thread (see "Two halves" below); a call with fewer than 2
 //              sequences, on fewer than 2 threads or inside a parallel region runs as one part
+//   out_rows   None: every row of x is wanted after the call; else int64 [K], strictly ascending: the
+//              only rows the caller reads after it (the rows it samples). With q_offsets, where each
+//              sequence's wanted rows are the last rows of its own (none, its last token, or more),
+//              the last layer runs its attention, o projection and MLP on those K rows only (see
+//              "The last layer" below); the other rows of x then hold no meaning. Otherwise ignored.
 //
 // It does exactly what lockgate.models.decoder.DecoderModel._layers does on KernelOps for such a step
 // (the same functions, in the same order, rounding in the same places; on lockgate's bf16 kernel,
@@ -51,6 +56,16 @@
 // bits whatever the call's row count and thread: the caller asks for two parts only then
 // (lockgate.layers.ops.KernelOps.whole_step); the attention and fused kernels already work per row
 // or per sequence.
+//
+// The last layer (out_rows): only the rows the caller samples go on past the last layer, but every
+// row's K and V must reach the pool. So the last layer projects q/k/v and writes K/V for every
+// row, then attends, projects and runs the MLP for the wanted rows alone: a prompt chunk of n
+// tokens whose last is sampled does 1 row of that work instead of n, a middle chunk none. That is
+// ~3% of a prompt's matmul work at 30 layers (the o projection and the MLP are ~93% of a layer's
+// weights). A wanted row gets the same bits as in the full layer: attention gives a token a
+// result that depends only on its query and keys, the norms and silu work per row, and the caller
+// passes out_rows only where each projection's form gives a row the same bits whatever the rows
+// in the call (lockgate.layers.ops.KernelOps.whole_step).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -126,12 +141,51 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor* p, int64_t kind) 
   return lockgate::silu_mul(project(x, p, kind));
 }
 
-// The layers over rows [r0, r1) of the step, which are sequences [s0, s1).
+// The wanted rows of a step with q_offsets (out_rows), as a smaller prefill_attention problem:
+// their rows of x, and the keys (slots, offsets) and new tokens (q_offsets) of the sequences that
+// have any. Only where every sequence's wanted rows are the last ones of its own.
+struct Wanted {
+  at::Tensor rows, slots, offsets, q_offsets;
+};
+
+std::optional<Wanted> wanted_rows(const at::Tensor& out_rows, const at::Tensor& slots, const at::Tensor& offsets,
+                                  const at::Tensor& q_offsets, int64_t t) {
+  TORCH_CHECK(out_rows.dim() == 1 && out_rows.scalar_type() == at::kLong && out_rows.is_contiguous(),
+              "decode_layers_: out_rows must be contiguous int64 [K]");
+  const int64_t k = out_rows.size(0), seqs = offsets.size(0) - 1;
+  const int64_t* rows = out_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < t && (i == 0 || rows[i] > rows[i - 1]),
+                "decode_layers_: out_rows must be strictly ascending rows of x (", t, " rows)");
+  }
+  const int64_t* qo = q_offsets.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  std::vector<int64_t> new_off{0}, new_qo{0}, new_slots;
+  int64_t j = 0;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t first = j;
+    while (j < k && rows[j] < qo[s + 1]) ++j;
+    const int64_t n = j - first;
+    if (n == 0) continue;
+    if (rows[first] != qo[s + 1] - n) return std::nullopt;  // not the sequence's last rows
+    new_slots.insert(new_slots.end(), sl + off[s], sl + off[s + 1]);
+    new_off.push_back(static_cast<int64_t>(new_slots.size()));
+    new_qo.push_back(new_qo.back() + n);
+  }
+  auto tensor = [](const std::vector<int64_t>& v) {
+    return at::tensor(at::ArrayRef<int64_t>(v), at::TensorOptions().dtype(at::kLong));
+  };
+  return Wanted{out_rows, tensor(new_slots), tensor(new_off), tensor(new_qo)};
+}
+
+// The layers over rows [r0, r1) of the step, which are sequences [s0, s1); `wanted`: the last
+// layer's attention, o projection and MLP for those rows only (one part, with q_offsets).
 void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                 at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& slots, const at::Tensor& offsets,
                 const std::optional<at::Tensor>& q_offsets, at::TensorList weights, at::IntArrayRef kinds,
                 int64_t heads, int64_t kv_heads, double eps, double scale, int64_t s0, int64_t s1, int64_t r0,
-                int64_t r1) {
+                int64_t r1, const std::optional<Wanted>& wanted) {
   using lockgate::add_rms_norm_, lockgate::decode_attention, lockgate::prefill_attention, lockgate::rope_write_kv;
   const int64_t layers = k_cache.size(0), t = r1 - r0, d = k_cache.size(3);
   at::Tensor xp = x.narrow(0, r0, t);
@@ -144,6 +198,18 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
     at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
     at::Tensor y = add_rms_norm_(xp, pending, w[0], eps);
     at::Tensor q = rope_write_kv(project(y, w + 2, kind[0]), cp, sp, heads, kv_heads, kc, vc, osp);
+    if (wanted && l == layers - 1) {  // every row's K/V is in the pool; the rest for the wanted rows only
+      const int64_t k = wanted->rows.size(0);
+      if (k > 0) {
+        at::Tensor xk = xp.index_select(0, wanted->rows);
+        const at::Tensor o = std::get<0>(prefill_attention(q.index_select(0, wanted->rows), kc, vc, wanted->slots,
+                                                           wanted->offsets, wanted->q_offsets, scale));
+        y = add_rms_norm_(xk, project(o.view({k, heads * d}), w + 6, kind[1]), w[1], eps);
+        xk.add_(project(gate_up_silu(y, w + 10, kind[2]), w + 14, kind[3]));
+        xp.index_copy_(0, wanted->rows, xk);
+      }
+      return;
+    }
     // (with q_offsets the call is one part: they count rows from the step's first)
     at::Tensor o = std::get<0>(q_offsets ? prefill_attention(q, kc, vc, slots, offp, *q_offsets, scale)
                                          : decode_attention(q, kc, vc, slots, offp, scale));
@@ -165,7 +231,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                           at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& slots,
                           const at::Tensor& offsets, const std::optional<at::Tensor>& q_offsets,
                           at::TensorList weights, at::IntArrayRef kinds, int64_t heads,
-                          int64_t kv_heads, double eps, double scale, int64_t parts) {
+                          int64_t kv_heads, double eps, double scale, int64_t parts,
+                          const std::optional<at::Tensor>& out_rows) {
   const int64_t layers = k_cache.size(0), t = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
@@ -196,12 +263,13 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                     q_offsets->is_contiguous(),
                 "q_offsets must be contiguous int64 [B + 1]");
   }
-  auto layers_over = [&](int64_t s0, int64_t s1, int64_t r0, int64_t r1) {
+  auto layers_over = [&](int64_t s0, int64_t s1, int64_t r0, int64_t r1, const std::optional<Wanted>& wanted) {
     run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads, kv_heads,
-               eps, scale, s0, s1, r0, r1);
+               eps, scale, s0, s1, r0, r1, wanted);
   };
   if (parts == 1 || seqs < 2 || at::get_num_threads() < 2 || at::in_parallel_region()) {
-    layers_over(0, seqs, 0, t);
+    const bool trim = out_rows && q_offsets && layers > 0;
+    layers_over(0, seqs, 0, t, trim ? wanted_rows(*out_rows, slots, offsets, *q_offsets, t) : std::nullopt);
     return x;
   }
   // one row per sequence here: part p is sequences, and rows, bounds[p] .. bounds[p + 1]
@@ -209,7 +277,7 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
   const at::ThreadLocalState caller;  // inference mode and the rest: the workers take the caller's
   at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(caller);
-    for (int64_t p = begin; p < end; ++p) layers_over(bounds[p], bounds[p + 1], bounds[p], bounds[p + 1]);
+    for (int64_t p = begin; p < end; ++p) layers_over(bounds[p], bounds[p + 1], bounds[p], bounds[p + 1], std::nullopt);
   });
   return x;
 }
@@ -219,7 +287,7 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
   m.def("decode_layers_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor out_slots, Tensor slots, Tensor offsets, Tensor? q_offsets, Tensor[] weights, int[] kinds, "
-        "int heads, int kv_heads, float eps, float scale, int parts=1) -> Tensor(a!)");
+        "int heads, int kv_heads, float eps, float scale, int parts=1, Tensor? out_rows=None) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(lockgate, CPU, m) { m.impl("decode_layers_", &lockgate::decode_layers_); }
