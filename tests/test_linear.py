@@ -3,6 +3,8 @@ form per row count; make_forms gives a weight the forms it can have without losi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,6 +160,35 @@ def test_grid_bits_finds_gguf_grids_whose_codes_do_not_reach_both_ends(qtype: st
         form = GroupQuantWeight.from_weight(w, bits)
         assert form.error <= LOSSLESS_TOLERANCE
         torch.testing.assert_close(form.dequantize(64, 256), w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4), ("Q5_0", 8)])
+def test_a_weights_quantized_forms_search_its_grid_once(monkeypatch, qtype: str, bits: int) -> None:
+    """make_forms searches a weight's grid once (a K-quant grid search sorts every group) and every
+    quantized form takes its codes from it: the same tensors as each form searching on its own."""
+    from lockgate import kernels as cpu_kernels
+    from lockgate.layers import forms as forms_mod
+    from lockgate.layers.forms import IntGemmWeight
+
+    assert cpu_kernels.load(), cpu_kernels.error()
+    w = _gguf_blocks(qtype, 64, 256, seed=4)
+    searched = {4: 0, 8: 0}
+    for b, name in ((4, "quantize_int4"), (8, "quantize_int8")):
+        real = getattr(forms_mod, name)
+        monkeypatch.setattr(forms_mod, name, lambda *a, _real=real, _b=b, **k: searched.__setitem__(_b, searched[_b] + 1)
+                            or _real(*a, **k))
+    made = make_forms(w, torch.bfloat16, "auto", kernels=True)
+    assert searched == ({4: 1, 8: 0} if bits == 4 else {4: 1, 8: 1})  # auto tries 4 bits first
+    alone = {"group-quant": GroupQuantWeight.from_weight(w, bits)}
+    if bits == 4:
+        alone["torch-int4"] = Int4Weight.from_weight(w, torch.bfloat16)
+    assert set(alone) <= set(made)
+    if "int-gemm" in made:  # (made only where its float16 scales hold the grid exactly)
+        alone["int-gemm"] = IntGemmWeight.from_weight(w, bits)
+    for name, form in alone.items():
+        for field in dataclasses.fields(form):
+            a, b = getattr(made[name], field.name), getattr(form, field.name)
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (name, field.name)
 
 
 def test_int4_unfit_shapes_are_named() -> None:

@@ -33,7 +33,7 @@ What a weight gets (``make_forms``): ``quantization`` none gives no quantized fo
 them only on the smallest grid (4, then 8 bits) the checkpoint's values already lie on, so
 nothing is lost (a Q4_1 or Q4_K GGUF's projections, Q5_0 ones on 8 bits, a Q8_0 head); int4
 forces 4 bits. The three
-quantized forms of one weight are made from the same codes; torch's int4 form rounds its scales
+quantized forms of one weight are made from the same codes (one ``Grid``, searched once); torch's int4 form rounds its scales
 and offsets to bf16, the integer GEMM's float16 scales are exact for GGUF grids (else it is not
 made). ``want`` restricts what is made to the forms a measured table will call.
 """
@@ -242,6 +242,44 @@ def native_steps(w: torch.Tensor, base: torch.Tensor, step: torch.Tensor, lo: in
     return steps.view(step.shape)
 
 @dataclass(frozen=True)
+class Grid:
+    """A weight [N, K] on a grid of ``INT4_GROUP`` columns, as ``quantize_int4`` (bits 4: codes
+    int32 0..15, ``weight ~= codes * step + low``) or ``quantize_int8`` (bits 8: codes int8
+    -127..127, ``weight ~= codes * step``, low None) make it, and what it loses (``error``:
+    ``grid_error``, in steps). Made once per weight (``Grid.of``): the quantized forms all take
+    their codes from it (a K-quant checkpoint's grid search sorts every group: ~4x the load time
+    when each form searched again)."""
+
+    bits: int
+    codes: torch.Tensor
+    step: torch.Tensor  # float32 [N, K/32]
+    low: torch.Tensor | None  # float32 [N, K/32] (bits 4)
+    error: float
+
+    @staticmethod
+    def of(source: torch.Tensor, bits: int) -> Grid:
+        n, k = source.shape
+        shaped = (n, k // INT4_GROUP, INT4_GROUP)
+        if bits == 4:
+            codes, step, low = quantize_int4(source)
+            back = codes.view(shaped).float() * step[..., None] + low[..., None]
+            return Grid(4, codes, step, low, grid_error(back.view(n, k), source, step))
+        if bits == 8:
+            codes8, step8 = quantize_int8(source)
+            back8 = codes8.view(shaped).float() * step8[..., None]
+            return Grid(8, codes8, step8, None, grid_error(back8.view(n, k), source, step8))
+        raise ValueError(f"grids have 4 or 8 bits, not {bits}")
+
+    def fits(self, source: torch.Tensor, bits: int) -> bool:
+        """This grid was made of a weight of ``source``'s shape at ``bits`` bits."""
+        return self.bits == bits and tuple(self.codes.shape) == tuple(source.shape)
+
+
+def _grid(source: torch.Tensor, bits: int, grid: Grid | None) -> Grid:
+    return grid if grid is not None and grid.fits(source, bits) else Grid.of(source, bits)
+
+
+@dataclass(frozen=True)
 class Int4Weight:
     """A weight's int4 form for ``_weight_int4pack_mm_for_cpu``; ``error`` is the largest
     |weight - dequantized| over the tensor, in quantization steps (0 for a weight already on the grid)."""
@@ -253,16 +291,23 @@ class Int4Weight:
     error: float
 
     @staticmethod
-    def from_weight(source: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> Int4Weight:
+    def from_weight(source: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP,
+                    grid: Grid | None = None) -> Int4Weight:
         """Quantize ``source`` [N, K] (full precision, not yet rounded to the run dtype) for
-        activations of ``dtype``; raises ValueError when the kernel cannot take it."""
+        activations of ``dtype`` (``grid``: its 4-bit grid, already made); raises ValueError when
+        the kernel cannot take it."""
         reason = int4_unfit_reason(tuple(source.shape), dtype, source.device)
         if reason:
             raise ValueError(f"int4 weights not possible: {reason}")
-        codes, step, low = quantize_int4(source, group)
-        n, k = source.shape
-        back = (codes.view(n, k // group, group).float() * step[..., None] + low[..., None]).view(n, k)
-        error = grid_error(back, source, step, group)
+        if group == INT4_GROUP:
+            g = _grid(source, 4, grid)
+            codes, step, low, error = g.codes, g.step, g.low, g.error
+            assert low is not None
+        else:
+            codes, step, low = quantize_int4(source, group)
+            n, k = source.shape
+            back = (codes.view(n, k // group, group).float() * step[..., None] + low[..., None]).view(n, k)
+            error = grid_error(back, source, step, group)
         zero = low + 8 * step  # the kernel subtracts 8 from each code
         scales_zeros = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/g, N, 2]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -313,23 +358,19 @@ class GroupQuantWeight:
     error: float
 
     @staticmethod
-    def from_weight(source: torch.Tensor, bits: int) -> GroupQuantWeight:
-        """Quantize ``source`` [N, K] (full precision); raises ValueError for K % 32 != 0."""
+    def from_weight(source: torch.Tensor, bits: int, grid: Grid | None = None) -> GroupQuantWeight:
+        """Quantize ``source`` [N, K] (full precision; ``grid``: its grid at ``bits``, already
+        made); raises ValueError for K % 32 != 0."""
         n, k = source.shape
         if k % INT4_GROUP or bits not in (4, 8):
             raise ValueError(f"{bits}-bit groups of {INT4_GROUP} do not fit a [{n}, {k}] weight")
-        zeros: torch.Tensor | None
+        g = _grid(source, bits, grid)
+        qweight: torch.Tensor = g.codes
         if bits == 4:
-            codes, step, low = quantize_int4(source)
-            back = codes.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None] + low[..., None]
-            g = codes.view(n, k // INT4_GROUP, INT4_GROUP).to(torch.uint8)
-            qweight = (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-            zeros = low.contiguous()
-        else:
-            codes8, step = quantize_int8(source)
-            back = codes8.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None]
-            qweight, zeros = codes8, None
-        return GroupQuantWeight(bits, qweight, step.contiguous(), zeros, grid_error(back.view(n, k), source, step))
+            c = g.codes.view(n, k // INT4_GROUP, INT4_GROUP).to(torch.uint8)
+            qweight = (c[..., :16] | (c[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+        zeros = None if g.low is None else g.low.contiguous()
+        return GroupQuantWeight(bits, qweight, g.step.contiguous(), zeros, g.error)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 or bf16 -> [M, N] in x's dtype."""
@@ -390,9 +431,9 @@ class IntGemmWeight:
         return n % 16 == 0 and k % INT4_GROUP == 0
 
     @staticmethod
-    def from_weight(source: torch.Tensor, bits: int) -> IntGemmWeight:
+    def from_weight(source: torch.Tensor, bits: int, grid: Grid | None = None) -> IntGemmWeight:
         """``source`` [N, K] (full precision) on the grid ``quantize_int4`` / ``quantize_int8``
-        make of it (the same codes the small-step forms use)."""
+        make of it (the same codes the small-step forms use; ``grid``: that grid, already made)."""
         n, k = source.shape
         if not IntGemmWeight.fits((n, k)) or bits not in (4, 8):
             raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
@@ -401,18 +442,15 @@ class IntGemmWeight:
         def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16] float16
             return t.view(n // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
 
-        zeros: torch.Tensor | None = None
+        g = _grid(source, bits, grid)
         if bits == 4:
-            codes, step, low = quantize_int4(source)
             # (nb, lane, chunk c, pair-in-chunk, column-in-pair) -> (nb, c, lane, column-in-pair, pair-in-chunk)
-            c = codes.view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3).to(torch.uint8)
+            c = g.codes.view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3).to(torch.uint8)
             packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, k // 4, 32).contiguous()
-            zeros = per_block(low)
         else:
-            codes8, step = quantize_int8(source)
-            packed = codes8.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
-        made = IntGemmWeight(bits, packed, per_block(step), zeros, 0.0)
-        return dataclasses.replace(made, error=grid_error(made.dequantize(n, k), source, step))
+            packed = g.codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
+        made = IntGemmWeight(bits, packed, per_block(g.step), None if g.low is None else per_block(g.low), 0.0)
+        return dataclasses.replace(made, error=grid_error(made.dequantize(n, k), source, g.step))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype (the kernel takes and gives float32: a 16-bit x is
@@ -445,27 +483,27 @@ class IntGemmWeight:
 Form = DenseWeight | Bf16GemmWeight | Fp32Weight | Int4Weight | GroupQuantWeight | IntGemmWeight
 
 
-def grid_bits(source: torch.Tensor, mode: str, kernels: bool) -> tuple[int, float] | None:
-    """The grid a weight's quantized forms use for ``--quantization`` ``mode``, and what it loses
-    (largest error in quantization steps): none -> None; int4 -> 4 bits; auto -> 4 bits when
-    ``source`` already lies on a 4-bit grid of 32 columns, else 8 on an 8-bit one (lockgate's
-    kernels only: torch has no such form), else None."""
+def find_grid(source: torch.Tensor, mode: str, kernels: bool) -> Grid | None:
+    """The grid a weight's quantized forms use for ``--quantization`` ``mode``: none -> None; int4
+    -> 4 bits; auto -> 4 bits when ``source`` already lies on a 4-bit grid of 32 columns, else 8 on
+    an 8-bit one (lockgate's kernels only: torch has no such form), else None."""
     if mode not in INT4_MODES:
         raise ValueError(f"quantization mode {mode!r} is not one of {INT4_MODES}")
     if mode == "none" or source.shape[1] % INT4_GROUP:
         return None
-    n, k = source.shape
-    codes, step, low = quantize_int4(source)
-    back = (codes.view(n, k // INT4_GROUP, INT4_GROUP).float() * step[..., None] + low[..., None]).view(n, k)
-    error4 = grid_error(back, source, step)
-    if mode == "int4" or error4 <= LOSSLESS_TOLERANCE:
-        return 4, error4
+    grid4 = Grid.of(source, 4)
+    if mode == "int4" or grid4.error <= LOSSLESS_TOLERANCE:
+        return grid4
     if not kernels:
         return None
-    codes8, step8 = quantize_int8(source)
-    back8 = (codes8.view(n, k // INT4_GROUP, INT4_GROUP).float() * step8[..., None]).view(n, k)
-    error8 = grid_error(back8, source, step8)
-    return (8, error8) if error8 <= LOSSLESS_TOLERANCE else None
+    grid8 = Grid.of(source, 8)
+    return grid8 if grid8.error <= LOSSLESS_TOLERANCE else None
+
+
+def grid_bits(source: torch.Tensor, mode: str, kernels: bool) -> tuple[int, float] | None:
+    """``find_grid``'s bits and what it loses (largest error in quantization steps), or None."""
+    grid = find_grid(source, mode, kernels)
+    return None if grid is None else (grid.bits, grid.error)
 
 
 def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kernels: bool, *,
@@ -488,17 +526,17 @@ def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kern
         forms["fp32"] = Fp32Weight(source, source_bias)
     if not any(wanted(q) for q in QUANTIZED_FORMS):
         return forms
-    grid = grid_bits(source, quantization, kernels)
+    grid = find_grid(source, quantization, kernels)
     if grid is None:
         return forms
-    bits, grid_loss = grid
+    bits, grid_loss = grid.bits, grid.error
     on_cpu = source.device.type == "cpu"
     if bits == 4 and wanted("torch-int4") and not int4_unfit_reason(tuple(source.shape), dtype, source.device):
-        forms["torch-int4"] = Int4Weight.from_weight(source, int4_activation_dtype(dtype))
+        forms["torch-int4"] = Int4Weight.from_weight(source, int4_activation_dtype(dtype), grid=grid)
     if kernels and on_cpu and wanted("group-quant"):
-        forms["group-quant"] = GroupQuantWeight.from_weight(source, bits)
+        forms["group-quant"] = GroupQuantWeight.from_weight(source, bits, grid)
     if kernels and on_cpu and wanted("int-gemm") and IntGemmWeight.fits(tuple(source.shape)) and int_gemm_available():
-        ig = IntGemmWeight.from_weight(source, bits)
+        ig = IntGemmWeight.from_weight(source, bits, grid)
         # float16 scales are exact for GGUF grids. Where they would round: a lossless grid stays
         # lossless by not having this form; a lossy one (``int4`` on a 16-bit checkpoint) may lose
         # up to 1/16 step more (float16 scales: <= 15 * 2^-11 step; torch's bf16 ones lose 15 * 2^-8)
