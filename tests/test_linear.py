@@ -148,11 +148,17 @@ def _gguf_blocks(qtype_name: str, rows: int, cols: int, seed: int) -> torch.Tens
     return torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype).astype(np.float32))
 
 
+@pytest.mark.parametrize("sample_rows", [256, 8], ids=["whole", "sample-first"])
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4), ("Q4_0", 4), ("Q5_0", 8), ("Q6_K", None)])
-def test_grid_bits_finds_gguf_grids_whose_codes_do_not_reach_both_ends(qtype: str, bits: int | None) -> None:
+def test_grid_bits_finds_gguf_grids_whose_codes_do_not_reach_both_ends(monkeypatch, qtype: str, bits: int | None,
+                                                                       sample_rows: int) -> None:
     """Q4_K's fitted minimum sits below its lowest code, Q5_0's codes span 32 of the 255 an 8-bit grid
     has: the range-based step misses both; the values still lie on a grid the kernels run exactly.
-    Q6_K's two scales per 32 columns do not (it stays dense)."""
+    Q6_K's two scales per 32 columns do not (it stays dense). The same when a few rows are tried
+    first (what a weight of more than ``GRID_SAMPLE_ROWS`` rows gets)."""
+    from lockgate.layers import forms as forms_mod
+
+    monkeypatch.setattr(forms_mod, "GRID_SAMPLE_ROWS", sample_rows)
     w = _gguf_blocks(qtype, 64, 256, seed=3)
     found = grid_bits(w, "auto", kernels=True)
     assert (found[0] if found else None) == bits
