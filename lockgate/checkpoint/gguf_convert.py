@@ -30,9 +30,11 @@ Torch-free except the tokenizer step (transformers' GGUF tokenizer reader import
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,7 +161,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos_ids(meta)}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    save_tokenizer(gguf_path, out_dir, config["max_position_embeddings"])
+    save_tokenizer(gguf_path, out_dir, config["max_position_embeddings"], reader)
     st = gguf_path.stat()
     (out_dir / "lockgate_source.json").write_text(json.dumps({
         "gguf": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
@@ -357,11 +359,14 @@ def eos_ids(meta: dict[str, Any]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int) -> None:
+def save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int, reader: Any = None) -> None:
+    """The tokenizer files of ``gguf_path`` into ``out_dir`` (transformers' GGUF tokenizer reader);
+    ``reader``: the file's ``gguf.GGUFReader``, already built, for transformers to read too."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with _reader_reused(gguf_path, reader):
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     template = getattr(tok, "chat_template", None)
     if not template:
         log.warning("%s has no chat template; chat requests will need one", gguf_path)
@@ -377,6 +382,32 @@ def save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int) -> None:
     if template:
         cfg["chat_template"] = template
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _reader_reused(path: Path, reader: Any) -> Iterator[None]:
+    """While open, ``gguf.GGUFReader(path)`` gives ``reader`` (None: nothing changes). transformers'
+    GGUF loader builds its own reader of the file (``from gguf import GGUFReader``, at call time);
+    building one parses every metadata field, ~10 s for gemma-3's 262,144-token vocabulary, so
+    the conversion hands over the one it has. Any other call (another file, other arguments)
+    builds a new reader as before."""
+    if reader is None:
+        yield
+        return
+    import gguf
+
+    real, want = gguf.GGUFReader, Path(path).resolve()
+
+    def reader_of(p: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(p).resolve() == want:
+            return reader
+        return real(p, *args, **kwargs)
+
+    setattr(gguf, "GGUFReader", reader_of)  # noqa: B010 - a module attribute swapped for the block
+    try:
+        yield
+    finally:
+        setattr(gguf, "GGUFReader", real)  # noqa: B010
 
 
 def _field_value(field: Any) -> Any:
