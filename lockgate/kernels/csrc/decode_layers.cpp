@@ -169,6 +169,8 @@ std::optional<Wanted> wanted_rows(const at::Tensor& out_rows, const at::Tensor& 
     const int64_t n = j - first;
     if (n == 0) continue;
     if (rows[first] != qo[s + 1] - n) return std::nullopt;  // not the sequence's last rows
+    TORCH_CHECK(off[s] >= 0 && off[s] <= off[s + 1] && off[s + 1] <= slots.size(0),
+                "decode_layers_: the offsets of sequence ", s, " leave slots");
     new_slots.insert(new_slots.end(), sl + off[s], sl + off[s + 1]);
     new_off.push_back(static_cast<int64_t>(new_slots.size()));
     new_qo.push_back(new_qo.back() + n);
