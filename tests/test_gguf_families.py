@@ -189,7 +189,7 @@ def test_gguf_file_matches_transformers_reading_it(arch, tmp_path) -> None:
     assert_lockgate_matches(prepare_model_dir(str(path)), [hf_greedy(hf, p, N_NEW) for p in PROMPTS], N_NEW, arch)
 
 
-def test_conversion_reads_the_file_once_and_writes_transformers_tokenizer(tmp_path, monkeypatch) -> None:
+def test_conversion_reads_the_file_once_and_writes_transformers_tokenizer(tmp_path) -> None:
     # The converter hands transformers' tokenizer reader the GGUFReader it built (parsing a large
     # vocabulary's metadata costs ~10 s per reader): one reader of the file per conversion, and the
     # tokenizer written is the one transformers makes reading the file itself.
@@ -197,11 +197,11 @@ def test_conversion_reads_the_file_once_and_writes_transformers_tokenizer(tmp_pa
     CASES["llama"]().write(path)
     built: list[str] = []
     cls, init = gguf.GGUFReader, gguf.GGUFReader.__init__
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, p, *a, **k: built.append(str(p)) or init(self, p, *a, **k))
-    d = prepare_model_dir(str(path))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFReader, "__init__", lambda self, p, *a, **k: built.append(str(p)) or init(self, p, *a, **k))
+        d = prepare_model_dir(str(path))
     assert built == [str(path)]
     assert gguf.GGUFReader is cls  # the converter's swap is undone
-    monkeypatch.undo()
     ours = tf.AutoTokenizer.from_pretrained(str(d))
     theirs = tf.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert ours.get_vocab() == theirs.get_vocab()

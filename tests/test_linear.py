@@ -160,8 +160,14 @@ def test_grid_bits_finds_gguf_grids_whose_codes_do_not_reach_both_ends(monkeypat
 
     monkeypatch.setattr(forms_mod, "GRID_SAMPLE_ROWS", sample_rows)
     w = _gguf_blocks(qtype, 64, 256, seed=3)
+    searched_rows: list[int] = []
+    real_of = forms_mod.Grid.of
+    monkeypatch.setattr(forms_mod.Grid, "of", staticmethod(lambda src, b: searched_rows.append(src.shape[0])
+                                                           or real_of(src, b)))
     found = grid_bits(w, "auto", kernels=True)
     assert (found[0] if found else None) == bits
+    if sample_rows == 8:  # 8 rows first; the whole weight only for the grid it lies on
+        assert searched_rows == ([8, 64] if bits == 4 else [8, 8, 64] if bits == 8 else [8, 8])
     if bits is not None:
         form = GroupQuantWeight.from_weight(w, bits)
         assert form.error <= LOSSLESS_TOLERANCE

@@ -316,31 +316,46 @@ def _row_invariant_model(tmp_path, form: str) -> DecoderModel:
     return model
 
 
-def _out_rows_of_each_call(monkeypatch, replace=None) -> list:
-    """Record the out_rows of every decode_layers_ call (None: all rows wanted); ``replace``: a
-    function of the recorded rows giving the out_rows to call it with instead."""
+def _out_rows_of_each_call(monkeypatch, replace=None) -> tuple[list, list]:
+    """Record the out_rows of every decode_layers_ call (None: all rows wanted) and, for each call
+    given some, whether the operator really left the other rows short of the last layer (it is
+    called again on a copy of its input without out_rows: the wanted rows must agree bitwise, and
+    some other row differ). ``replace``: a function of the recorded rows giving the out_rows to call
+    it with instead."""
     seen: list = []
+    trimmed: list = []
     real = torch.ops.lockgate.decode_layers_
 
     def spy(*a):
         rows = a[16] if len(a) > 16 else None
         seen.append(None if rows is None else rows.tolist())
-        if replace is not None and rows is not None:
+        if rows is None:
+            return real(*a)
+        if replace is not None:
             a = (*a[:16], replace(rows))
-        return real(*a)
+        x0 = a[0].clone()
+        out = real(*a)
+        full = real(x0, *a[1:16], None)  # (writes the same K/V again)
+        wanted = a[16]
+        assert torch.equal(out.index_select(0, wanted), full.index_select(0, wanted))
+        others = [r for r in range(out.shape[0]) if r not in set(wanted.tolist())]
+        trimmed.append(bool(others) and not torch.equal(out[others], full[others]))
+        return out
 
     monkeypatch.setattr(torch.ops.lockgate, "decode_layers_", spy, raising=False)
-    return seen
+    return seen, trimmed
 
 
 # Two sequences' prompt chunks, one of them a middle chunk; a middle chunk alone; decode rows beside
-# a chunk; then decode steps, which read every K/V row the trimmed last layers wrote.
+# a chunk; a chunk all of whose rows are sampled beside one with none; then decode steps, which read
+# every K/V row the trimmed last layers wrote. (chunks, the sequences sampled[, every row of them])
 TRIM_STEPS = [({0: PROMPT[:6], 1: OTHER[:3], 2: PROMPT[6:10]}, {0, 2}),
               ({1: OTHER[3:7]}, set()),
               ({0: PROMPT[6:7], 1: OTHER[7:9], 2: PROMPT[10:11]}, {0, 1, 2}),
-              ({0: PROMPT[7:8], 1: OTHER[9:10], 2: PROMPT[11:12]}, {0, 1, 2}),
-              ({0: PROMPT[8:9], 1: OTHER[10:11], 2: PROMPT[12:13]}, {0, 1, 2})]
-TRIM_ROWS = [[5, 12], [], [0, 2, 3], None, None]  # the rows sampled, where decode_layers_ gets them
+              ({0: PROMPT[7:10], 2: PROMPT[11:13]}, {0}, True),
+              ({0: PROMPT[10:11], 1: OTHER[9:10], 2: PROMPT[13:14]}, {0, 1, 2}),
+              ({0: PROMPT[11:12], 1: OTHER[10:11], 2: PROMPT[14:15]}, {0, 1, 2})]
+TRIM_ROWS = [[5, 12], [], [0, 2, 3], [0, 1, 2], None, None]  # the rows sampled, where decode_layers_ gets them
 
 
 def _trim_runs(model, pool_driver, monkeypatch, steps, decode_rows=None, seed: int = 8) -> list[list[dict]]:
@@ -352,8 +367,8 @@ def _trim_runs(model, pool_driver, monkeypatch, steps, decode_rows=None, seed: i
         monkeypatch.setattr(KernelOps, "whole_step", whole_step if one_call else (lambda *a, **k: None))
         drv = pool_driver(model, seed=seed, kernels=True, prefill_kernel=True)
         rows = decode_rows or [None] * len(steps)
-        outs.append([drv.step(chunks, sampled=sampled, decode_rows=r) for (chunks, sampled), r
-                     in zip(steps, rows, strict=True)])
+        outs.append([drv.step(chunks, sampled=sampled, decode_rows=r, all_rows=bool(every))
+                     for (chunks, sampled, *every), r in zip(steps, rows, strict=True)])
     return outs
 
 
@@ -373,9 +388,10 @@ def test_last_layer_runs_on_the_sampled_rows_only(tmp_path, pool_driver, monkeyp
     # sampled rows' logits are bitwise what the per-op path (every row through every layer) gives,
     # and so are the decode steps after, which read the trimmed layers' K/V (the pool starts as NaN).
     model = _row_invariant_model(tmp_path, form)
-    seen = _out_rows_of_each_call(monkeypatch)
+    seen, trimmed = _out_rows_of_each_call(monkeypatch)
     per_op, one_call = _trim_runs(model, pool_driver, monkeypatch, TRIM_STEPS)
     assert seen == TRIM_ROWS
+    assert trimmed == [True] * 4
     _assert_equal_steps(per_op, one_call)
     assert not any(torch.isnan(v).any() for step in one_call for v in step.values())
 
@@ -387,13 +403,15 @@ def test_last_layer_trim_keeps_whole_sequences_and_checks_its_rows(tmp_path, poo
     # then right: bitwise the per-op path's); rows out of order are refused, naming the rule.
     model = _row_invariant_model(tmp_path, form)
     steps = TRIM_STEPS[:1]
-    _out_rows_of_each_call(monkeypatch, replace=lambda rows: torch.tensor([3, 12]))
-    per_op, one_call = _trim_runs(model, pool_driver, monkeypatch, steps)
+    with pytest.MonkeyPatch.context() as mp:
+        _, trimmed = _out_rows_of_each_call(mp, replace=lambda rows: torch.tensor([3, 12]))
+        per_op, one_call = _trim_runs(model, pool_driver, mp, steps)
+    assert trimmed == [False]  # the whole layer ran
     _assert_equal_steps(per_op, one_call)
-    monkeypatch.undo()  # the first spy (and whole_step as it was)
-    _out_rows_of_each_call(monkeypatch, replace=lambda rows: torch.tensor([12, 5]))
-    with pytest.raises(RuntimeError, match="out_rows must be strictly ascending"):
-        _trim_runs(model, pool_driver, monkeypatch, steps)
+    with pytest.MonkeyPatch.context() as mp:
+        _out_rows_of_each_call(mp, replace=lambda rows: torch.tensor([12, 5]))
+        with pytest.raises(RuntimeError, match="out_rows must be strictly ascending"):
+            _trim_runs(model, pool_driver, mp, steps)
 
 
 def test_last_layer_trim_on_prompt_forms_waits_for_their_floor(tmp_path, pool_driver, monkeypatch) -> None:
@@ -411,11 +429,13 @@ def test_last_layer_trim_on_prompt_forms_waits_for_their_floor(tmp_path, pool_dr
         for lin in layer.projections().values():
             lin.set_prompt_form(PromptForm(form, min_rows=3))
     monkeypatch.setattr(KernelOps, "ROW_INVARIANT_KINDS", frozenset())
-    seen = _out_rows_of_each_call(monkeypatch)
+    seen, trimmed = _out_rows_of_each_call(monkeypatch)
     steps = [({0: PROMPT[:6], 1: OTHER[:3], 2: PROMPT[6:10]}, {0, 2}),  # 2 sampled rows: below the floor
-             ({0: PROMPT[6:9], 1: OTHER[3:7], 2: PROMPT[10:12]}, {0, 1, 2})]  # 3: trimmed
-    per_op, one_call = _trim_runs(model, pool_driver, monkeypatch, steps, decode_rows=[0, 0])
-    assert seen == [None, [2, 6, 8]]
+             ({0: PROMPT[6:9], 1: OTHER[3:7], 2: PROMPT[10:12]}, {0, 1, 2}),  # 3: trimmed
+             ({1: OTHER[7:10]}, set())]  # none (a middle chunk): trimmed whatever the floor
+    per_op, one_call = _trim_runs(model, pool_driver, monkeypatch, steps, decode_rows=[0, 0, 0])
+    assert seen == [None, [2, 6, 8], []]
+    assert trimmed == [True, True]
     _assert_equal_steps(per_op, one_call)
 
 

@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,6 +385,9 @@ def save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int, reader: Any = N
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+_READER_SWAP = threading.Lock()
+
+
 @contextlib.contextmanager
 def _reader_reused(path: Path, reader: Any) -> Iterator[None]:
     """While open, ``gguf.GGUFReader(path)`` gives ``reader`` (None: nothing changes). transformers'
@@ -396,18 +400,22 @@ def _reader_reused(path: Path, reader: Any) -> Iterator[None]:
         return
     import gguf
 
-    real, want = gguf.GGUFReader, Path(path).resolve()
+    want = Path(path).resolve()
+    with _READER_SWAP:  # one swap at a time in the process, undone in the order made
+        real = gguf.GGUFReader
 
-    def reader_of(p: Any, *args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs and Path(p).resolve() == want:
-            return reader
-        return real(p, *args, **kwargs)
+        def reader_of(p: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                same = not args and not kwargs and Path(p).resolve() == want
+            except (TypeError, OSError):
+                same = False
+            return reader if same else real(p, *args, **kwargs)
 
-    setattr(gguf, "GGUFReader", reader_of)  # noqa: B010 - a module attribute swapped for the block
-    try:
-        yield
-    finally:
-        setattr(gguf, "GGUFReader", real)  # noqa: B010
+        setattr(gguf, "GGUFReader", reader_of)  # noqa: B010 - a module attribute swapped for the block
+        try:
+            yield
+        finally:
+            setattr(gguf, "GGUFReader", real)  # noqa: B010
 
 
 def _field_value(field: Any) -> Any:

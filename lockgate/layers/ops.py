@@ -169,8 +169,8 @@ class KernelOps:
         layer's attention, o projection and MLP on those rows alone (decode_layers.cpp, "The last
         layer"), where that gives them the same bits as the full layer: every projection on its
         prompt form, checked row-invariant from ``min_rows`` <= K rows, or on a kind that gives a
-        row the same bits at any row count (``ROW_INVARIANT_KINDS``). The other rows of the
-        result then hold no meaning."""
+        row the same bits at any row count (``ROW_INVARIANT_KINDS``); with no row wanted (K = 0)
+        on any form. The other rows of the result then hold no meaning."""
         t = x.shape[0]
         if len(meta.groups) != 1:
             return None
@@ -188,9 +188,10 @@ class KernelOps:
         split = self.SPLIT_KINDS.issuperset(kind_set) and one_each and t >= self.SPLIT_MIN_ROWS
         parts = 2 if split and torch.get_num_threads() == 2 else 1
         # the last layer on the sampled rows only, where that changes none of their bits
+        # (no sampled row at all, a middle chunk: nothing past the K/V is needed, on any form)
         same_bits = self.ROW_INVARIANT_KINDS.issuperset(kind_set) or (
-            packed is self._packs.get(self.PROMPT_KEY) and out_rows is not None
-            and out_rows.shape[0] >= self._prompt_min_rows)
+            out_rows is not None and (out_rows.shape[0] == 0 or (
+                packed is self._packs.get(self.PROMPT_KEY) and out_rows.shape[0] >= self._prompt_min_rows)))
         trim = out_rows if out_rows is not None and not one_each and out_rows.shape[0] < t and same_bits else None
         return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
                                                  g.kernel_slots, g.kernel_offsets,

@@ -152,6 +152,8 @@ std::optional<Wanted> wanted_rows(const at::Tensor& out_rows, const at::Tensor& 
                                   const at::Tensor& q_offsets, int64_t t) {
   TORCH_CHECK(out_rows.dim() == 1 && out_rows.scalar_type() == at::kLong && out_rows.is_contiguous(),
               "decode_layers_: out_rows must be contiguous int64 [K]");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "decode_layers_: slots must be contiguous int64 [N]");
   const int64_t k = out_rows.size(0), seqs = offsets.size(0) - 1;
   const int64_t* rows = out_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < k; ++i) {
@@ -161,6 +163,8 @@ std::optional<Wanted> wanted_rows(const at::Tensor& out_rows, const at::Tensor& 
   const int64_t* qo = q_offsets.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
+  TORCH_CHECK(qo[0] == 0 && qo[seqs] == t, "decode_layers_: q_offsets must cover the ", t, " rows");
+  for (int64_t s = 0; s < seqs; ++s) TORCH_CHECK(qo[s + 1] >= qo[s], "decode_layers_: q_offsets must not fall");
   std::vector<int64_t> new_off{0}, new_qo{0}, new_slots;
   int64_t j = 0;
   for (int64_t s = 0; s < seqs; ++s) {
@@ -175,6 +179,7 @@ std::optional<Wanted> wanted_rows(const at::Tensor& out_rows, const at::Tensor& 
     new_off.push_back(static_cast<int64_t>(new_slots.size()));
     new_qo.push_back(new_qo.back() + n);
   }
+  TORCH_CHECK(j == k, "decode_layers_: out_rows lie outside the sequences' rows");
   auto tensor = [](const std::vector<int64_t>& v) {
     return at::tensor(at::ArrayRef<int64_t>(v), at::TensorOptions().dtype(at::kLong));
   };
@@ -207,7 +212,10 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
         const at::Tensor o = std::get<0>(prefill_attention(q.index_select(0, wanted->rows), kc, vc, wanted->slots,
                                                            wanted->offsets, wanted->q_offsets, scale));
         y = add_rms_norm_(xk, project(o.view({k, heads * d}), w + 6, kind[1]), w[1], eps);
-        xk.add_(project(gate_up_silu(y, w + 10, kind[2]), w + 14, kind[3]));
+        const at::Tensor m = project(gate_up_silu(y, w + 10, kind[2]), w + 14, kind[3]);
+        TORCH_CHECK(m.sizes() == xk.sizes(), "decode_layers_: the last projection's output ", m.sizes(),
+                    " does not match x's wanted rows ", xk.sizes());
+        xk.add_(m);
         xp.index_copy_(0, wanted->rows, xk);
       }
       return;
