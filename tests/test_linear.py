@@ -19,7 +19,7 @@ from lockgate.layers.forms import (
     Int4Weight,
     IntGemmWeight,
     bf16_gemm_available,
-    grid_bits,
+    find_grid,
     int4_activation_dtype,
     int4_unfit_reason,
     int_gemm_available,
@@ -124,15 +124,20 @@ def test_quantize_int4_recovers_a_4bit_grid_exactly() -> None:
     assert Int4Weight.from_weight(w, torch.bfloat16).error < LOSSLESS_TOLERANCE
 
 
-def test_grid_bits_finds_the_smallest_lossless_grid() -> None:
+def _bits_and_loss(source: torch.Tensor, mode: str, kernels: bool) -> tuple[int, float] | None:
+    grid = find_grid(source, mode, kernels)
+    return None if grid is None else (grid.bits, grid.error)
+
+
+def test_find_grid_finds_the_smallest_lossless_grid() -> None:
     grid4, dense = _on_grid(64, 96, seed=2), torch.randn(64, 96)
-    assert grid_bits(grid4, "auto", kernels=False) == (4, pytest.approx(0, abs=LOSSLESS_TOLERANCE))
-    assert grid_bits(dense, "auto", kernels=True) is None  # off-grid: would lose precision
-    bits, loss = grid_bits(dense, "int4", kernels=False)
+    assert _bits_and_loss(grid4, "auto", kernels=False) == (4, pytest.approx(0, abs=LOSSLESS_TOLERANCE))
+    assert _bits_and_loss(dense, "auto", kernels=True) is None  # off-grid: would lose precision
+    bits, loss = _bits_and_loss(dense, "int4", kernels=False)
     assert bits == 4 and 0.3 < loss <= 0.5 + 1e-3  # round to nearest: at most half a step
-    assert grid_bits(grid4, "none", kernels=True) is None
+    assert find_grid(grid4, "none", kernels=True) is None
     with pytest.raises(ValueError, match="not one of"):
-        grid_bits(grid4, "int3", kernels=True)
+        find_grid(grid4, "int3", kernels=True)
 
 
 def _gguf_blocks(qtype_name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -150,7 +155,7 @@ def _gguf_blocks(qtype_name: str, rows: int, cols: int, seed: int) -> torch.Tens
 
 @pytest.mark.parametrize("sample_rows", [256, 8], ids=["whole", "sample-first"])
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4), ("Q4_0", 4), ("Q5_0", 8), ("Q6_K", None)])
-def test_grid_bits_finds_gguf_grids_whose_codes_do_not_reach_both_ends(monkeypatch, qtype: str, bits: int | None,
+def test_find_grid_finds_gguf_grids_whose_codes_do_not_reach_both_ends(monkeypatch, qtype: str, bits: int | None,
                                                                        sample_rows: int) -> None:
     """Q4_K's fitted minimum sits below its lowest code, Q5_0's codes span 32 of the 255 an 8-bit grid
     has: the range-based step misses both; the values still lie on a grid the kernels run exactly.
@@ -164,7 +169,7 @@ def test_grid_bits_finds_gguf_grids_whose_codes_do_not_reach_both_ends(monkeypat
     real_of = forms_mod.Grid.of
     monkeypatch.setattr(forms_mod.Grid, "of", staticmethod(lambda src, b: searched_rows.append(src.shape[0])
                                                            or real_of(src, b)))
-    found = grid_bits(w, "auto", kernels=True)
+    found = _bits_and_loss(w, "auto", kernels=True)
     assert (found[0] if found else None) == bits
     if sample_rows == 8:  # 8 rows first; the whole weight only for the grid it lies on
         assert searched_rows == ([8, 64] if bits == 4 else [8, 8, 64] if bits == 8 else [8, 8])

@@ -530,20 +530,9 @@ def test_decode_steps_split_in_two_halves_equal_the_fused_layers(tmp_path, pool_
     # steps of 4-5 sequences split (odd and even halves); the integer GEMM (row-invariant too, not
     # split by default: not measured to gain) is let in so the operator's split is covered on CPUs
     # without AVX512-BF16.
-    from lockgate.layers.forms import bf16_gemm_available, int_gemm_available
-
-    build(tmp_path, "llama_bias_mha", tie=False)
-    assert cpu_kernels.load(), cpu_kernels.error()
-    if form == "bf16-gemm" and not bf16_gemm_available():
-        pytest.skip("lockgate::bf16_linear is built only for CPUs with AVX512-BF16")
-    if form == "int-gemm" and not int_gemm_available():
-        pytest.skip("int_linear has no vector path on this CPU")
-    dtype = torch.bfloat16 if form == "bf16-gemm" else torch.float32
-    model = DecoderModel.from_pretrained(tmp_path, dtype, quantization="none" if form == "bf16-gemm" else "int4",
-                                         cpu_kernels=True)
-    model.choose_forms({role: FormChoice.parse(form) for role in ("qkv", "o", "gate_up", "down")})
+    model = _row_invariant_model(tmp_path, form)
     monkeypatch.setattr(KernelOps, "SPLIT_MIN_ROWS", 4)
-    monkeypatch.setattr(KernelOps, "SPLIT_KINDS", frozenset({202, 104, 108}))
+    monkeypatch.setattr(KernelOps, "SPLIT_KINDS", KernelOps.ROW_INVARIANT_KINDS)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     parts_seen: list[int] = []

@@ -514,12 +514,6 @@ def _lossless_on_sample(source: torch.Tensor, bits: int) -> bool:
     return Grid.of(source[:: n // GRID_SAMPLE_ROWS], bits).error <= LOSSLESS_TOLERANCE
 
 
-def grid_bits(source: torch.Tensor, mode: str, kernels: bool) -> tuple[int, float] | None:
-    """``find_grid``'s bits and what it loses (largest error in quantization steps), or None."""
-    grid = find_grid(source, mode, kernels)
-    return None if grid is None else (grid.bits, grid.error)
-
-
 def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kernels: bool, *,
                fp32: bool = False, source_bias: torch.Tensor | None = None,
                want: Collection[str] | None = None) -> dict[str, Form]:
