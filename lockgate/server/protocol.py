@@ -11,13 +11,13 @@ request into ``SamplingParams``, and which top-level fields a request model know
   (n, logprobs counts, TGI-specific ranges). ``errors.error_message`` makes one readable line of
   either.
 * Booleans are never accepted where a number is expected.
-* Imports only pydantic, the stdlib and ``lockgate.sampling`` (no torch, no zmq).
+* Imports only pydantic, the stdlib, ``lockgate.sampling`` and the constraint fields' reader
+  (``lockgate.server.constraints``); no torch, no zmq.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, cast
 
@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from lockgate.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from lockgate.server.constraints import CONSTRAINT_FIELDS, read_constraints, tgi_grammar
 
 MAX_N = 16
 _U64 = 2**64
@@ -94,146 +95,22 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-def _schema_text(v: Any, where: str) -> str:
-    """A JSON schema given as an object (or a boolean) or as JSON text -> JSON text."""
-    if isinstance(v, str):
-        return v
-    if isinstance(v, dict | bool):
-        return json.dumps(v)
-    raise ValueError(f"{where} must be a JSON schema (an object or JSON text), got {type(v).__name__}")
-
-
-def _response_format(v: dict[str, Any]) -> StructuredOutput | None:
-    """OpenAI's ``response_format``: text (no constraint), json_object, json_schema."""
-    kind = v.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput("json", '{"type": "object"}')
-    if kind == "json_schema":
-        spec = v.get("json_schema")
-        if not isinstance(spec, dict):
-            raise ValueError("response_format.json_schema must be an object with a 'schema'")
-        schema = spec.get("schema", spec.get("json_schema"))
-        if schema is None:
-            raise ValueError("response_format.json_schema.schema is required")
-        return StructuredOutput("json", _schema_text(schema, "response_format.json_schema.schema"))
-    raise ValueError(f"response_format.type must be one of text, json_object, json_schema, got {kind!r:.40}")
-
-
-_VLLM_SO_OPTIONS = {"disable_fallback", "disable_additional_properties", "backend", "_backend",
-                    "_backend_was_auto"}  # engine hints lockgate has no use for (they do not change a valid output)
-
-
-def _json_whitespace(so: StructuredOutput, where: str, pattern: Any = None, none: bool = False) -> StructuredOutput:
-    """A JSON constraint with vLLM's whitespace options: ``whitespace_pattern`` (a regex for the
-    whitespace allowed between JSON tokens) or ``disable_any_whitespace`` (none at all), written into
-    the schema's ``x-guidance`` options (llguidance's own place for them)."""
-    if (pattern is None and not none) or (pattern is None and so.kind != "json"):
-        return so  # (no whitespace to take away outside JSON: disable_any_whitespace changes nothing there)
-    if so.kind != "json":
-        raise ValueError(f"{where} applies to a JSON constraint only")
-    if pattern is not None and not isinstance(pattern, str):
-        raise ValueError(f"{where} must be a regex string")
-    schema = json.loads(so.value) if so.value.lstrip().startswith("{") else None
-    if not isinstance(schema, dict):
-        raise ValueError(f"{where} needs the JSON schema to be an object")
-    opts: dict[str, Any] = {"item_separator": ",", "key_separator": ":"}
-    opts |= {"whitespace_flexible": True, "whitespace_pattern": pattern} if pattern is not None else \
-        {"whitespace_flexible": False}
-    schema["x-guidance"] = {**(schema.get("x-guidance") or {}), **opts}
-    return StructuredOutput("json", json.dumps(schema))
-
-
-def _structured_outputs(v: dict[str, Any]) -> StructuredOutput | None:
-    """vLLM's ``structured_outputs`` object: exactly one of json, regex, choice, grammar, json_object,
-    with ``whitespace_pattern`` or ``disable_any_whitespace`` for JSON."""
-    pattern, none = v.get("whitespace_pattern"), bool(v.get("disable_any_whitespace"))
-    given = {k: x for k, x in v.items() if x is not None and x is not False and k not in _VLLM_SO_OPTIONS
-             and k not in ("whitespace_pattern", "disable_any_whitespace")}
-    for k in given:
-        if k not in ("json", "regex", "choice", "grammar", "json_object"):
-            raise ValueError(f"structured_outputs.{k} is not supported by lockgate (supported: json, regex, "
-                             "choice, grammar, json_object, whitespace_pattern, disable_any_whitespace)")
-    if len(given) > 1:
-        raise ValueError(f"structured_outputs takes one constraint, got {', '.join(sorted(given))}")
-    if not given:
-        return None
-    (k, x), = given.items()
-    return _json_whitespace(_constraint(k, x, f"structured_outputs.{k}"), "structured_outputs.whitespace_pattern",
-                            pattern, none)
-
-
-def _constraint(kind: str, v: Any, where: str) -> StructuredOutput:
-    """One constraint by vLLM's names: json (schema), regex, choice (list of strings), grammar, json_object."""
-    if kind == "json":
-        return StructuredOutput("json", _schema_text(v, where))
-    if kind == "json_object":
-        return StructuredOutput("json", '{"type": "object"}')
-    if kind == "choice":
-        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
-            raise ValueError(f"{where} must be a non-empty list of non-empty strings")
-        return StructuredOutput("choice", json.dumps(v))
-    if not isinstance(v, str):
-        raise ValueError(f"{where} must be a string, got {type(v).__name__}")
-    return StructuredOutput("regex" if kind == "regex" else "lark", v)
-
-
-# Request fields that constrain the output, and how each reads: OpenAI's response_format, vLLM's
-# structured_outputs and its older guided_* fields, SGLang's json_schema / regex / ebnf.
-_CONSTRAINTS: dict[str, Callable[[Any], StructuredOutput | None]] = {
-    "response_format": lambda v: _response_format(v) if isinstance(v, dict) else _bad("response_format", v),
-    "structured_outputs": lambda v: _structured_outputs(v) if isinstance(v, dict) else _bad("structured_outputs", v),
-    "guided_json": lambda v: _constraint("json", v, "guided_json"),
-    "guided_regex": lambda v: _constraint("regex", v, "guided_regex"),
-    "guided_choice": lambda v: _constraint("choice", v, "guided_choice"),
-    "guided_grammar": lambda v: _constraint("grammar", v, "guided_grammar"),
-    "json_schema": lambda v: _constraint("json", v, "json_schema"),
-    "regex": lambda v: _constraint("regex", v, "regex"),
-    "ebnf": lambda v: _constraint("grammar", v, "ebnf"),
-}
-
-
-def _bad(name: str, v: Any) -> StructuredOutput:
-    raise ValueError(f"{name} must be an object, got {type(v).__name__}")
-
-
 class _SamplingFields(_Model):
     """Knobs shared by the OpenAI endpoints; ranges are checked by SamplingParams. The output
-    constraints (``_CONSTRAINTS``) are read into ``structured`` (at most one per request)."""
+    constraints (``constraints.read_constraints``) are read into ``structured`` (at most one per request)."""
 
     _refused = {
         "functions": _empty, "logit_bias": _empty, "lora_request": _empty, "function_call": lambda v: v == "none",
         "structural_tag": _empty,
     }
-    _read_fields: ClassVar[frozenset[str]] = frozenset({*_CONSTRAINTS, "guided_whitespace_pattern"})
+    _read_fields: ClassVar[frozenset[str]] = CONSTRAINT_FIELDS
 
     @model_validator(mode="before")
     @classmethod
     def _read_constraints(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        found: dict[str, StructuredOutput] = {}
-        for name, read in _CONSTRAINTS.items():
-            if data.get(name) is not None:
-                so = read(data[name])
-                if so is not None:
-                    found[name] = so
-        if len(found) > 1:
-            raise ValueError(f"only one output constraint per request, got {', '.join(found)}")
-        # (a client cannot set the parsed fields themselves)
-        pattern = data.get("guided_whitespace_pattern")  # vLLM's older field, beside guided_json
-        data = {k: v for k, v in data.items()
-                if k not in _CONSTRAINTS and k not in ("structured", "structured_field", "guided_whitespace_pattern")}
-        if found:
-            (name, so), = found.items()
-            data["structured"] = _json_whitespace(so, "guided_whitespace_pattern", pattern)
-            data["structured_field"] = name
-        elif pattern is not None:
-            raise ValueError("guided_whitespace_pattern applies to a JSON constraint only")
-        return data
+        return read_constraints(data) if isinstance(data, dict) else data
 
-    structured: StructuredOutput | None = None  # from one of _CONSTRAINTS' fields
+    structured: StructuredOutput | None = None  # from one of CONSTRAINT_FIELDS
     structured_field: str | None = None  # which one (errors name it)
 
     model: str | None = None
@@ -497,20 +374,7 @@ class TGIParameters(_Model):
         data = {k: v for k, v in data.items() if k not in ("grammar", "structured")}
         if g is None:
             return data
-        if not isinstance(g, dict) or "type" not in g or "value" not in g:
-            raise ValueError('grammar must be {"type": "json" | "regex", "value": ...}')
-        kind, value = g["type"], g["value"]
-        if kind == "json":
-            data["structured"] = StructuredOutput("json", _schema_text(value, "grammar.value"))
-        elif kind == "json_schema":
-            schema = value.get("schema") if isinstance(value, dict) else None
-            data["structured"] = StructuredOutput("json", _schema_text(schema, "grammar.value.schema"))
-        elif kind == "regex":
-            if not isinstance(value, str):
-                raise ValueError("grammar.value must be a regex string for type regex")
-            data["structured"] = StructuredOutput("regex", value)
-        else:
-            raise ValueError(f"grammar.type must be json, json_schema or regex, got {kind!r:.40}")
+        data["structured"] = tgi_grammar(g)
         return data
 
     structured: StructuredOutput | None = None  # from grammar
