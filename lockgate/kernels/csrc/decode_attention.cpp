@@ -561,11 +561,14 @@ constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefe
 // the next item's K and V rows, asked for a few cache lines at a time while the current item
 // computes. touch_rows reads an item's rows before its arithmetic, so on one thread memory idles
 // while the item computes and the core idles while it reads; a short run (decode, guess rows) that
-// prefetches the next item's rows during its value pass (step, once per key pair and kv head)
-// lets the next item skip touch_rows, its rows arriving while this one works. On the AMD EPYC Zen
-// 4 class CPU (2 threads, pool on huge pages) decode at 321 keys took 9% less time at b = 32 and
-// 12% at b = 128; on the Zen 5 class, round 22's forms of it (one thread) were slower: hence
-// measured, per CPU (docs/performance.md, round 24). Which cache level a row comes from is all it
+// prefetches the next item's rows while it works (step: once per key of its key pass and once
+// per key pair of its value pass, for each kv head, a few lines each) lets the next item skip
+// touch_rows, its rows arriving while this one works. On the AMD EPYC Zen 4 class CPU (2 threads,
+// pool on huge pages) decode at 321 keys took 9% less time at b = 32 and 12% at b = 128; on the
+// Zen 5 class, round 22's forms of it (one thread) were slower: hence measured, per CPU
+// (docs/performance.md, round 24). Spread over both passes, not the value pass alone: once step()
+// cost little (round 28), asking for the lines in the value pass alone came in bursts that made a
+// memory-bound item slower (docs/performance.md, round 28). Which cache level a row comes from is all it
 // changes: never what is computed. An item's start() with no next item leaves it inactive, so the
 // first item of a stripe (its thread's previous item ended another stripe) reads its own rows.
 std::atomic<bool> g_lookahead{false};
@@ -575,29 +578,41 @@ struct Ahead {
   const char* v = nullptr;
   const int64_t* sl = nullptr;
   int64_t lines = 0;  // cache lines per K (and per V) row
-  int64_t total = 0, done = 0, quota = 0;  // lines in all (K and V of every key), asked for, per step
+  int64_t keys = 0;   // the keys whose rows are asked for (0: inactive)
+  int64_t key = 0, line = 0;  // the next line to ask for: line `line` of key `key`'s K row, then its V row
+  int64_t quota = 0;  // lines of K (each with its V line) per step
 
   // The K and V rows (row_bytes each) of keys slots[0 .. keys), spread over `steps` calls of step.
-  void start(const void* kc, const void* vc, const int64_t* slots, int64_t keys, int64_t row_bytes,
-             int64_t steps) {
+  void start(const void* kc, const void* vc, const int64_t* slots, int64_t n, int64_t row_bytes, int64_t steps) {
     k = static_cast<const char*>(kc);
     v = static_cast<const char*>(vc);
     sl = slots;
     lines = row_bytes / 64;
-    total = 2 * keys * lines;
-    done = 0;
-    quota = (total + steps - 1) / std::max<int64_t>(1, steps);
+    keys = n;
+    key = line = 0;
+    quota = (n * lines + steps - 1) / std::max<int64_t>(1, steps);
   }
-  bool active() const { return total > 0; }
+  bool active() const { return keys > 0; }
   void finish() {
-    quota = total;
+    quota = keys * lines;
     step();
   }
+  // Counters in locals: the loop stores nothing, so they stay in registers (a member counter is
+  // stored on every line, the compiler unable to tell it from the slots it reads; that and a
+  // division per line were ~20% of a decode item's samples on the Zen 4 class CPU).
   void step() {
-    for (const int64_t end = std::min(total, done + quota); done < end; ++done) {
-      const int64_t key = done / (2 * lines), line = (done % (2 * lines)) / 2;
-      _mm_prefetch((done % 2 ? v : k) + (sl[key] * lines + line) * 64, _MM_HINT_T1);
+    int64_t kk = key, ll = line;
+    for (int64_t n = quota; n > 0 && kk < keys; --n) {
+      const int64_t at = (sl[kk] * lines + ll) * 64;
+      _mm_prefetch(k + at, _MM_HINT_T1);
+      _mm_prefetch(v + at, _MM_HINT_T1);
+      if (++ll == lines) {
+        ll = 0;
+        ++kk;
+      }
     }
+    key = kk;
+    line = ll;
   }
 };
 
@@ -892,6 +907,7 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
           }
         }
         krows[i] = kc + (sl[j] * hkv + kv) * d;
+        if (single) s.ahead.step();  // (the look-ahead: the next item's rows, a few lines)
         if (!single && j % 2 == 0)
           interleave_values<NV>(vc + (sl[j] * hkv + kv) * d, j + 1 < nk ? vc + (sl[j + 1] * hkv + kv) * d : nullptr,
                                 s.vp.data() + (j / 2) * d);
@@ -964,7 +980,7 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
       }
     }
   }
-  s.ahead.finish();  // whatever its steps left (none when the value pass ran them all)
+  s.ahead.finish();  // whatever its steps left (none when the passes ran them all)
 }
 #endif  // __AVX512BF16__
 #endif  // __AVX512F__
@@ -1083,12 +1099,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
-        // a short run asks for the next item's rows (if it reads its chunk first) during its value pass
+        // a short run asks for the next item's rows (if it reads its chunk first) during its key and
+        // value passes: a step per key and per key pair, for each kv head
         scratch.fetched = scratch.ahead.active();  // the thread's previous item asked for this one's rows
         const Item* nx = lookahead && it.t1 - it.t0 <= kInPlaceTokens && i + 1 < stripe[st + 1] && items[i + 1].first
                              ? &items[i + 1] : nullptr;
         scratch.ahead.start(kc, vc, nx ? sl + tk.base[nx->t0] + nx->chunk * kChunkKeys : sl, nx ? keys_of(*nx, tk) : 0,
-                            hkv * d * 2, hkv * ((keys_of(it, tk) + 1) / 2));
+                            hkv * d * 2, hkv * (keys_of(it, tk) + (keys_of(it, tk) + 1) / 2));
         switch (d) {
           case 64: item_avx512_bf16<4>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
           case 128: item_avx512_bf16<8>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
