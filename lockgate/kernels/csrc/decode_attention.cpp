@@ -530,8 +530,9 @@ inline void value_rows(const float* sc, int64_t sc_stride, const Rows& vrow, con
 }
 
 // Rows of the value pass held in registers at once: R * NV accumulators.
+constexpr int value_rows(int nv) { return nv >= 16 ? 1 : nv >= 8 ? 3 : nv >= 6 ? 4 : 6; }
 template <int NV>
-constexpr int kValueRows = NV >= 16 ? 1 : NV >= 8 ? 3 : NV >= 6 ? 4 : 6;
+constexpr int kValueRows = value_rows(NV);
 
 template <int NV, typename Rows>
 void value_pass(const float* sc, int64_t sc_stride, const Rows& vf, const int64_t* n, float* const* out,
@@ -562,7 +563,7 @@ constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefe
 // computes. touch_rows reads an item's rows before its arithmetic, so on one thread memory idles
 // while the item computes and the core idles while it reads; a short run (decode, guess rows) that
 // prefetches the next item's rows while it works (step: once per key of its key pass and once
-// per key pair of its value pass, for each kv head, a few lines each) lets the next item skip
+// per key pair of its value pass for each group of rows, for each kv head, a few lines each) lets the next item skip
 // touch_rows, its rows arriving while this one works. On the AMD EPYC Zen 4 class CPU (2 threads,
 // pool on huge pages) decode at 321 keys took 9% less time at b = 32 and 12% at b = 128; on the
 // Zen 5 class, round 22's forms of it (one thread) were slower: hence measured, per CPU
@@ -582,7 +583,7 @@ struct Ahead {
   int64_t key = 0, line = 0;  // the next line to ask for: line `line` of key `key`'s K row, then its V row
   int64_t quota = 0;  // lines of K (each with its V line) per step
 
-  // The K and V rows (row_bytes each) of keys slots[0 .. keys), spread over `steps` calls of step.
+  // The K and V rows (row_bytes each) of keys slots[0 .. n), spread over `steps` calls of step.
   void start(const void* kc, const void* vc, const int64_t* slots, int64_t n, int64_t row_bytes, int64_t steps) {
     k = static_cast<const char*>(kc);
     v = static_cast<const char*>(vc);
@@ -624,6 +625,14 @@ struct Scratch {
   Ahead ahead;           // the next item's rows, asked for during this one (Ahead)
   bool fetched = false;  // this item's rows were asked for during the previous one
 };
+
+// The step() calls item_avx512_bf16 makes for a short run (what Ahead::start spreads the next
+// item's lines over): per kv head, one per key of its key blocks, then one per key pair of the
+// value pass for each group of value_rows rows.
+inline int64_t lookahead_steps(const Item& it, const Tokens& tk, int64_t h, int64_t hkv, int64_t d) {
+  const int64_t nk = keys_of(it, tk), rows = (it.t1 - it.t0) * (h / hkv), rv = value_rows(static_cast<int>(d / 16));
+  return hkv * (nk + (rows + rv - 1) / rv * ((nk + 1) / 2));
+}
 
 // Reads every kv head's K and V rows of an item's keys once, before the passes over its kv heads.
 // A pass interleaves its loads with transposes and arithmetic, so few of its cache misses are in
@@ -1100,12 +1109,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
         // a short run asks for the next item's rows (if it reads its chunk first) during its key and
-        // value passes: a step per key and per key pair, for each kv head
+        // value passes (lookahead_steps)
         scratch.fetched = scratch.ahead.active();  // the thread's previous item asked for this one's rows
         const Item* nx = lookahead && it.t1 - it.t0 <= kInPlaceTokens && i + 1 < stripe[st + 1] && items[i + 1].first
                              ? &items[i + 1] : nullptr;
         scratch.ahead.start(kc, vc, nx ? sl + tk.base[nx->t0] + nx->chunk * kChunkKeys : sl, nx ? keys_of(*nx, tk) : 0,
-                            hkv * d * 2, hkv * (keys_of(it, tk) + (keys_of(it, tk) + 1) / 2));
+                            hkv * d * 2, lookahead_steps(it, tk, h, hkv, d));
         switch (d) {
           case 64: item_avx512_bf16<4>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
           case 128: item_avx512_bf16<8>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
