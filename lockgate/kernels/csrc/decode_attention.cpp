@@ -530,9 +530,8 @@ inline void value_rows(const float* sc, int64_t sc_stride, const Rows& vrow, con
 }
 
 // Rows of the value pass held in registers at once: R * NV accumulators.
-constexpr int value_rows(int nv) { return nv >= 16 ? 1 : nv >= 8 ? 3 : nv >= 6 ? 4 : 6; }
 template <int NV>
-constexpr int kValueRows = value_rows(NV);
+constexpr int kValueRows = NV >= 16 ? 1 : NV >= 8 ? 3 : NV >= 6 ? 4 : 6;
 
 template <int NV, typename Rows>
 void value_pass(const float* sc, int64_t sc_stride, const Rows& vf, const int64_t* n, float* const* out,
@@ -563,14 +562,14 @@ constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefe
 // computes. touch_rows reads an item's rows before its arithmetic, so on one thread memory idles
 // while the item computes and the core idles while it reads; a short run (decode, guess rows) that
 // prefetches the next item's rows while it works (step: once per key of its key pass and once
-// per key pair of its value pass for each group of rows, for each kv head, a few lines each) lets the next item skip
-// touch_rows, its rows arriving while this one works. On the AMD EPYC Zen 4 class CPU (2 threads,
+// per key pair of its value pass for each group of rows, for each kv head, a few lines each)
+// lets the next item skip touch_rows, its rows arriving while this one works. On the AMD EPYC Zen 4 class CPU (2 threads,
 // pool on huge pages) decode at 321 keys took 9% less time at b = 32 and 12% at b = 128; on the
 // Zen 5 class, round 22's forms of it (one thread) were slower: hence measured, per CPU
 // (docs/performance.md, round 24). Spread over both passes, not the value pass alone: once step()
 // cost little (round 28), asking for the lines in the value pass alone came in bursts that made a
-// memory-bound item slower (docs/performance.md, round 28). Which cache level a row comes from is all it
-// changes: never what is computed. An item's start() with no next item leaves it inactive, so the
+// memory-bound item slower (docs/performance.md, round 28). Which cache level a row comes from is
+// all it changes: never what is computed. An item's start() with no next item leaves it inactive, so the
 // first item of a stripe (its thread's previous item ended another stripe) reads its own rows.
 std::atomic<bool> g_lookahead{false};
 
@@ -583,16 +582,17 @@ struct Ahead {
   int64_t key = 0, line = 0;  // the next line to ask for: line `line` of key `key`'s K row, then its V row
   int64_t quota = 0;  // lines of K (each with its V line) per step
 
-  // The K and V rows (row_bytes each) of keys slots[0 .. n), spread over `steps` calls of step.
-  void start(const void* kc, const void* vc, const int64_t* slots, int64_t n, int64_t row_bytes, int64_t steps) {
+  // The K and V rows (row_bytes each) of keys slots[0 .. n), to be asked for (pace, step).
+  void start(const void* kc, const void* vc, const int64_t* slots, int64_t n, int64_t row_bytes) {
     k = static_cast<const char*>(kc);
     v = static_cast<const char*>(vc);
     sl = slots;
     lines = row_bytes / 64;
     keys = n;
-    key = line = 0;
-    quota = (n * lines + steps - 1) / std::max<int64_t>(1, steps);
+    key = line = quota = 0;
   }
+  // Spread them over the `steps` calls of step the current item will make (it knows its loops).
+  void pace(int64_t steps) { quota = (keys * lines + steps - 1) / std::max<int64_t>(1, steps); }
   bool active() const { return keys > 0; }
   void finish() {
     quota = keys * lines;
@@ -625,14 +625,6 @@ struct Scratch {
   Ahead ahead;           // the next item's rows, asked for during this one (Ahead)
   bool fetched = false;  // this item's rows were asked for during the previous one
 };
-
-// The step() calls item_avx512_bf16 makes for a short run (what Ahead::start spreads the next
-// item's lines over): per kv head, one per key of its key blocks, then one per key pair of the
-// value pass for each group of value_rows rows.
-inline int64_t lookahead_steps(const Item& it, const Tokens& tk, int64_t h, int64_t hkv, int64_t d) {
-  const int64_t nk = keys_of(it, tk), rows = (it.t1 - it.t0) * (h / hkv), rv = value_rows(static_cast<int>(d / 16));
-  return hkv * (nk + (rows + rv - 1) / rv * ((nk + 1) / 2));
-}
 
 // Reads every kv head's K and V rows of an item's keys once, before the passes over its kv heads.
 // A pass interleaves its loads with transposes and arithmetic, so few of its cache misses are in
@@ -898,6 +890,9 @@ void item_avx512_bf16(const Item& it, const Tokens& tk, const c10::BFloat16* q, 
   s.n.resize(static_cast<size_t>(rows));
   s.out.resize(static_cast<size_t>(rows));
   if (it.first && !s.fetched) touch_rows(kc, vc, sl, nk, hkv * d * 2);
+  // the look-ahead's steps below, per kv head: one per key, one per key pair for each group of value rows
+  constexpr int64_t rv = kValueRows<NV>;
+  if (single) s.ahead.pace(hkv * (nk + (rows + rv - 1) / rv * key_pairs));
   for (int64_t kv = 0; kv < hkv; ++kv) {
     for (int64_t b = 0; b < blocks; ++b) {
       const c10::BFloat16* krows[16];
@@ -1109,12 +1104,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
         // a short run asks for the next item's rows (if it reads its chunk first) during its key and
-        // value passes (lookahead_steps)
+        // value passes (item_avx512_bf16 paces them)
         scratch.fetched = scratch.ahead.active();  // the thread's previous item asked for this one's rows
         const Item* nx = lookahead && it.t1 - it.t0 <= kInPlaceTokens && i + 1 < stripe[st + 1] && items[i + 1].first
                              ? &items[i + 1] : nullptr;
         scratch.ahead.start(kc, vc, nx ? sl + tk.base[nx->t0] + nx->chunk * kChunkKeys : sl, nx ? keys_of(*nx, tk) : 0,
-                            hkv * d * 2, lookahead_steps(it, tk, h, hkv, d));
+                            hkv * d * 2);
         switch (d) {
           case 64: item_avx512_bf16<4>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
           case 128: item_avx512_bf16<8>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, sc, parts.get(), scratch); continue;
