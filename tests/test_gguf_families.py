@@ -22,7 +22,11 @@ lockgate's greedy tokens on it must equal transformers' reading that file.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -32,6 +36,7 @@ import transformers as tf
 from family_util import PROMPTS, assert_lockgate_matches, hf_greedy
 
 from lockgate import LLM, SamplingParams
+from lockgate.checkpoint import loader
 from lockgate.checkpoint.gguf_convert import SUPPORTED_TYPES
 from lockgate.checkpoint.loader import prepare_model_dir
 
@@ -205,6 +210,35 @@ def test_conversion_reads_the_file_once_and_writes_transformers_tokenizer(tmp_pa
     ours = tf.AutoTokenizer.from_pretrained(str(d))
     theirs = tf.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert ours.get_vocab() == theirs.get_vocab()
+
+
+def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) -> None:
+    # Every install of the default model (a virtualenv, a CI checkout) has its own copy of the
+    # same GGUF: they must share one converted entry, not leave one behind each. A file of the same
+    # name, size and mtime but other bytes must not be served the first file's weights.
+    first, copy, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for p in (first, copy, other):
+        p.parent.mkdir()
+    CASES["llama"]().write(first)
+    shutil.copyfile(first, copy)
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF  # the last byte is tensor data: a valid file with other weights
+    other.write_bytes(bytes(data))
+    st = first.stat()
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    converted: list[Path] = []
+    real = loader.convert_gguf
+    monkeypatch.setattr(loader, "convert_gguf", lambda src, dst: converted.append(src) or real(src, dst))
+    hashed: list[str] = []
+    digest = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda fh, name: hashed.append(fh.name) or digest(fh, name))
+
+    d_first, d_copy, d_again, d_other = (prepare_model_dir(str(p)) for p in (first, copy, first, other))
+    assert d_first == d_copy == d_again != d_other
+    assert converted == [first, other]  # the copy found the first file's entry
+    assert hashed == [str(first), str(copy), str(other)]  # each file read once: the third call used the memo
+    entries = sorted(p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.startswith("."))
+    assert entries == sorted({d_first.name, d_other.name})
 
 
 def test_every_supported_quantization_is_exercised() -> None:

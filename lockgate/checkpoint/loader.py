@@ -13,9 +13,13 @@ GGUF conversion itself (names, undoing llama.cpp's changes per architecture, con
 tokenizer) is ``gguf_convert``'s; this module caches its output.
 
 Cache invariant: a converted directory lives at ``$LOCKGATE_CACHE_DIR/models/<stem>-<hash>``
-(default cache dir ``~/.cache/lockgate``), keyed by the GGUF's path, size, mtime and the
-converter version. It is built in a temporary sibling and renamed into place, so a crash
-never leaves a half-written cache: if the directory exists, it is complete.
+(default cache dir ``~/.cache/lockgate``), keyed by the GGUF's content (its sha256) and the
+converter version, never by where the file lives: every virtualenv, checkout or copy of the same
+file shares one entry (keyed by path, each fresh install of the default model left another
+~0.5 GB behind). The sha256 is computed once per file (path, size, mtime, inode) and remembered
+under ``models/.digests/``, so a start is not a re-read of a large GGUF. An entry is built in a
+temporary sibling and renamed into place, so a crash never leaves a half-written cache: if the
+directory exists, it is complete.
 
 ``checkpoint_fingerprint(dir)``: a digest of a directory's weights by content, cheap (headers,
 sizes and sampled chunks, not every byte), independent of where the directory lives; the
@@ -150,10 +154,31 @@ def cache_root() -> Path:
 
 
 def cache_dir_for(gguf_path: Path) -> Path:
-    p = gguf_path.resolve()
+    """The cache entry of ``gguf_path``'s conversion: named by its stem, keyed by its content."""
+    key = f"{file_sha256(gguf_path)}|v{CONVERTER_VERSION}"
+    return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of ``path``'s bytes, remembered under ``models/.digests/`` by the file's path,
+    size, mtime and inode (any change to the file changes one of them, so the memo is re-made)."""
+    p = path.resolve()
     st = p.stat()
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
-    return cache_root() / f"{p.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    stat_key = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo = cache_root() / ".digests" / hashlib.sha256(stat_key.encode()).hexdigest()[:24]
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    with open(p, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".tmp-{os.getpid()}-{memo.name}")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, memo)  # atomic: a reader sees a whole digest or none
+    return digest
 
 
 def convert_gguf_cached(gguf_path: Path) -> Path:
