@@ -1,4 +1,4 @@
-"""Command line: ``lockgate serve | gateway | generate | chat | bench | tune``.
+"""Command line: ``lockgate serve | gateway | generate | chat | bench | tune | cache``.
 
 Owns argument parsing only: engine flags come from the config tree (``config.py``), the
 sampling flags map onto ``SamplingParams`` (whose validation errors are printed as is),
@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     from lockgate.bench.command import add_bench_args
 
     add_bench_args(bench)
+    cache = sub.add_parser("cache", parents=[common],
+                           help="list what lockgate keeps on disk (converted models, kernel builds, tunings); "
+                                "--prune removes what this version will not use again")
+    cache.add_argument("--prune", action="store_true", help="remove the entries listed as stale")
     return parser
 
 
@@ -114,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(ns, list(sys.argv[1:] if argv is None else argv))
     if ns.command == "tune":
         return _tune(ns)
+    if ns.command == "cache":
+        from lockgate.cache_admin import cache_main
+
+        return cache_main(ns.prune)
     try:
         cfg = config_from_args(ns)
         params = _params(ns)

