@@ -4,44 +4,55 @@ Owns listing and pruning ``$LOCKGATE_CACHE_DIR`` (default ``~/.cache/lockgate``)
 is written by lower layers, each keyed so that a stale entry is never read, only left behind:
 
 * ``models/<stem>-<hash>``: converted GGUFs (``lockgate.checkpoint.loader``), ~0.5 GB for the
-  default model. *Stale*: the entry records an older converter version, or records nothing (made
-  before entries recorded their source, when the key was the GGUF's path, so every fresh install
-  of the default model made another one); also a ``.tmp-*`` directory untouched for an hour (a
-  conversion that died).
+  default model. *Stale*: the entry's record has no sha256 (made before entries were keyed by
+  content, when every fresh install of the default model made another one) or names an older
+  converter version; an entry of a newer converter is kept (a newer lockgate sharing the cache
+  reads it). Also a ``.tmp-*`` directory (a conversion's, or a prune's) that no process holds
+  locked and that has been untouched for an hour: a conversion that died.
+* ``models/.digests``: the GGUFs' sha256 memos, ~100 bytes per file state seen. Kept.
 * ``models/packaged/``: GGUFs assembled from PyPI wheels (``gemma-3-270m``). Kept.
 * ``kernels/lockgate_cpu_<hash>``: compiled CPU kernels (``lockgate.kernels``), a few MB each.
-  *Stale*: any build but this machine's current one (older sources, another torch, compiler or
-  CPU); a build some process is compiling (its lock held) is skipped. A cache shared by several
-  machines loses their builds too; each rebuilds once (15-60 s).
+  *Stale*: every build but this environment's current one (its name hashes the sources, the
+  compiler flags and ``LOCKGATE_KERNEL_MARCH``, torch, the compiler and the CPU), unless a process
+  holds its lock (compiling or loading it now). Builds made under other settings or by other
+  machines sharing the cache go too; each is rebuilt on its next use (15-60 s).
 * ``tuning/``: the measured kernel tables (``lockgate.runner.tuning``), kilobytes. Kept.
 * ``peers/``: ``benchmarks/compare_peers.py``'s vLLM install. Kept (delete it by hand).
 
-Invariants: ``prune`` removes only entries ``scan`` marks stale and nothing outside the cache
-directory; a directory is first renamed to ``.tmp-prune-*`` (one atomic step) and then deleted, so
-a removal that fails midway leaves a temporary directory no run reads (a later prune takes it),
-never an entry with some of its files gone. A running server keeps what it loaded (Linux keeps
-a removed file's open or mapped pages).
+Invariants: ``prune`` removes only entries ``scan`` marked stale, and nothing outside the cache
+directory (a symbolic link is unlinked, never followed). A directory with a lock (a kernel build's
+``lockgate.lock``, a conversion's ``.converting``) is claimed first: the lock is taken without
+waiting (held elsewhere: the entry is skipped) and held while the directory is renamed to
+``.tmp-prune-*``; only then is it deleted. So a process that takes the lock after the prune finds
+no directory at that path (it makes a new one), and a deletion that fails midway leaves a
+temporary directory no run reads, never an entry with some of its files gone. A running server
+keeps what it loaded (Linux keeps a removed file's open or mapped pages).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import secrets
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-STALE_TMP_SECONDS = 3600.0  # a conversion's temporary directory untouched this long is a leftover
+STALE_TMP_SECONDS = 3600.0  # an unlocked temporary directory untouched this long is a leftover
+KERNEL_LOCK = "lockgate.lock"  # lockgate.kernels' build lock, inside the build directory
 
 
 @dataclass(frozen=True)
 class Entry:
     path: Path
-    kind: str  # "model", "kernels", "packaged", "tuning", "peers", "other"
+    kind: str  # "model", "kernels", "packaged", "digests", "tuning", "peers", "other"
     bytes: int
     stale: bool
     why: str  # what it is, or why it is stale
+    lock: str | None = None  # the lock file inside it that a prune must take first
 
 
 def cache_home() -> Path:
@@ -49,109 +60,143 @@ def cache_home() -> Path:
 
 
 def disk_bytes(path: Path) -> int:
-    """Bytes ``path`` takes on disk (allocated blocks; a directory's whole tree)."""
-    if not path.is_dir() or path.is_symlink():
+    """Bytes ``path`` takes on disk (allocated blocks; a directory's whole tree, links not followed)."""
+    if path.is_symlink() or not path.is_dir():
         return path.lstat().st_blocks * 512
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
     return total
 
 
-def _model_entries(models: Path) -> list[Entry]:
-    from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
-    from lockgate.checkpoint.loader import entry_converter
-
-    out = []
-    for p in sorted(models.iterdir()):
-        if p.name == ".digests":
-            out.append(Entry(p, "model", disk_bytes(p), False, "content digests of GGUF files seen (memos)"))
-        elif p.name == "packaged":
-            out.append(Entry(p, "packaged", disk_bytes(p), False, "GGUFs assembled from PyPI wheels"))
-        elif p.name.startswith(".tmp-"):
-            idle = time.time() - p.stat().st_mtime
-            out.append(Entry(p, "model", disk_bytes(p), idle > STALE_TMP_SECONDS,
-                             f"a conversion's temporary directory, untouched for {idle / 60:.0f} min"))
-        elif p.is_dir():
-            version = entry_converter(p)
-            if version == CONVERTER_VERSION:
-                out.append(Entry(p, "model", disk_bytes(p), False, f"converted model (converter v{version})"))
-            else:
-                made = "an older lockgate (no source record)" if version is None else f"converter v{version}"
-                out.append(Entry(p, "model", disk_bytes(p), True,
-                                 f"made by {made}; this version converts with v{CONVERTER_VERSION}"))
-    return out
-
-
-def _building(build: Path) -> bool:
-    """Whether some process holds the build's lock (compiling it now)."""
-    lock = build / "lockgate.lock"
-    if not lock.is_file():
-        return False
-    with open(lock) as f:
+@contextlib.contextmanager
+def _claimed(lock: Path | None) -> Iterator[bool]:
+    """Hold ``lock`` (a file) without waiting: yields False when another process holds it. No lock
+    file (or none named): nothing to hold, yields True."""
+    if lock is None:
+        yield True
+        return
+    try:
+        f = open(lock)  # noqa: SIM115 (held across the yield)
+    except FileNotFoundError:
+        yield True
+        return
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
+        except BlockingIOError:
+            yield False
+            return
+        yield True  # closing the file releases the lock
 
 
-def _kernel_entries(kernels: Path) -> list[Entry]:
-    from lockgate.kernels import build_name
+def _in_use(lock: Path) -> bool:
+    with _claimed(lock) as free:
+        return not free
 
-    current = build_name()
-    out = []
-    for p in sorted(kernels.iterdir()):
-        if p.name == current:
-            out.append(Entry(p, "kernels", disk_bytes(p), False, "this machine's current kernel build"))
-        elif _building(p):
-            out.append(Entry(p, "kernels", disk_bytes(p), False, "a kernel build being compiled now"))
-        else:
-            out.append(Entry(p, "kernels", disk_bytes(p), True,
-                             "another kernel build (older sources, another torch, compiler or CPU)"))
-    return out
+
+def _model_entry(p: Path) -> Entry:
+    from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
+    from lockgate.checkpoint.loader import CONVERTING_LOCK, entry_record
+
+    size = disk_bytes(p)
+    if p.name == ".digests":
+        return Entry(p, "digests", size, False, "sha256 memos of the GGUF files seen")
+    if p.name == "packaged":
+        return Entry(p, "packaged", size, False, "GGUFs assembled from PyPI wheels")
+    if p.name.startswith(".tmp-"):
+        lock = p / CONVERTING_LOCK
+        if _in_use(lock):
+            return Entry(p, "model", size, False, "a conversion being written now", str(lock))
+        idle = time.time() - p.stat().st_mtime
+        return Entry(p, "model", size, idle > STALE_TMP_SECONDS,
+                     f"a temporary directory no process holds, untouched for {idle / 60:.0f} min", str(lock))
+    if p.is_symlink() or not p.is_dir():
+        return Entry(p, "model", size, True, "not a converted model directory")
+    record = entry_record(p)
+    version = None if record is None else record.get("converter_version")
+    if record is None or "sha256" not in record or not isinstance(version, int):
+        return Entry(p, "model", size, True, "made by a lockgate keyed by path; no run of this version reads it")
+    if version < CONVERTER_VERSION:
+        return Entry(p, "model", size, True, f"converter v{version}; this version converts with v{CONVERTER_VERSION}")
+    newer = " (a newer lockgate's)" if version > CONVERTER_VERSION else ""
+    return Entry(p, "model", size, False, f"converted model, converter v{version}{newer}")
+
+
+def _kernel_entry(p: Path, current: str | None, unknown: str) -> Entry:
+    size, lock = disk_bytes(p), p / KERNEL_LOCK
+    if current is None:
+        return Entry(p, "kernels", size, False, f"kernel build (this environment's is unknown: {unknown})")
+    if p.name == current:
+        return Entry(p, "kernels", size, False, "this environment's kernel build")
+    if _in_use(lock):
+        return Entry(p, "kernels", size, False, "a kernel build some process holds now", str(lock))
+    return Entry(p, "kernels", size, True,
+                 "another kernel build (other sources, flags, torch, compiler or CPU)", str(lock))
+
+
+def _current_build() -> tuple[str | None, str]:
+    try:
+        from lockgate.kernels import build_name
+
+        return build_name(), ""
+    except Exception as e:  # an invalid LOCKGATE_KERNEL_MARCH, no torch: keep every build
+        return None, f"{type(e).__name__}: {e}"
 
 
 def scan(home: Path | None = None) -> list[Entry]:
-    """Every top-level entry of the cache, each marked stale or not (module docstring)."""
+    """Every entry of the cache, each marked stale or not (module docstring). An entry that vanishes
+    or cannot be read while it is looked at is listed as kept, with the error."""
     home = cache_home() if home is None else home
     if not home.is_dir():
         return []
     out: list[Entry] = []
     for p in sorted(home.iterdir()):
-        if p.name == "models" and p.is_dir():
-            out += _model_entries(p)
-        elif p.name == "kernels" and p.is_dir():
-            out += _kernel_entries(p)
-        elif p.name == "tuning":
-            out.append(Entry(p, "tuning", disk_bytes(p), False, "measured kernel tables"))
-        elif p.name == "peers":
-            out.append(Entry(p, "peers", disk_bytes(p), False, "benchmarks/compare_peers.py's peer servers"))
+        if p.name == "models" and p.is_dir() and not p.is_symlink():
+            out += [_guarded(m, "model", _model_entry, m) for m in sorted(p.iterdir())]
+        elif p.name == "kernels" and p.is_dir() and not p.is_symlink():
+            current, unknown = _current_build()
+            out += [_guarded(k, "kernels", _kernel_entry, k, current, unknown) for k in sorted(p.iterdir())]
         else:
-            out.append(Entry(p, "other", disk_bytes(p), False, "not lockgate's: left alone"))
+            kind, why = {"tuning": ("tuning", "measured kernel tables"),
+                         "peers": ("peers", "benchmarks/compare_peers.py's peer servers")}.get(
+                             p.name, ("other", "not lockgate's: left alone"))
+            out.append(_guarded(p, kind, _plain_entry, p, kind, why))
     return out
 
 
+def _plain_entry(p: Path, kind: str, why: str) -> Entry:
+    return Entry(p, kind, disk_bytes(p), False, why)
+
+
+def _guarded(p: Path, kind: str, make: Callable[..., Entry], *args: object) -> Entry:
+    """``make(*args)``, or a kept entry naming the error when ``p`` vanishes or cannot be read meanwhile."""
+    try:
+        return make(*args)
+    except OSError as e:
+        return Entry(p, kind, 0, False, f"unreadable now ({e.strerror or e}); left alone")
+
+
 def prune(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
-    """Remove the stale entries: (removed, [(entry, error) for those that could not be])."""
+    """Remove the stale entries: (removed, [(entry, reason) for those left in place])."""
     removed, failed = [], []
     for e in entries:
         if not e.stale:
             continue
         try:
-            if e.path.is_dir() and not e.path.is_symlink():
-                # out of the way first (one rename): a removal that fails midway leaves a .tmp-
-                # directory no run reads, never an entry with some of its files gone
-                doomed = e.path.with_name(f".tmp-prune-{os.getpid()}-{e.path.name}")
-                os.rename(e.path, doomed)
-                shutil.rmtree(doomed)
-            else:
+            if e.path.is_symlink() or not e.path.is_dir():
                 e.path.unlink()
+                removed.append(e)
+                continue
+            doomed = e.path.with_name(f".tmp-prune-{secrets.token_hex(6)}-{e.path.name}")
+            with _claimed(None if e.lock is None else Path(e.lock)) as free:
+                if not free:
+                    failed.append((e, "a process took its lock since it was listed"))
+                    continue
+                os.rename(e.path, doomed)  # under the lock: who takes it next finds no such entry
+            shutil.rmtree(doomed)
             removed.append(e)
         except OSError as err:
             failed.append((e, str(err)))
@@ -159,36 +204,36 @@ def prune(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
 
 
 def cache_main(do_prune: bool) -> int:
-    """``lockgate cache [--prune]``: print the table; with --prune remove the stale entries."""
+    """``lockgate cache [--prune]``: print the table; with --prune remove the stale entries.
+    Exit 1 when some stale entry could not be removed."""
     home = cache_home()
     entries = scan(home)
     if not entries:
         print(f"lockgate cache: {home} is empty or absent")
         return 0
-    total = sum(e.bytes for e in entries)
-    print(f"lockgate cache: {home} ({human(total)})")
+    print(f"lockgate cache: {home} ({human(sum(e.bytes for e in entries))})")
     width = max(len(str(e.path.relative_to(home))) for e in entries)
     for e in entries:
         mark = "stale" if e.stale else "kept "
         print(f"  {str(e.path.relative_to(home)):<{width}}  {human(e.bytes):>9}  {mark}  {e.why}")
     stale = [e for e in entries if e.stale]
-    stale_bytes = sum(e.bytes for e in stale)
     if not do_prune:
         if stale:
-            print(f"{len(stale)} stale entries, {human(stale_bytes)}: `lockgate cache --prune` removes them")
+            print(f"{len(stale)} stale entries, {human(sum(e.bytes for e in stale))}: "
+                  "`lockgate cache --prune` removes them")
         else:
             print("nothing stale")
         return 0
     removed, failed = prune(entries)
     print(f"removed {len(removed)} stale entries, freed {human(sum(e.bytes for e in removed))}")
-    for e, err in failed:
-        print(f"lockgate: error: could not remove {e.path}: {err}")
+    for e, why in failed:
+        print(f"lockgate: error: left {e.path} in place: {why}")
     return 1 if failed else 0

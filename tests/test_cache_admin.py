@@ -2,8 +2,9 @@
 
 The cache is a temporary ``LOCKGATE_CACHE_DIR`` holding one real conversion (a small GGUF
 written by ``test_gguf_families``' writer, converted by lockgate) next to entries shaped like what
-older versions, dead conversions, other kernel builds and the benchmark leave; the command runs
-as a real process.
+older and newer versions, dead and live conversions, other kernel builds and the benchmark leave;
+the command runs as a real process. Locks "held by another process" are held by this one, on its
+own file descriptions, which ``flock`` treats the same way.
 """
 
 from __future__ import annotations
@@ -14,19 +15,33 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 from test_gguf_families import CASES
 
-from lockgate.cache_admin import scan
+from lockgate import cache_admin
+from lockgate.cache_admin import prune, scan
 from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
-from lockgate.checkpoint.loader import SOURCE_RECORD, prepare_model_dir
-from lockgate.kernels import build_name
+from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record, prepare_model_dir
+from lockgate.kernels import _build_lock, build_name
 
 
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "lockgate.cli", "cache", *args], env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def _locked(path):  # type: ignore[no-untyped-def]
+    f = open(path, "a")  # noqa: SIM115 (the caller closes it)
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+def _copy_with_record(src, dst, **changes) -> None:  # type: ignore[no-untyped-def]
+    shutil.copytree(src, dst)
+    record = {k: v for k, v in {**entry_record(src), **changes}.items() if v is not None}
+    (dst / SOURCE_RECORD).write_text(json.dumps(record))
 
 
 def test_cache_lists_stale_entries_and_prune_removes_only_them(tmp_path, monkeypatch) -> None:
@@ -35,22 +50,24 @@ def test_cache_lists_stale_entries_and_prune_removes_only_them(tmp_path, monkeyp
     gguf = tmp_path / "m.gguf"
     CASES["llama"]().write(gguf)
     current = prepare_model_dir(str(gguf))
-    record = json.loads((current / SOURCE_RECORD).read_text())
-    assert record["converter"] == CONVERTER_VERSION and record["source"] == str(gguf.resolve())
+    record = entry_record(current)
+    assert record["converter_version"] == CONVERTER_VERSION and record["gguf"] == str(gguf.resolve())
+    assert len(record["sha256"]) == 64
 
     models = home / "models"
-    unrecorded = models / "old-path-keyed-000000000000"  # what versions before the content key left
-    shutil.copytree(current, unrecorded)
-    (unrecorded / SOURCE_RECORD).unlink()
-    older = models / "older-converter-000000000000"
-    shutil.copytree(current, older)
-    (older / SOURCE_RECORD).write_text(json.dumps({**record, "converter": CONVERTER_VERSION - 1}))
-    dead, live = models / ".tmp-dead-conversion", models / ".tmp-live-conversion"
-    for d in (dead, live):
+    path_keyed = models / "old-path-keyed-000000000000"  # what versions before the content key left
+    _copy_with_record(current, path_keyed, sha256=None)
+    older, newer = models / "older-converter-000000000000", models / "newer-converter-000000000000"
+    _copy_with_record(current, older, converter_version=CONVERTER_VERSION - 1)
+    _copy_with_record(current, newer, converter_version=CONVERTER_VERSION + 1)  # a newer lockgate's: kept
+    dead, live, fresh = models / ".tmp-dead", models / ".tmp-live", models / ".tmp-fresh"
+    hour_ago = time.time() - 2 * 3600
+    for d in (dead, live, fresh):
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"x" * 4096)
-    hour_ago = time.time() - 2 * 3600
-    os.utime(dead, (hour_ago, hour_ago))
+        (d / CONVERTING_LOCK).write_text("")
+        if d is not fresh:
+            os.utime(d, (hour_ago, hour_ago))
     (models / "packaged").mkdir()
     (models / "packaged" / "some.gguf").write_bytes(b"gguf")
     outside = tmp_path / "outside"
@@ -58,9 +75,9 @@ def test_cache_lists_stale_entries_and_prune_removes_only_them(tmp_path, monkeyp
     (outside / "keep.txt").write_text("not the cache's")
     (models / "link-to-outside").symlink_to(outside)
     kernels = home / "kernels"
-    this_build, other_build, building = (kernels / n for n in (build_name(), "lockgate_cpu_000000000000",
-                                                               "lockgate_cpu_111111111111"))
-    for d in (this_build, other_build, building):
+    this_build, other_build, busy = (kernels / n for n in (build_name(), "lockgate_cpu_000000000000",
+                                                           "lockgate_cpu_111111111111"))
+    for d in (this_build, other_build, busy):
         d.mkdir(parents=True)
         (d / "lib.so").write_bytes(b"\0" * 1000)
         (d / "lockgate.lock").write_text("")
@@ -68,31 +85,89 @@ def test_cache_lists_stale_entries_and_prune_removes_only_them(tmp_path, monkeyp
         (home / d).mkdir()
         (home / d / "f").write_text("x")
 
-    stale = {e.path.name for e in scan(home) if e.stale}
-    assert stale == {unrecorded.name, older.name, dead.name, "link-to-outside", other_build.name, building.name}
-
     env = {**os.environ, "LOCKGATE_CACHE_DIR": str(home)}
-    with open(building / "lockgate.lock") as held:  # another process compiling that build now
-        fcntl.flock(held, fcntl.LOCK_EX)
+    # a conversion still being written (old mtime, lock held) and a build being compiled
+    with _locked(live / CONVERTING_LOCK), _locked(busy / "lockgate.lock"):
+        stale = {e.path.name for e in scan(home) if e.stale}
+        assert stale == {path_keyed.name, older.name, dead.name, "link-to-outside", other_build.name}
         listed = _run([], env)
         assert listed.returncode == 0, listed.stderr
         assert "5 stale entries" in listed.stdout and "lockgate cache --prune" in listed.stdout
-        assert unrecorded.is_dir()  # listing removes nothing
+        assert path_keyed.is_dir()  # listing removes nothing
         pruned = _run(["--prune"], env)
         assert pruned.returncode == 0, pruned.stderr
         assert "removed 5 stale entries" in pruned.stdout
-    assert sorted(p.name for p in models.iterdir()) == sorted([".digests", current.name, live.name, "packaged"])
-    assert sorted(p.name for p in kernels.iterdir()) == sorted([this_build.name, building.name])
+    assert {p.name for p in models.iterdir()} - {".digests"} == {current.name, newer.name, live.name, fresh.name,
+                                                                  "packaged"}
+    assert sorted(p.name for p in kernels.iterdir()) == sorted([this_build.name, busy.name])
     assert (outside / "keep.txt").is_file()  # a link is removed, never what it points to
     assert all((home / d / "f").is_file() for d in ("tuning", "peers", "notes"))
     assert prepare_model_dir(str(gguf)) == current and (current / "config.json").is_file()
-    # the build whose compiler has finished (its lock released) is now an ordinary other build
-    assert {e.path.name for e in scan(home) if e.stale} == {building.name}
+    # once their locks are released, the conversion's leftover and the other build are stale too
+    assert {e.path.name for e in scan(home) if e.stale} == {live.name, busy.name}
     assert _run(["--prune"], env).returncode == 0
     again = _run([], env)
     assert again.returncode == 0 and "nothing stale" in again.stdout, again.stdout
 
 
+def test_prune_moves_an_entry_away_under_its_lock_before_deleting_it(tmp_path, monkeypatch) -> None:
+    home = tmp_path / "cache"
+    build = home / "kernels" / "lockgate_cpu_222222222222"
+    build.mkdir(parents=True)
+    (build / "lockgate.lock").write_text("")
+    (build / "lib.so").write_bytes(b"\0" * 100)
+    entries = [e for e in scan(home) if e.path == build]
+    assert entries and entries[0].stale
+
+    with _locked(build / "lockgate.lock"):  # someone took the lock after the listing
+        removed, failed = prune(entries)
+    assert not removed and len(failed) == 1 and "lock" in failed[0][1] and build.is_dir()
+
+    def dies(path: object) -> None:
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(cache_admin.shutil, "rmtree", dies)
+    removed, failed = prune(entries)
+    assert not removed and "disk went away" in failed[0][1]
+    # what is left is a temporary directory, never an entry missing some of its files
+    left = sorted(p.name for p in build.parent.iterdir())
+    assert len(left) == 1 and left[0].startswith(".tmp-prune-") and left[0].endswith(build.name)
+
+
+def test_a_build_moved_away_while_waiting_for_its_lock_is_made_again(tmp_path) -> None:
+    where = tmp_path / "kernels" / "lockgate_cpu_333333333333"
+    where.mkdir(parents=True)
+    got: list[tuple[int, int]] = []
+    first = _locked(where / "lockgate.lock")  # the prune's hold
+
+    def builder() -> None:
+        with _build_lock(where):
+            lock = where / "lockgate.lock"
+            got.append((os.stat(lock).st_ino, len(list(where.iterdir()))))
+
+    t = threading.Thread(target=builder)
+    t.start()
+    time.sleep(0.3)  # the builder is waiting on the lock
+    assert not got
+    os.rename(where, where.with_name(".tmp-prune-x"))  # as prune does, holding the lock
+    first.close()
+    t.join(timeout=30)
+    assert got and where.is_dir(), "the builder must hold a lock inside a directory at the build's path"
+
+
 def test_cache_on_an_absent_directory_says_so(tmp_path) -> None:
     r = _run(["--prune"], {**os.environ, "LOCKGATE_CACHE_DIR": str(tmp_path / "none")})
     assert r.returncode == 0 and "empty or absent" in r.stdout
+
+
+def test_an_unknown_current_build_keeps_every_build(tmp_path, monkeypatch) -> None:
+    import lockgate.kernels
+
+    def fails() -> str:
+        raise ValueError("LOCKGATE_KERNEL_MARCH=bogus: the compiler rejects it")
+
+    build = tmp_path / "kernels" / "lockgate_cpu_444444444444"
+    build.mkdir(parents=True)
+    monkeypatch.setattr(lockgate.kernels, "build_name", fails)
+    entries = scan(tmp_path)
+    assert [e.stale for e in entries] == [False] and "unknown" in entries[0].why

