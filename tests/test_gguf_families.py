@@ -271,6 +271,42 @@ def test_digest_memos_are_a_convenience(tmp_path, monkeypatch) -> None:
     assert prepare_model_dir(str(path)) == d and len(hashed) == 3
 
 
+def test_a_middle_prompt_chunk_stops_at_the_last_layers_kv(tmp_path, monkeypatch) -> None:
+    # A step that samples no row (a prompt chunk before its last) needs only the K/V every layer
+    # writes: on the layer loop (here Gemma 3's) the last layer's attention, o projection and MLP
+    # are skipped. The tokens are checked against transformers in the tests above, which prefill in
+    # chunks of 8; here the attention calls per step show the skip happened.
+    from lockgate.models import decoder
+
+    path = tmp_path / "tiny-gemma3.gguf"
+    CASES["gemma3"]().write(path)
+    layers = 6
+    per_step: list[int] = []
+    calls = [0]
+    for name in ("paged_attention", "windowed_attention"):
+        real = getattr(decoder, name)
+        monkeypatch.setattr(decoder, name, lambda *a, _real=real, **k: calls.__setitem__(0, calls[0] + 1) or _real(*a, **k))
+    forward = decoder.DecoderModel.forward
+
+    def counted(self, *a, **k):  # type: ignore[no-untyped-def]
+        calls[0] = 0
+        out = forward(self, *a, **k)
+        per_step.append(calls[0])
+        return out
+
+    monkeypatch.setattr(decoder.DecoderModel, "forward", counted)
+    llm = LLM(str(prepare_model_dir(str(path))), dtype="float32", max_total_tokens=2048, max_prefill_tokens=8)
+    per_step.clear()
+    prompt = [int(t) for t in np.random.default_rng(3).integers(4, VOCAB, 20)]  # chunks of 8, 8 and 4
+    got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=3, temperature=0.0,
+                                                                                  ignore_eos=True))
+    assert per_step[:4] == [layers - 1, layers - 1, layers, layers]
+    whole = LLM(str(prepare_model_dir(str(path))), dtype="float32", max_total_tokens=2048, max_prefill_tokens=64)
+    want = whole.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=3, temperature=0.0,
+                                                                                     ignore_eos=True))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids  # the skipped layer's K/V were written
+
+
 def test_every_supported_quantization_is_exercised() -> None:
     used = {t.name for make in CASES.values() for _, (_, t) in make().tensors.items()}
     assert set(SUPPORTED_TYPES) <= used, sorted(set(SUPPORTED_TYPES) - used)

@@ -23,7 +23,8 @@ Invariants:
   ``out_slots`` and returns float32 logits only for ``logits_rows`` (the last token of each
   sampled sequence), skipping the final norm and LM head for everything else (on the one-call
   path also the last layer's attention, o projection and MLP, where that changes no bit of the
-  sampled rows: ``KernelOps.whole_step``); with ``argmax``
+  sampled rows: ``KernelOps.whole_step``; on the layer loop, those only for a step that samples no
+  row, a middle prompt chunk); with ``argmax``
   (plain greedy steps) it returns those rows' argmax tokens instead, taken on the head's output
   in the run dtype, in the same row blocks and forms the logits would have come from.
 * The one-call fused step (``LayerOps.whole_step``) runs only for the plain Llama layout
@@ -276,7 +277,8 @@ class DecoderModel(nn.Module):
             x = whole
         else:
             local = None if self.local_rope is None else self.local_rope.cos_sin(positions, x.dtype)
-            x = self._layers(x, (cos, sin), local, meta, k_cache, v_cache, lora, prompt_rows)
+            x = self._layers(x, (cos, sin), local, meta, k_cache, v_cache, lora, prompt_rows,
+                             sampled=logits_rows is not None and logits_rows.shape[0] > 0)
         if logits_rows is None:
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
@@ -310,13 +312,15 @@ class DecoderModel(nn.Module):
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 local_rope: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, lora: LoraStep | None = None,
-                prompt_rows: bool = False) -> torch.Tensor:
+                prompt_rows: bool = False, sampled: bool = True) -> torch.Tensor:
         """The decoder layers on ``self.ops`` (torch, or lockgate's fused kernels): x [T, hidden] ->
         [T, hidden], the residual stream, updated in place. Each layer's MLP output is added at the
         start of the next (``add_norm``), where the kernel backend fuses the add into the norm.
         ``rope``: (cos, sin) [T, 1, D]; ``local_rope``: the sliding layers' own (Gemma 3), else None.
         ``lora``: each projection's output gets its rows' adapter updates (``LoraStep.add``).
-        ``prompt_rows``: the step has prompt rows (every projection's call then runs on its prompt form)."""
+        ``prompt_rows``: the step has prompt rows (every projection's call then runs on its prompt form).
+        ``sampled``: some row's result is read; False (a middle prompt chunk alone) stops after the
+        last layer's K/V are written (nothing past them is read), and x is then left meaningless."""
         a, ops = self.args, self.ops
         t = x.shape[0]
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
@@ -336,6 +340,8 @@ class DecoderModel(nn.Module):
             if layer.q_norm is not None and layer.k_norm is not None:
                 qkv = _qk_norm(qkv, layer.q_norm, layer.k_norm, h, hkv, d, a.rms_norm_eps)
             q, k, v = ops.rope_qkv(qkv, cos, sin, h, hkv, k_cache[i], v_cache[i], meta.out_slots)
+            if not sampled and i == a.num_layers - 1:
+                return x  # the last layer's K/V are in the pool; its output would go unread
             if a.attn_softcap is not None or (window is not None and longest > window):
                 o = windowed_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, window, a.attn_softcap)
             else:
