@@ -15,7 +15,7 @@ from lockgate.bench.stats import summarize_ms
 def cpu_model_and_flags() -> tuple[str, list[str]]:
     """The CPU's model name and the /proc/cpuinfo flags that tell CPU classes apart (AVX2, FMA,
     F16C, AVX-VNNI, AVX-512 F/BW/VNNI/BF16, AMX); ``machine()`` also keeps the full list."""
-    from lockgate.runner.tuning import cpu_description, notable_flags
+    from lockgate.runner.tuning_cache import cpu_description, notable_flags
 
     cpu = cpu_description()
     return cpu["cpu"], notable_flags(cpu["flags"]).split()
@@ -24,7 +24,7 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
 def machine() -> dict[str, Any]:
     import torch
 
-    from lockgate.runner.tuning import cpu_description
+    from lockgate.runner.tuning_cache import cpu_description
 
     name, flags = cpu_model_and_flags()
     cpu = cpu_description()

@@ -16,7 +16,7 @@ is written by lower layers, each keyed so that a stale entry is never read, only
   compiler flags and ``LOCKGATE_KERNEL_MARCH``, torch, the compiler and the CPU), unless a process
   holds its lock (compiling or loading it now). Builds made under other settings or by other
   machines sharing the cache go too; each is rebuilt on its next use (15-60 s).
-* ``tuning/``: the measured kernel tables (``lockgate.runner.tuning``), kilobytes. Kept.
+* ``tuning/``: the measured kernel tables (``lockgate.runner.tuning_cache``), kilobytes. Kept.
 * ``peers/``: ``benchmarks/compare_peers.py``'s vLLM install. Kept (delete it by hand).
 
 Invariants: ``prune`` removes only entries ``scan`` marked stale, and nothing outside the cache

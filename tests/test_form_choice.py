@@ -20,7 +20,7 @@ import torch
 from lockgate.config import ModelConfig
 from lockgate.kernel_choice import FormChoice
 from lockgate.layers.linear import PromptForm
-from lockgate.runner import form_choice, row_invariance, tuning
+from lockgate.runner import form_choice, row_invariance, tuning_cache
 
 
 class StandInLinear:
@@ -55,7 +55,7 @@ def plan_for(cfg: ModelConfig) -> form_choice.FormPlan:
     plan = object.__new__(form_choice.FormPlan)
     plan.cfg, plan.dtype, plan.cpu_kernels, plan.stored_table, plan.bf16_gemm_fits = (
         cfg, torch.bfloat16, True, None, False)
-    plan.forms_key = tuning.TuningKey(kind="forms", cpu="test CPU", flags="", threads=2, torch="test",
+    plan.forms_key = tuning_cache.TuningKey(kind="forms", cpu="test CPU", flags="", threads=2, torch="test",
                                       kernels="test", shape={"layers": 2}, dtype="bfloat16",
                                       weights={"checkpoint": "test"})
     return plan
@@ -79,7 +79,7 @@ def checks(tmp_path, monkeypatch) -> list[dict[str, Any]]:
 def cache_floors(plan: form_choice.FormPlan, model: StandInModel, floors: dict[str, int | None]) -> None:
     """Store ``floors`` for every role under the key this start's check uses."""
     candidates = plan._candidates({role: lins[0].choice for role, lins in model.projections().items()})
-    tuning.cached(plan._rows_key(candidates), lambda: {"floors": {role: dict(floors) for role in candidates}})
+    tuning_cache.cached(plan._rows_key(candidates), lambda: {"floors": {role: dict(floors) for role in candidates}})
 
 
 def test_a_cached_floor_naming_a_form_this_start_lacks_is_checked_again(checks) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from lockgate.kernel_choice import FormChoice
 from lockgate.layers.linear import Linear
-from lockgate.runner import tuning, tuning_attention
+from lockgate.runner import tuning, tuning_attention, tuning_cache
 
 
 def test_winner_takes_the_fastest_unless_a_more_exact_form_is_within_noise() -> None:
@@ -172,25 +172,25 @@ def test_cpu_description_names_family_and_model_so_look_alike_cpus_do_not_share_
                 f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu avx512f avx512_bf16\n\n"
                 f"processor\t: 1\ncpu family\t: 99\nmodel\t\t: 99\nflags\t\t: fpu\n")
 
-    zen4, zen5 = tuning.cpu_description(info(25, 17)), tuning.cpu_description(info(26, 2))
+    zen4, zen5 = tuning_cache.cpu_description(info(25, 17)), tuning_cache.cpu_description(info(26, 2))
     assert zen4 == {"cpu": "AMD EPYC (family 25, model 17, stepping 1)", "flags": "fpu avx512f avx512_bf16"}
     assert zen5["cpu"] == "AMD EPYC (family 26, model 2, stepping 1)" and zen5["flags"] == zen4["flags"]
     # without the numbers (another OS, another architecture) the name stands alone
-    assert tuning.cpu_description("model name\t: Some CPU\nflags\t: a b\n") == {"cpu": "Some CPU", "flags": "a b"}
+    assert tuning_cache.cpu_description("model name\t: Some CPU\nflags\t: a b\n") == {"cpu": "Some CPU", "flags": "a b"}
 
 
 def test_torch_isa_switches_enter_the_key(monkeypatch) -> None:
-    for name in tuning.ISA_SWITCHES:
+    for name in tuning_cache.ISA_SWITCHES:
         monkeypatch.delenv(name, raising=False)
-    assert tuning.torch_build() == torch.__version__  # a plain start: the key it always had
+    assert tuning_cache.torch_build() == torch.__version__  # a plain start: the key it always had
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    assert tuning.torch_build() == f"{torch.__version__} ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"
+    assert tuning_cache.torch_build() == f"{torch.__version__} ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"
 
 
 def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path))
-    key = tuning.TuningKey(kind="forms", cpu="cpu", flags="avx2", threads=2, torch="t", kernels="k",
+    key = tuning_cache.TuningKey(kind="forms", cpu="cpu", flags="avx2", threads=2, torch="t", kernels="k",
                            shape={"hidden": 8}, dtype="float32",
                            weights={"checkpoint": "abc", "quantization": "auto", "fp32": False})
     calls = []
@@ -201,7 +201,7 @@ def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> No
         return {"choices": {"qkv": "int-gemm:8,dense"}}
 
     results = []
-    threads = [threading.Thread(target=lambda: results.append(tuning.cached(key, measure))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(tuning_cache.cached(key, measure))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -210,15 +210,15 @@ def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> No
     assert sorted(hit for _, hit in results) == [False, True]
     assert all(data["choices"] == {"qkv": "int-gemm:8,dense"} for data, _ in results)
     # another thread count is another key; a corrupt file is measured again; refresh measures again
-    other = tuning.TuningKey(**{**key.__dict__, "threads": 1})
+    other = tuning_cache.TuningKey(**{**key.__dict__, "threads": 1})
     assert other.digest() != key.digest()
     path = tmp_path / "tuning" / f"forms-{key.digest()}.json"
     path.write_text("{not json")
-    assert tuning.cached(key, measure)[1] is False and len(calls) == 2
-    assert tuning.cached(key, measure)[1] is True
-    assert tuning.cached(key, measure, refresh=True)[1] is False and len(calls) == 3
+    assert tuning_cache.cached(key, measure)[1] is False and len(calls) == 2
+    assert tuning_cache.cached(key, measure)[1] is True
+    assert tuning_cache.cached(key, measure, refresh=True)[1] is False and len(calls) == 3
     stored = json.loads(path.read_text())
-    assert stored["key"]["flags"] == "avx2" and stored["key"]["version"] == tuning.TUNING_VERSION
+    assert stored["key"]["flags"] == "avx2" and stored["key"]["version"] == tuning_cache.TUNING_VERSION
 
 
 def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_path, monkeypatch) -> None:

@@ -28,7 +28,7 @@ sha256, which ``lockgate cache`` reads to tell current entries from ones no run 
 
 ``checkpoint_fingerprint(dir)``: a digest of a directory's weights by content, cheap (headers,
 sizes and sampled chunks, not every byte), independent of where the directory lives; the
-measured kernel choice is cached under it (``lockgate.runner.tuning``).
+measured kernel choice is cached under it (``lockgate.runner.tuning_cache``).
 
 Called by ``lockgate.runner.model_runner`` and by the tokenizer side (which needs the same
 directory for tokenizer.json / chat template), the gateway, the bench and the CLI.

@@ -3,7 +3,7 @@ attention paths and the row-invariant prompt forms (``--exact-prefill``, ``--det
 
 Owns choosing, not running steps. ``auto_dtype`` picks the dtype before anything loads.
 ``FormPlan`` is made once the dtype is known and before the weights load: its cache key is known
-then, so a stored table (``tuning.peek``) tells the loader which forms to build at all
+then, so a stored table (``tuning_cache.peek``) tells the loader which forms to build at all
 (``wanted_forms``). ``FormPlan.choose`` then applies the choices to the loaded ``DecoderModel``:
 every projection's ``FormChoice`` and, where asked, its ``PromptForm``; the forms nothing calls
 freed and the model's packed whole-step weights forgotten; the attention kernel's process-wide
@@ -42,7 +42,7 @@ from lockgate.layers.forms import int_gemm_available, int_gemm_isa, weight_copie
 from lockgate.layers.linear import PromptForm
 from lockgate.models.args import ModelArgs
 from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
-from lockgate.runner import row_invariance, tuning, tuning_attention
+from lockgate.runner import row_invariance, tuning, tuning_attention, tuning_cache
 
 log = logging.getLogger("lockgate.runner")
 
@@ -71,15 +71,15 @@ class Paths:
 
 
 def tuning_key(kind: str, cfg: ModelConfig, args: ModelArgs, dtype: str,
-               weights: dict[str, Any] | None = None) -> tuning.TuningKey:
+               weights: dict[str, Any] | None = None) -> tuning_cache.TuningKey:
     """The cache key of a ``kind`` measurement for this machine, thread count, kernels and model shape."""
-    cpu = tuning.cpu_description()
+    cpu = tuning_cache.cpu_description()
     shape = {"layers": args.num_layers, "hidden": args.hidden_size, "intermediate": args.intermediate_size,
              "heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
              "vocab": args.vocab_size}
     built = kernels.build_name() if kernels.error() is None and kernels.load(cfg.cpu_kernels) else "none"
-    return tuning.TuningKey(kind=kind, cpu=cpu["cpu"], flags=cpu["flags"], threads=torch.get_num_threads(),
-                            torch=tuning.torch_build(), kernels=built, shape=shape, dtype=dtype, weights=weights or {})
+    return tuning_cache.TuningKey(kind=kind, cpu=cpu["cpu"], flags=cpu["flags"], threads=torch.get_num_threads(),
+                            torch=tuning_cache.torch_build(), kernels=built, shape=shape, dtype=dtype, weights=weights or {})
 
 
 def auto_dtype(cfg: ModelConfig, args: ModelArgs, kernels_built: bool) -> tuple[torch.dtype, dict[str, Any]]:
@@ -97,7 +97,7 @@ def auto_dtype(cfg: ModelConfig, args: ModelArgs, kernels_built: bool) -> tuple[
         figures = tuning.measure_dtypes(shapes, int_gemm)
         return {"figures": figures, "dtype": tuning.decide_dtype(figures)}
 
-    data, hit = tuning.cached(tuning_key("dtype", cfg, args, "auto"), measure, refresh=cfg.tuning == "refresh")
+    data, hit = tuning_cache.cached(tuning_key("dtype", cfg, args, "auto"), measure, refresh=cfg.tuning == "refresh")
     dtype = str(data["dtype"])
     if dtype not in ("float32", "bfloat16"):
         dtype = tuning.decide_dtype(data.get("figures", {}))
@@ -140,7 +140,7 @@ class FormPlan:
         self.bf16_gemm_fits = weight_copies_fit((2 + (4 if fp32 else 0)) * args.matmul_parameters)
         self.forms_key = tuning_key("forms", cfg, args, str(dtype).removeprefix("torch."), {
             "checkpoint": checkpoint, "quantization": quantization, "fp32": fp32})
-        self.stored_table = tuning.peek(self.forms_key) \
+        self.stored_table = tuning_cache.peek(self.forms_key) \
             if cfg.tuning == "auto" and cfg.matmul_forms == "auto" else None
 
     # ---- before loading ----
@@ -177,7 +177,7 @@ class FormPlan:
             want = {role: names | {"fp32"} for role, names in want.items()}
         if cfg.exact_prefill or cfg.deterministic:  # the forms the row check found (or may find) invariant
             candidates = self._candidates(choices)
-            floors = (tuning.peek(self._rows_key(candidates)) or {}).get("floors", {})
+            floors = (tuning_cache.peek(self._rows_key(candidates)) or {}).get("floors", {})
             want = {role: names | ({f for f, fl in floors[role].items() if fl is not None} if role in floors
                                    else set(candidates[role])) for role, names in want.items()}
         return want
@@ -234,8 +234,8 @@ class FormPlan:
 
     def _log_table(self, model: DecoderModel, paths: Paths, source: str) -> None:
         roles = model.projections()
-        cpu = tuning.cpu_description()
-        lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning.notable_flags(cpu['flags'])}, "
+        cpu = tuning_cache.cpu_description()
+        lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning_cache.notable_flags(cpu['flags'])}, "
                  f"{torch.get_num_threads()} threads, {self.dtype}, int-gemm path {int_gemm_isa() or 'not built'}):"]
         lines += [f"  {role:<8} {roles[role][0].choice.describe()}" for role in roles]
         lines.append(f"  decode attention: {'lockgate kernel' if paths.decode_kernel else 'gathers + SDPA'}"
@@ -270,12 +270,12 @@ class FormPlan:
                     "attention_lookahead": tuning_attention.decide_attention_lookahead(lookahead),
                     "forms": forms}
 
-        data, hit = tuning.cached(self.forms_key, measure, refresh=refresh)
+        data, hit = tuning_cache.cached(self.forms_key, measure, refresh=refresh)
         return {**data, "cached": hit}
 
     # ---- row-invariant forms (--exact-prefill, --deterministic; issue 19) ----
 
-    def _rows_key(self, candidates: dict[str, list[str]]) -> tuning.TuningKey:
+    def _rows_key(self, candidates: dict[str, list[str]]) -> tuning_cache.TuningKey:
         """--deterministic: all candidates checked (it compares their costs), else each role's up
         to its first invariant one (--exact-prefill)."""
         return dataclasses.replace(self.forms_key, kind="rows", weights={
@@ -306,7 +306,7 @@ class FormPlan:
         def check(refresh: bool) -> tuple[dict[str, dict[str, int | None]], dict[str, PromptForm | None], bool]:
             """The cached (or new) floors, each role's pick among the forms built, and whether a
             role lacks one because the cache named a form this start did not build."""
-            data, _ = tuning.cached(self._rows_key(candidates), lambda: {
+            data, _ = tuning_cache.cached(self._rows_key(candidates), lambda: {
                 "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
                 refresh=refresh)
             checked = {role: data["floors"].get(role, {}) for role in roles}

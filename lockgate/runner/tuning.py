@@ -1,10 +1,10 @@
-"""Measured kernel choice: which matmul form serves which calls, which dtype; the cache of all tunings.
+"""Measured kernel choice: which matmul form serves which calls, and which dtype.
 
 Owns timing the forms a loaded model's projections have (``lockgate.layers.forms``) at that
 model's shapes on the CPU at hand, turning the timings into one ``FormChoice`` per projection
-role (qkv, o, gate_up, down, head), choosing ``--dtype auto`` the same way, and caching these
-and the attention choices (``tuning_attention``) on disk. Nothing here reads CPU flags to
-decide: flags only go into the cache key and the log.
+role (qkv, o, gate_up, down, head), and choosing ``--dtype auto`` the same way; the results (and
+the attention choices, ``tuning_attention``) are cached by ``tuning_cache``. Nothing here reads
+CPU flags to decide: flags only go into the cache key and the log.
 
 How a measurement runs (``measure_forms``), built to survive a noisy, shared host:
 
@@ -34,37 +34,20 @@ form (dense sgemm or the integer GEMM) by more than ``DTYPE_MARGIN`` at both siz
 Whether a form's rows depend on the call's size is checked in ``lockgate.runner.row_invariance``
 (cached here too, kind "rows"); ``one_form_cost`` prices serving a role on one form for it.
 
-Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``;
-``$LOCKGATE_TUNING_DIR`` moves the tuning files alone), the hash
-over ``TuningKey``: the CPU's model name (with its family, model and stepping numbers) and full
-flag list, torch's thread count and version,
-the kernels' build name (their sources' hash), ``TUNING_VERSION``, the model's shape and what
-decides the forms each role has (the checkpoint's content fingerprint, ``--quantization``, float32
-copies). That key is known before the weights load, so a cached table (``peek``) tells the loader
-which forms to build at all. One process measures at a time under an ``flock`` (replicas of one server
-start together: the second finds the first's result). A corrupt or foreign file is measured
-again. Invariant: a decision depends only on the stored figures (``decide``), so a cached file
-gives the same table it gave when it was measured.
+The CPU's description, the cache key of every tuning (``TuningKey``) and the files they are kept
+in are ``lockgate.runner.tuning_cache``'s. Invariant: a decision depends only on the stored
+figures (``decide``), so a cached file gives the same table it gave when it was measured.
 
 Called by ``lockgate.runner.form_choice`` (at start) and ``lockgate tune`` (``lockgate.cli``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
 import logging
 import math
-import os
-import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,10 +60,10 @@ from lockgate.runner.tuning_attention import (
     PREFILL_ATTENTION_TOKENS,
     paired_rounds,
 )
+from lockgate.runner.tuning_cache import cpu_description, notable_flags
 
 log = logging.getLogger("lockgate.tuning")
 
-TUNING_VERSION = 7  # bump when what is measured or how it is decided changes
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEAD_MAX_ROWS = 256
 ROUNDS = 3
@@ -88,137 +71,6 @@ MARGIN = 0.05  # a more exact form within 5% of the fastest is kept
 PRUNE_RATIO = 2.0
 DTYPE_MARGIN = 0.10
 ROLES = ("qkv", "o", "gate_up", "down", "head")
-
-
-# ---- the CPU and the key ----
-
-# torch's, oneDNN's and MKL's own instruction-set switches: what is measured under one setting does
-# not hold under another (README, "Another CPU's paths on this one")
-ISA_SWITCHES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
-def torch_build() -> str:
-    """torch's version, then every instruction-set switch set in the environment (none: the
-    version alone, so a plain start keeps the key it always had)."""
-    return " ".join([torch.__version__, *(f"{k}={os.environ[k]}" for k in ISA_SWITCHES if os.environ.get(k))])
-
-
-def cpu_description(cpuinfo: str | None = None) -> dict[str, str]:
-    """The CPU's model name with its family, model and stepping numbers, and its flags, from
-    ``cpuinfo`` (default: /proc/cpuinfo's text; what is known elsewhere). The numbers are part of
-    the name because a hypervisor may show two cores as the same "AMD EPYC" with nearly the same
-    flags: a Zen 4 (family 25) and a Zen 5 (family 26) part differ by half in bf16 matmul rate, so
-    their measurements must not share a cache entry."""
-    name, flags = platform.processor() or platform.machine(), ""
-    if cpuinfo is None:
-        cpuinfo = ""
-        with contextlib.suppress(OSError):
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-    ids: dict[str, str] = {}
-    for line in cpuinfo.splitlines():  # the first processor's block: it ends at its flags
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and name in ("", platform.machine(), platform.processor()):
-            name = value.strip()
-        elif key in ("cpu family", "model", "stepping") and key not in ids:
-            ids[key] = value.strip()
-        elif key == "flags":
-            flags = value.strip()
-            break
-    if ids:
-        name += " (" + ", ".join(f"{'family' if k == 'cpu family' else k} {v}" for k, v in ids.items()) + ")"
-    return {"cpu": name, "flags": flags}
-
-
-def notable_flags(flags: str) -> str:
-    """The flags that tell CPU classes apart, for logs (the key keeps all of them)."""
-    keep = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
-            "amx_tile")
-    have = set(flags.split())
-    return " ".join(f for f in keep if f in have) or "none of avx2/avx512/amx"
-
-
-@dataclass(frozen=True)
-class TuningKey:
-    """Everything a measurement depends on. Two runs with equal keys may share a result."""
-
-    kind: str  # "forms" or "dtype"
-    cpu: str
-    flags: str
-    threads: int
-    torch: str
-    kernels: str  # the kernels' build name (hash of their sources, flags, compiler) or "none"
-    shape: dict[str, int]  # the model's dimensions
-    dtype: str
-    # kind "forms": what decides which forms the projections have (checkpoint fingerprint,
-    # --quantization, float32 copies), known before the weights are loaded
-    weights: dict[str, Any] = field(default_factory=dict)
-    version: int = TUNING_VERSION
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    """``$LOCKGATE_TUNING_DIR``, else ``$LOCKGATE_CACHE_DIR/tuning`` (default ``~/.cache/lockgate/tuning``)."""
-    if os.environ.get("LOCKGATE_TUNING_DIR"):
-        return Path(os.environ["LOCKGATE_TUNING_DIR"]).expanduser()
-    root = os.environ.get("LOCKGATE_CACHE_DIR") or str(Path.home() / ".cache" / "lockgate")
-    return Path(root).expanduser() / "tuning"
-
-
-@contextlib.contextmanager
-def _locked(key: TuningKey) -> Iterator[Path]:
-    """The cache file of ``key``, held under an exclusive lock (the OS drops it if we die)."""
-    where = cache_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    path = where / f"{key.kind}-{key.digest()}.json"
-    with open(path.with_suffix(".lock"), "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        yield path
-
-
-def _read(path: Path, key: TuningKey) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("key") == asdict(key) else None
-
-
-def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
-
-
-def peek(key: TuningKey) -> dict[str, Any] | None:
-    """The stored result for ``key``, or None (never measures)."""
-    with _locked(key) as path:
-        data = _read(path, key)
-    if data is not None:
-        data["path"] = str(path)
-    return data
-
-
-def cached(key: TuningKey, measure: Callable[[], dict[str, Any]], refresh: bool = False) -> tuple[dict[str, Any], bool]:
-    """(the stored result for ``key``, whether it came from the cache); measured (and stored) when
-    missing, unreadable or ``refresh``."""
-    with _locked(key) as path:
-        data = None if refresh else _read(path, key)
-        if data is not None:
-            data["path"] = str(path)
-            return data, True
-        t0 = time.perf_counter()
-        result = measure()
-        data = {"key": asdict(key), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "seconds": round(time.perf_counter() - t0, 2), **result}
-        try:
-            _write(path, data)
-        except OSError as e:  # a read-only cache: keep going with what was measured
-            log.warning("could not store the tuning result in %s: %s", path, e)
-        data["path"] = str(path)
-        return data, False
 
 
 # ---- deciding ----
