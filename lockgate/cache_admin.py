@@ -41,8 +41,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
+from lockgate.checkpoint.loader import CONVERTING_LOCK, entry_record
+from lockgate.kernels import BUILD_LOCK, build_name
+from lockgate.paths import cache_home
+
 STALE_TMP_SECONDS = 3600.0  # an unlocked temporary directory untouched this long is a leftover
-KERNEL_LOCK = "lockgate.lock"  # lockgate.kernels' build lock, inside the build directory
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,7 @@ class Entry:
     bytes: int
     stale: bool
     why: str  # what it is, or why it is stale
-    lock: str | None = None  # the lock file inside it that a prune must take first
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("LOCKGATE_CACHE_DIR") or Path.home() / ".cache" / "lockgate").expanduser()
+    lock: Path | None = None  # the lock file inside it that a prune must take first
 
 
 def disk_bytes(path: Path) -> int:
@@ -98,9 +98,6 @@ def _in_use(lock: Path) -> bool:
 
 
 def _model_entry(p: Path) -> Entry:
-    from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
-    from lockgate.checkpoint.loader import CONVERTING_LOCK, entry_record
-
     size = disk_bytes(p)
     if p.name == ".digests":
         return Entry(p, "digests", size, False, "sha256 memos of the GGUF files seen")
@@ -109,10 +106,10 @@ def _model_entry(p: Path) -> Entry:
     if p.name.startswith(".tmp-"):
         lock = p / CONVERTING_LOCK
         if _in_use(lock):
-            return Entry(p, "model", size, False, "a conversion being written now", str(lock))
+            return Entry(p, "model", size, False, "a conversion being written now", lock)
         idle = time.time() - p.stat().st_mtime
         return Entry(p, "model", size, idle > STALE_TMP_SECONDS,
-                     f"a temporary directory no process holds, untouched for {idle / 60:.0f} min", str(lock))
+                     f"a temporary directory no process holds, untouched for {idle / 60:.0f} min", lock)
     if p.is_symlink() or not p.is_dir():
         return Entry(p, "model", size, True, "not a converted model directory")
     record = entry_record(p)
@@ -126,23 +123,21 @@ def _model_entry(p: Path) -> Entry:
 
 
 def _kernel_entry(p: Path, current: str | None, unknown: str) -> Entry:
-    size, lock = disk_bytes(p), p / KERNEL_LOCK
+    size, lock = disk_bytes(p), p / BUILD_LOCK
     if current is None:
         return Entry(p, "kernels", size, False, f"kernel build (this environment's is unknown: {unknown})")
     if p.name == current:
         return Entry(p, "kernels", size, False, "this environment's kernel build")
     if _in_use(lock):
-        return Entry(p, "kernels", size, False, "a kernel build some process holds now", str(lock))
+        return Entry(p, "kernels", size, False, "a kernel build some process holds now", lock)
     return Entry(p, "kernels", size, True,
-                 "another kernel build (other sources, flags, torch, compiler or CPU)", str(lock))
+                 "another kernel build (other sources, flags, torch, compiler or CPU)", lock)
 
 
 def _current_build() -> tuple[str | None, str]:
     try:
-        from lockgate.kernels import build_name
-
         return build_name(), ""
-    except Exception as e:  # an invalid LOCKGATE_KERNEL_MARCH, no torch: keep every build
+    except Exception as e:  # e.g. a compiler that cannot be asked its version: keep every build
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -191,7 +186,7 @@ def prune(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
                 removed.append(e)
                 continue
             doomed = e.path.with_name(f".tmp-prune-{secrets.token_hex(6)}-{e.path.name}")
-            with _claimed(None if e.lock is None else Path(e.lock)) as free:
+            with _claimed(e.lock) as free:
                 if not free:
                     failed.append((e, "a process took its lock since it was listed"))
                     continue

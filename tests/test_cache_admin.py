@@ -161,13 +161,11 @@ def test_cache_on_an_absent_directory_says_so(tmp_path) -> None:
 
 
 def test_an_unknown_current_build_keeps_every_build(tmp_path, monkeypatch) -> None:
-    import lockgate.kernels
-
     def fails() -> str:
         raise ValueError("LOCKGATE_KERNEL_MARCH=bogus: the compiler rejects it")
 
     build = tmp_path / "kernels" / "lockgate_cpu_444444444444"
     build.mkdir(parents=True)
-    monkeypatch.setattr(lockgate.kernels, "build_name", fails)
+    monkeypatch.setattr(cache_admin, "build_name", fails)
     entries = scan(tmp_path)
     assert [e.stale for e in entries] == [False] and "unknown" in entries[0].why

@@ -57,6 +57,7 @@ import typing
 from pathlib import Path
 
 from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION, convert_gguf
+from lockgate.paths import cache_home
 
 log = logging.getLogger("lockgate.models")
 
@@ -162,7 +163,7 @@ def packaged_gguf_path(name: str) -> Path:
 
 def cache_root() -> Path:
     """Where converted models live: ``$LOCKGATE_CACHE_DIR/models`` (default ``~/.cache/lockgate/models``)."""
-    return Path(os.environ.get("LOCKGATE_CACHE_DIR") or Path.home() / ".cache" / "lockgate").expanduser() / "models"
+    return cache_home() / "models"
 
 
 def _entry_for(gguf_path: Path, digest: str) -> Path:
@@ -193,8 +194,8 @@ def memo_path(key: str) -> Path:
 
 def file_sha256(path: Path) -> str:
     """The sha256 of ``path``'s bytes, remembered under ``models/.digests/`` by the file's state
-    (``stat_key``). A memo holds the digest and the path (so ``lockgate cache`` can tell memos of
-    files since changed or gone). Not remembered when the file changed in the last RACY_SECONDS (a
+    (``stat_key``). A memo holds the digest, then the file's path (for a person reading the
+    memos; nothing parses it). Not remembered when the file changed in the last RACY_SECONDS (a
     write within the same timestamp tick would keep the key) or the memo cannot be written."""
     p = path.resolve()
     key = stat_key(p)

@@ -62,6 +62,8 @@ from pathlib import Path
 
 import torch
 
+from lockgate.paths import cache_home
+
 log = logging.getLogger("lockgate.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -122,6 +124,7 @@ def _check_march() -> None:
 
 MODES = ("auto", "off")
 BUILT = "BUILT"  # written into a build directory once its library compiled and loaded
+BUILD_LOCK = "lockgate.lock"  # in a build directory: held (flock) while it is built or loaded
 PROGRESS_EVERY = 15.0  # seconds between "still compiling" lines
 
 _lock = threading.Lock()
@@ -129,8 +132,8 @@ _state: dict[str, object] = {}  # "ok": bool, "error": str
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LOCKGATE_CACHE_DIR") or str(Path.home() / ".cache" / "lockgate")
-    return Path(root).expanduser() / "kernels"
+    """Where builds live: ``kernels/`` under ``lockgate.paths.cache_home()``."""
+    return cache_home() / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -213,10 +216,10 @@ def _build_lock(where: Path) -> Iterator[None]:
     at that path: then the directory is made again and its new lock taken."""
     while True:
         where.mkdir(parents=True, exist_ok=True)
-        held = open(where / "lockgate.lock", "a")  # noqa: SIM115 (returned held)
+        held = open(where / BUILD_LOCK, "a")  # noqa: SIM115 (returned held)
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
-            if os.stat(where / "lockgate.lock").st_ino == os.fstat(held.fileno()).st_ino:
+            if os.stat(where / BUILD_LOCK).st_ino == os.fstat(held.fileno()).st_ino:
                 break
         except FileNotFoundError:
             pass

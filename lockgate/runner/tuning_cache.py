@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from lockgate.paths import cache_home
+
 log = logging.getLogger("lockgate.tuning")
 
 TUNING_VERSION = 7  # bump when what is measured or how it is decided changes (every key carries it)
@@ -115,8 +117,7 @@ def cache_dir() -> Path:
     """``$LOCKGATE_TUNING_DIR``, else ``$LOCKGATE_CACHE_DIR/tuning`` (default ``~/.cache/lockgate/tuning``)."""
     if os.environ.get("LOCKGATE_TUNING_DIR"):
         return Path(os.environ["LOCKGATE_TUNING_DIR"]).expanduser()
-    root = os.environ.get("LOCKGATE_CACHE_DIR") or str(Path.home() / ".cache" / "lockgate")
-    return Path(root).expanduser() / "tuning"
+    return cache_home() / "tuning"
 
 
 @contextlib.contextmanager
