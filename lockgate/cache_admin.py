@@ -4,9 +4,10 @@ Owns listing and pruning ``$LOCKGATE_CACHE_DIR`` (default ``~/.cache/lockgate``)
 is written by lower layers, each keyed so that a stale entry is never read, only left behind:
 
 * ``models/<stem>-<hash>``: converted GGUFs (``lockgate.checkpoint.loader``), ~0.5 GB for the
-  default model. *Stale*: the entry's record has no sha256 (made before entries were keyed by
-  content, when every fresh install of the default model made another one) or names an older
-  converter version; an entry of a newer converter is kept (a newer lockgate sharing the cache
+  default model. *Stale*: the entry's record (``lockgate_source.json``, which every conversion
+  has) has no sha256 (made before entries were keyed by content, when every fresh install of the
+  default model made another one) or names an older converter version; a directory with no record
+  is not lockgate's and is left alone; an entry of a newer converter is kept (a newer lockgate sharing the cache
   reads it). Also a ``.tmp-*`` directory (a conversion's, or a prune's) that no process holds
   locked and that has been untouched for an hour: a conversion that died.
 * ``models/.digests``: the GGUFs' sha256 memos, ~100 bytes per file state seen. Kept.
@@ -36,13 +37,14 @@ import fcntl
 import os
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
-from lockgate.checkpoint.loader import CONVERTING_LOCK, entry_record
+from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record
 from lockgate.kernels import BUILD_LOCK, build_name
 from lockgate.paths import cache_home
 
@@ -113,8 +115,10 @@ def _model_entry(p: Path) -> Entry:
     if p.is_symlink() or not p.is_dir():
         return Entry(p, "model", size, True, "not a converted model directory")
     record = entry_record(p)
-    version = None if record is None else record.get("converter_version")
-    if record is None or "sha256" not in record or not isinstance(version, int):
+    if record is None:  # every conversion lockgate made has one
+        return Entry(p, "other", size, False, f"no {SOURCE_RECORD}: not a conversion lockgate made; left alone")
+    version = record.get("converter_version")
+    if "sha256" not in record or not isinstance(version, int):
         return Entry(p, "model", size, True, "made by a lockgate keyed by path; no run of this version reads it")
     if version < CONVERTER_VERSION:
         return Entry(p, "model", size, True, f"converter v{version}; this version converts with v{CONVERTER_VERSION}")
@@ -208,8 +212,12 @@ def human(n: float) -> str:
 
 def cache_main(do_prune: bool) -> int:
     """``lockgate cache [--prune]``: print the table; with --prune remove the stale entries.
-    Exit 1 when some stale entry could not be removed."""
+    Exit 1 when some stale entry could not be removed, 2 when the cache path is not a directory."""
     home = cache_home()
+    if home.exists() and not home.is_dir():
+        print(f"lockgate: error: the cache directory {home} (LOCKGATE_CACHE_DIR or ~/.cache/lockgate) "
+              "is not a directory", file=sys.stderr)
+        return 2
     entries = scan(home)
     if not entries:
         print(f"lockgate cache: {home} is empty or absent")
@@ -230,5 +238,5 @@ def cache_main(do_prune: bool) -> int:
     removed, failed = prune(entries)
     print(f"removed {len(removed)} stale entries, freed {human(sum(e.bytes for e in removed))}")
     for e, why in failed:
-        print(f"lockgate: error: left {e.path} in place: {why}")
+        print(f"lockgate: error: left {e.path} in place: {why}", file=sys.stderr)
     return 1 if failed else 0

@@ -68,6 +68,9 @@ def test_cache_lists_stale_entries_and_prune_removes_only_them(tmp_path, monkeyp
         (d / CONVERTING_LOCK).write_text("")
         if d is not fresh:
             os.utime(d, (hour_ago, hour_ago))
+    foreign = models / "someone-elses"  # no lockgate_source.json: not a conversion lockgate made
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
     (models / "packaged").mkdir()
     (models / "packaged" / "some.gguf").write_bytes(b"gguf")
     outside = tmp_path / "outside"
@@ -98,7 +101,7 @@ def test_cache_lists_stale_entries_and_prune_removes_only_them(tmp_path, monkeyp
         assert pruned.returncode == 0, pruned.stderr
         assert "removed 5 stale entries" in pruned.stdout
     assert {p.name for p in models.iterdir()} - {".digests"} == {current.name, newer.name, live.name, fresh.name,
-                                                                  "packaged"}
+                                                                  foreign.name, "packaged"}
     assert sorted(p.name for p in kernels.iterdir()) == sorted([this_build.name, busy.name])
     assert (outside / "keep.txt").is_file()  # a link is removed, never what it points to
     assert all((home / d / "f").is_file() for d in ("tuning", "peers", "notes"))
@@ -155,9 +158,12 @@ def test_a_build_moved_away_while_waiting_for_its_lock_is_made_again(tmp_path) -
     assert got and where.is_dir(), "the builder must hold a lock inside a directory at the build's path"
 
 
-def test_cache_on_an_absent_directory_says_so(tmp_path) -> None:
+def test_cache_on_an_absent_directory_says_so_and_on_a_file_refuses(tmp_path) -> None:
     r = _run(["--prune"], {**os.environ, "LOCKGATE_CACHE_DIR": str(tmp_path / "none")})
     assert r.returncode == 0 and "empty or absent" in r.stdout
+    (tmp_path / "afile").write_text("x")
+    r = _run(["--prune"], {**os.environ, "LOCKGATE_CACHE_DIR": str(tmp_path / "afile")})
+    assert r.returncode == 2 and "is not a directory" in r.stderr and (tmp_path / "afile").is_file()
 
 
 def test_an_unknown_current_build_keeps_every_build(tmp_path, monkeypatch) -> None:
