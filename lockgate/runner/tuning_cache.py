@@ -14,12 +14,12 @@ the kernels' build name (their sources' hash), ``TUNING_VERSION``, the model's s
 decides the forms each role has (the checkpoint's content fingerprint, ``--quantization``, float32
 copies). That key is known before the weights load, so a cached table (``peek``) tells the loader
 which forms to build at all. One process measures at a time under an ``flock`` (replicas of one server
-start together: the second finds the first's result). A corrupt or foreign file is measured
-again.
+start together: the second finds the first's result).
 
 Invariants: a stored result is returned only for a key equal to the one it was stored under (a
-corrupt or foreign file reads as missing); one process measures a key at a time; a cache that
-cannot be written costs a warning and a measurement next start, never the start.
+corrupt or foreign file reads as missing, so it is measured again); one process measures a key at
+a time; a cache that cannot be written costs a warning and a measurement next start, never the
+start.
 """
 
 from __future__ import annotations
