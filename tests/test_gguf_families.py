@@ -212,6 +212,14 @@ def test_conversion_reads_the_file_once_and_writes_transformers_tokenizer(tmp_pa
     assert ours.get_vocab() == theirs.get_vocab()
 
 
+def _files_hashed(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
+    """The paths of the files read whole for their sha256 from now on, in order."""
+    hashed: list[str] = []
+    digest = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda fh, name: hashed.append(fh.name) or digest(fh, name))
+    return hashed
+
+
 def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) -> None:
     # Every install of the default model (a virtualenv, a CI checkout) has its own copy of the
     # same GGUF: they must share one converted entry, not leave one behind each. A file of the same
@@ -231,9 +239,7 @@ def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) ->
     converted: list[Path] = []
     real = loader.convert_gguf
     monkeypatch.setattr(loader, "convert_gguf", lambda src, dst: converted.append(src) or real(src, dst))
-    hashed: list[str] = []
-    digest = hashlib.file_digest
-    monkeypatch.setattr(hashlib, "file_digest", lambda fh, name: hashed.append(fh.name) or digest(fh, name))
+    hashed = _files_hashed(monkeypatch)
 
     d_first, d_copy, d_again, d_other = (prepare_model_dir(str(p)) for p in (first, copy, first, other))
     assert d_first == d_copy == d_again != d_other
@@ -256,9 +262,7 @@ def test_digest_memos_are_a_convenience(tmp_path, monkeypatch) -> None:
     # tick would keep its size and times); a memo that cannot be written costs a re-hash, not the load.
     path = tmp_path / "m.gguf"
     CASES["llama"]().write(path)
-    hashed: list[str] = []
-    digest = hashlib.file_digest
-    monkeypatch.setattr(hashlib, "file_digest", lambda fh, name: hashed.append(fh.name) or digest(fh, name))
+    hashed = _files_hashed(monkeypatch)
     d = prepare_model_dir(str(path))
     assert prepare_model_dir(str(path)) == d and hashed == [str(path)] * 2
     assert not list((tmp_path / "cache" / "models" / ".digests").glob("*"))
