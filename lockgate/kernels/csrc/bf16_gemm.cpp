@@ -66,6 +66,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "prefetch.h"
 #include "steal.h"
 #include "vec_math.h"
 
@@ -81,34 +82,9 @@ namespace {
 constexpr int64_t kLanes = 16;   // output rows per zmm (one 16-row block)
 constexpr int kTileBlocks = 4;   // 16-row blocks per tile
 constexpr int kMaxRowBlock = 6;  // x rows per register block
-constexpr int64_t kLine = 64;    // bytes per prefetched cache line
 
 // 16 bf16 values (bits in a 256-bit vector) widened to float32, exactly.
 inline __m512 widen16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
-
-// Prefetch cursor over the next tile's weights, `lines` cache lines per column pair step of the
-// current tile: as many as spread the next tile over every step the current one takes.
-struct Prefetch {
-  const char* at;
-  const char* end;
-  const char* at2 = nullptr;  // a second range (the up blocks of a gate/up unit), taken after the first
-  const char* end2 = nullptr;
-  int64_t lines = 1;
-  inline void step() {
-    for (int64_t i = 0; i < lines; ++i) {
-      if (at < end) {
-        _mm_prefetch(at, _MM_HINT_T1);
-        at += kLine;
-      } else if (at2 < end2) {
-        _mm_prefetch(at2, _MM_HINT_T1);
-        at2 += kLine;
-      } else {
-        return;
-      }
-    }
-  }
-  int64_t bytes() const { return (end - at) + (end2 - at2); }
-};
 
 // Where a register block's weight blocks are: NV blocks `block` elements apart from w; FUSED
 // (silu_mul in the epilogue): the first NV / 2 are gate blocks and the last NV / 2 the matching up
@@ -131,7 +107,7 @@ inline __m256i finish(__m512 a, const float* bias) {
 // for bit); the bias's up entries are `up_bias` floats after the gate's.
 template <int MR, int NV, bool FUSED>
 inline void row_block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t pairs, const float* bias,
-                      uint16_t* out, int64_t ldo, Prefetch& pf, int64_t up, int64_t up_bias) {
+                      uint16_t* out, int64_t ldo, lockgate::TilePrefetch& pf, int64_t up, int64_t up_bias) {
   static_assert(!FUSED || NV % 2 == 0, "a fused register block pairs each gate block with its up block");
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
@@ -171,10 +147,9 @@ inline void row_block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t p
 // Every x row against one tile of NV blocks, in row blocks as even as possible.
 template <int NV, bool FUSED>
 void tile(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t pairs, const float* bias,
-          uint16_t* out, int64_t ldo, Prefetch pf, int64_t up, int64_t up_bias) {
+          uint16_t* out, int64_t ldo, lockgate::TilePrefetch pf, int64_t up, int64_t up_bias) {
   const int64_t blocks = (m + kMaxRowBlock - 1) / kMaxRowBlock, size = m / blocks, bigger = m % blocks;
-  const int64_t steps = blocks * pairs, lines = (pf.bytes() + kLine - 1) / kLine;
-  pf.lines = std::max<int64_t>(1, (lines + steps - 1) / steps);
+  pf.spread(blocks * pairs);
   for (int64_t i = 0, r = 0; i < blocks; ++i) {
     const int64_t mr = size + (i < bigger ? 1 : 0);
     const uint16_t* xr = x + r * k;
@@ -218,15 +193,12 @@ void run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t nb,
         const int64_t b = first[u], nv = first[u + 1] - b;
         // the worker's next own tile's weights (and its up blocks), prefetched while this one is multiplied
         const int64_t nx = own ? ranges.peek(wk) : -1;
-        Prefetch pf{nullptr, nullptr};
+        lockgate::TilePrefetch pf;
         if (nx >= 0) {
-          const char* start = reinterpret_cast<const char*>(w + first[nx] * block);
+          const uint16_t* start = w + first[nx] * block;
           const int64_t bytes = (first[nx + 1] - first[nx]) * block * kBytes;
-          pf = Prefetch{start, start + bytes};
-          if (swiglu) {
-            pf.at2 = start + up * kBytes;
-            pf.end2 = pf.at2 + bytes;
-          }
+          pf.add(start, bytes);
+          if (swiglu) pf.add(start + up, bytes);  // its up blocks, after the gate's
         }
         const uint16_t* wt = w + b * block;
         const float* bt = bias == nullptr ? nullptr : bias + b * kLanes;

@@ -33,7 +33,9 @@
 // 128 rows: once per call at decode sizes. Calls of 1-6 rows (batch-1 decode, a request and its
 // speculative guesses: bound by reading the weights from memory) take run_gemv instead: each
 // thread an even share of the 16-row blocks, codes widened in registers as they stream in,
-// software prefetch ahead of each stream.
+// software prefetch ahead of each stream and, spread over each tile, of the next tile's codes,
+// scales and offsets (prefetch.h: a tile's streams otherwise begin at memory latency; on the Zen 4
+// class CPU a batch-1 decode step took 7-8% less time, docs/performance.md, round 30).
 //
 // Non-finite x: a block holding NaN or +-inf gets a NaN scale, so the rows it feeds come out NaN
 // (as F.linear's would); a block whose largest magnitude is below 1e-30 is taken as zeros.
@@ -78,6 +80,8 @@
 #if defined(LOCKGATE_IG_512) || defined(LOCKGATE_IG_256)
 #define LOCKGATE_IG_VECTOR 1
 #include <immintrin.h>
+
+#include "prefetch.h"
 #endif
 
 namespace {
@@ -259,7 +263,7 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
 // so the step is bound by reading the weights and the widening's stores and reloads would cost
 // more than they save). Same arithmetic, in the same order, as tile_vnni.
 template <int MR, int NR>
-void gemv_tile(const Job& job, int64_t nb0) {
+void gemv_tile(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
   const int64_t n = job.nb * kLanes;
   __m512 f[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -274,6 +278,7 @@ void gemv_tile(const Job& job, int64_t nb0) {
 #pragma GCC unroll 8
       for (int64_t cg = 0; cg < kGroup / 4; ++cg) {
         const int64_t c = g * kGroup / 4 + cg;
+        next.step();
         __m512i lo[MR], hi[MR];
         for (int i = 0; i < MR; ++i) {
           int32_t pair[2];
@@ -297,6 +302,7 @@ void gemv_tile(const Job& job, int64_t nb0) {
 #pragma GCC unroll 16
       for (int64_t pg = 0; pg < kPairsPerGroup; ++pg) {
         const int64_t p = g * kPairsPerGroup + pg;
+        next.step();
         __m512i xv[MR];
         for (int i = 0; i < MR; ++i) {
           int32_t pair;
@@ -330,16 +336,27 @@ void gemv_tile(const Job& job, int64_t nb0) {
     for (int j = 0; j < NR; ++j) _mm512_storeu_ps(job.out + i * n + (nb0 + j) * kLanes, f[i][j]);
 }
 
-// Output-row blocks [b0, b1) for all MR rows, in tiles of gemv_tile_n<MR>() blocks.
+// Output-row blocks [b0, b1) for all MR rows, in tiles of gemv_tile_n<MR>() blocks; while a
+// tile is multiplied, the next one's codes, scales and offsets are prefetched (TilePrefetch).
 template <int MR>
 void gemv_blocks(const Job& job, int64_t b0, int64_t b1) {
   constexpr int tn = gemv_tile_n<MR>();
-  for (; b0 + tn <= b1; b0 += tn) gemv_tile<MR, tn>(job, b0);
-  switch (b1 - b0) {  // the share's last blocks (fewer than a tile)
-    case 3: gemv_tile<MR, 3>(job, b0); break;
-    case 2: gemv_tile<MR, 2>(job, b0); break;
-    case 1: gemv_tile<MR, 1>(job, b0); break;
-    default: break;
+  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = job.g * kLanes * 2;
+  const int64_t steps = job.g * (job.bits == 4 ? kGroup / 4 : kPairsPerGroup);  // next.step() calls per tile
+  for (int64_t b = b0; b < b1;) {
+    const int64_t nt = std::min<int64_t>(tn, b1 - b), n0 = b + nt, n1 = std::min<int64_t>(n0 + tn, b1);
+    lockgate::TilePrefetch next;
+    next.add(job.packed + n0 * code_bytes, (n1 - n0) * code_bytes);
+    next.add(reinterpret_cast<const char*>(job.scales) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
+    if (job.zeros) next.add(reinterpret_cast<const char*>(job.zeros) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
+    next.spread(steps);
+    switch (nt) {  // a share's last blocks may be fewer than a tile
+      case 1: gemv_tile<MR, 1>(job, b, next); break;
+      case 2: gemv_tile<MR, 2>(job, b, next); break;
+      case 3: if constexpr (tn >= 3) gemv_tile<MR, 3>(job, b, next); break;
+      default: gemv_tile<MR, tn>(job, b, next); break;
+    }
+    b += nt;
   }
 }
 
