@@ -257,6 +257,21 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
 }
 #endif
 
+#if defined(LOCKGATE_IG_VECTOR)
+// The few-row path's prefetch of output-row blocks [n0, n1) (the next tile; none when n0 == n1):
+// their codes, scales and offsets, spread over the steps of a tile (one per 4 columns of 4-bit
+// codes, per column pair of 8-bit ones, as gemv_tile and gemv_tile_avx2 call next.step()).
+lockgate::TilePrefetch next_tile(const Job& job, int64_t n0, int64_t n1) {
+  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = job.g * kLanes * 2;
+  lockgate::TilePrefetch next;
+  next.add(job.packed + n0 * code_bytes, (n1 - n0) * code_bytes);
+  next.add(reinterpret_cast<const char*>(job.scales) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
+  if (job.zeros) next.add(reinterpret_cast<const char*>(job.zeros) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
+  next.spread(job.g * (job.bits == 4 ? kGroup / 4 : kPairsPerGroup));
+  return next;
+}
+#endif
+
 #if defined(LOCKGATE_IG_512)
 // Few rows (decode): out[0 .. MR, 16 nb0 .. 16 (nb0 + NR)] over all of K, the codes widened in
 // registers straight from their packed bytes (no buffer: each byte is used by MR <= 6 rows only,
@@ -341,15 +356,9 @@ void gemv_tile(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
 template <int MR>
 void gemv_blocks(const Job& job, int64_t b0, int64_t b1) {
   constexpr int tn = gemv_tile_n<MR>();
-  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = job.g * kLanes * 2;
-  const int64_t steps = job.g * (job.bits == 4 ? kGroup / 4 : kPairsPerGroup);  // next.step() calls per tile
   for (int64_t b = b0; b < b1;) {
-    const int64_t nt = std::min<int64_t>(tn, b1 - b), n0 = b + nt, n1 = std::min<int64_t>(n0 + tn, b1);
-    lockgate::TilePrefetch next;
-    next.add(job.packed + n0 * code_bytes, (n1 - n0) * code_bytes);
-    next.add(reinterpret_cast<const char*>(job.scales) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
-    if (job.zeros) next.add(reinterpret_cast<const char*>(job.zeros) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
-    next.spread(steps);
+    const int64_t nt = std::min<int64_t>(tn, b1 - b);
+    lockgate::TilePrefetch next = next_tile(job, b + nt, std::min<int64_t>(b + nt + tn, b1));
     switch (nt) {  // a share's last blocks may be fewer than a tile
       case 1: gemv_tile<MR, 1>(job, b, next); break;
       case 2: gemv_tile<MR, 2>(job, b, next); break;
@@ -453,7 +462,7 @@ void tile_avx2(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int6
 // Few rows: out[m0 .. m0 + MR, blocks nb0 .. nb0 + NB] over all of K, codes widened in registers
 // as they stream in (as gemv_tile), float32 totals in registers.
 template <int MR, int NB>
-void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0) {
+void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefetch& next) {
   constexpr int NH = 2 * NB;
   const int64_t n = job.nb * kLanes;
   __m256 f[MR][NH];
@@ -468,6 +477,7 @@ void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0) {
 #pragma GCC unroll 8
       for (int64_t cg = 0; cg < kGroup / 4; ++cg) {
         const int64_t c = g * kGroup / 4 + cg;
+        next.step();
         __m256i lo[MR], hi[MR];
         for (int i = 0; i < MR; ++i) {
           lo[i] = broadcast_pair(job.xq + (m0 + i) * job.k + 4 * c);
@@ -491,6 +501,7 @@ void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0) {
 #pragma GCC unroll 16
       for (int64_t pg = 0; pg < kPairsPerGroup; ++pg) {
         const int64_t p = g * kPairsPerGroup + pg;
+        next.step();
         __m256i xv[MR];
         for (int i = 0; i < MR; ++i) xv[i] = broadcast_pair(job.xq + (m0 + i) * job.k + 2 * p);
         for (int b = 0; b < NB; ++b) {
@@ -524,13 +535,25 @@ void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0) {
     for (int j = 0; j < NH; ++j) _mm256_storeu_ps(job.out + (m0 + i) * n + nb0 * kLanes + 8 * j, f[i][j]);
 }
 
-// Output-row blocks [b0, b1) for x rows [m0, m0 + MR): tiles of 2 blocks for one row, else 1.
+// Output-row blocks [b0, b1) for x rows [m0, m0 + MR): tiles of 2 blocks for one row, with the
+// next tile's codes, scales and offsets prefetched during each (as gemv_blocks), else tiles of
+// 1 block, where each stream's own prefetch already runs into the next block (measured under
+// LOCKGATE_KERNEL_MARCH=haswell on the Zen 4 class CPU: the next-tile prefetch took ~10% off
+// one row's calls and added ~10% to three rows' LM head; docs/performance.md, round 30).
 template <int MR>
 void gemv_rows_avx2(const Job& job, int64_t m0, int64_t b0, int64_t b1) {
-  if constexpr (MR == 1) {
-    for (; b0 + 2 <= b1; b0 += 2) gemv_tile_avx2<1, 2>(job, m0, b0);
+  constexpr int64_t tn = MR == 1 ? 2 : 1;
+  for (int64_t b = b0; b < b1;) {
+    const int64_t nt = std::min<int64_t>(tn, b1 - b);
+    lockgate::TilePrefetch next = MR == 1 ? next_tile(job, b + nt, std::min<int64_t>(b + nt + tn, b1))
+                                          : lockgate::TilePrefetch{};
+    if (nt == 2) {
+      if constexpr (MR == 1) gemv_tile_avx2<1, 2>(job, m0, b, next);
+    } else {
+      gemv_tile_avx2<MR, 1>(job, m0, b, next);
+    }
+    b += nt;
   }
-  for (; b0 < b1; ++b0) gemv_tile_avx2<MR, 1>(job, m0, b0);
 }
 
 void run_gemv(const Job& job) {
