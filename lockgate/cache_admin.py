@@ -17,7 +17,13 @@ is written by lower layers, each keyed so that a stale entry is never read, only
   compiler flags and ``LOCKGATE_KERNEL_MARCH``, torch, the compiler and the CPU), unless a process
   holds its lock (compiling or loading it now). Builds made under other settings or by other
   machines sharing the cache go too; each is rebuilt on its next use (15-60 s).
-* ``tuning/``: the measured kernel tables (``lockgate.runner.tuning_cache``), kilobytes. Kept.
+* ``tuning/<kind>-<hash>.json``: the measured kernel tables (``lockgate.runner.tuning_cache``), a
+  few KB each, one per key (CPU, threads, torch, kernel build, model shape, ...). *Stale*: a table
+  of another kernel build than this environment's (the same rule as the builds: its key names the
+  build, so no run here reads it), of an older ``TUNING_VERSION``, or that cannot be read (it
+  would be measured again), unless a process holds its lock; a newer version's is kept. Each kernel
+  change and test run used to leave hundreds behind. Listed as one line; each goes with its lock
+  file. Other files there are left alone.
 * ``peers/``: ``benchmarks/compare_peers.py``'s vLLM install. Kept (delete it by hand).
 
 Invariants: ``prune`` removes only entries ``scan`` marked stale, and nothing outside the cache
@@ -34,7 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -47,14 +55,16 @@ from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
 from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record
 from lockgate.kernels import BUILD_LOCK, build_name
 from lockgate.paths import cache_home
+from lockgate.runner.tuning_cache import TUNING_VERSION
 
 STALE_TMP_SECONDS = 3600.0  # an unlocked temporary directory untouched this long is a leftover
+TUNING_TABLE = re.compile(r"[a-z_]+-[0-9a-f]{16}\.json")  # tuning_cache's file names
 
 
 @dataclass(frozen=True)
 class Entry:
     path: Path
-    kind: str  # "model", "kernels", "packaged", "digests", "tuning", "peers", "other"
+    kind: str  # "model", "kernels", "packaged", "digests", "tuning", "tuning-table", "peers", "other"
     bytes: int
     stale: bool
     why: str  # what it is, or why it is stale
@@ -138,6 +148,37 @@ def _kernel_entry(p: Path, current: str | None, unknown: str) -> Entry:
                  "another kernel build (other sources, flags, torch, compiler or CPU)", lock)
 
 
+def _tuning_table(p: Path, current: str | None) -> Entry:
+    size, lock = disk_bytes(p), p.with_suffix(".lock")
+    try:
+        key = json.loads(p.read_text()).get("key")
+    except (ValueError, AttributeError):  # corrupt, or not a JSON object
+        key = None
+    if not isinstance(key, dict):
+        why, stale = "a table that cannot be read (it would be measured again)", True
+    elif not isinstance(key.get("version"), int) or key["version"] < TUNING_VERSION:
+        why, stale = f"tuning version {key.get('version')}; this version measures v{TUNING_VERSION}", True
+    elif key["version"] > TUNING_VERSION:
+        why, stale = "a newer lockgate's table", False
+    elif current is not None and key.get("kernels") not in (current, "none"):
+        why, stale = "a table of another kernel build", True
+    else:
+        why, stale = "a measured kernel table", False
+    if stale and _in_use(lock):
+        why, stale = "a table some process holds now", False
+    return Entry(p, "tuning-table", size + (disk_bytes(lock) if lock.exists() else 0), stale, why, lock)
+
+
+def _tuning_entries(d: Path) -> list[Entry]:
+    """The tuning directory (kept) and each of its tables (module docstring)."""
+    current, _ = _current_build()
+    tables = [_guarded(p, "tuning-table", _tuning_table, p, current)
+              for p in sorted(d.iterdir()) if TUNING_TABLE.fullmatch(p.name)]
+    kept = sum(not t.stale for t in tables)
+    rest = disk_bytes(d) - sum(t.bytes for t in tables if t.stale)
+    return [Entry(d, "tuning", rest, False, f"measured kernel tables ({kept} current)"), *tables]
+
+
 def _current_build() -> tuple[str | None, str]:
     try:
         return build_name(), ""
@@ -158,10 +199,14 @@ def scan(home: Path | None = None) -> list[Entry]:
         elif p.name == "kernels" and p.is_dir() and not p.is_symlink():
             current, unknown = _current_build()
             out += [_guarded(k, "kernels", _kernel_entry, k, current, unknown) for k in sorted(p.iterdir())]
+        elif p.name == "tuning" and p.is_dir() and not p.is_symlink():
+            try:
+                out += _tuning_entries(p)
+            except OSError as e:
+                out.append(Entry(p, "tuning", 0, False, f"unreadable now ({e.strerror or e}); left alone"))
         else:
-            kind, why = {"tuning": ("tuning", "measured kernel tables"),
-                         "peers": ("peers", "benchmarks/compare_peers.py's peer servers")}.get(
-                             p.name, ("other", "not lockgate's: left alone"))
+            kind, why = {"peers": ("peers", "benchmarks/compare_peers.py's peer servers")}.get(
+                p.name, ("other", "not lockgate's: left alone"))
             out.append(_guarded(p, kind, _plain_entry, p, kind, why))
     return out
 
@@ -186,7 +231,13 @@ def prune(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
             continue
         try:
             if e.path.is_symlink() or not e.path.is_dir():
-                e.path.unlink()
+                with _claimed(e.lock) as free:  # a tuning table's lock file (others have none)
+                    if not free:
+                        failed.append((e, "a process took its lock since it was listed"))
+                        continue
+                    e.path.unlink()
+                    if e.lock is not None:
+                        e.lock.unlink(missing_ok=True)
                 removed.append(e)
                 continue
             doomed = e.path.with_name(f".tmp-prune-{secrets.token_hex(6)}-{e.path.name}")
@@ -223,10 +274,14 @@ def cache_main(do_prune: bool) -> int:
         print(f"lockgate cache: {home} is empty or absent")
         return 0
     print(f"lockgate cache: {home} ({human(sum(e.bytes for e in entries))})")
-    width = max(len(str(e.path.relative_to(home))) for e in entries)
-    for e in entries:
-        mark = "stale" if e.stale else "kept "
-        print(f"  {str(e.path.relative_to(home)):<{width}}  {human(e.bytes):>9}  {mark}  {e.why}")
+    rows = [(str(e.path.relative_to(home)), e.bytes, e.stale, e.why) for e in entries if e.kind != "tuning-table"]
+    stale_tables = [e for e in entries if e.kind == "tuning-table" and e.stale]
+    if stale_tables:  # hundreds of small files: one line
+        rows.append((f"tuning/ ({len(stale_tables)} tables)", sum(e.bytes for e in stale_tables), True,
+                     "of other kernel builds or older tuning versions, or unreadable"))
+    width = max(len(r[0]) for r in rows)
+    for name, size, is_stale, why in rows:
+        print(f"  {name:<{width}}  {human(size):>9}  {'stale' if is_stale else 'kept '}  {why}")
     stale = [e for e in entries if e.stale]
     if not do_prune:
         if stale:

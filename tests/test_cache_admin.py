@@ -175,3 +175,48 @@ def test_an_unknown_current_build_keeps_every_build(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(cache_admin, "build_name", fails)
     entries = scan(tmp_path)
     assert [e.stale for e in entries] == [False] and "unknown" in entries[0].why
+
+
+def test_tuning_tables_of_other_builds_and_versions_are_stale_and_listed_as_one_line(tmp_path) -> None:
+    from lockgate.runner.tuning_cache import TUNING_VERSION
+
+    home = tmp_path / "cache"
+    tuning = home / "tuning"
+    tuning.mkdir(parents=True)
+
+    def table(name: str, **key) -> str:  # type: ignore[no-untyped-def]
+        fname = f"forms-{name}.json"
+        (tuning / fname).write_text(json.dumps({"key": {"version": TUNING_VERSION, "kernels": build_name(), **key},
+                                                "choices": {}}))
+        (tuning / fname).with_suffix(".lock").write_text("")
+        return fname
+
+    current = table("0" * 16)
+    no_kernels = table("1" * 16, kernels="none")  # a run with the kernels off: still this environment's
+    newer = table("2" * 16, version=TUNING_VERSION + 1)
+    other_build = table("3" * 16, kernels="lockgate_cpu_000000000000")
+    older = table("4" * 16, version=TUNING_VERSION - 1)
+    held = table("5" * 16, kernels="lockgate_cpu_111111111111")
+    corrupt = "rows-" + "6" * 16 + ".json"
+    (tuning / corrupt).write_text("{not json")
+    (tuning / "notes.txt").write_text("mine")  # not a table: left alone
+
+    env = {**os.environ, "LOCKGATE_CACHE_DIR": str(home)}
+    with _locked(tuning / held.replace(".json", ".lock")):
+        assert {e.path.name for e in scan(home) if e.stale} == {other_build, older, corrupt}
+        listed = _run([], env)
+        assert listed.returncode == 0, listed.stderr
+        lines = [line for line in listed.stdout.splitlines() if "tuning/ (3 tables)" in line]
+        assert len(lines) == 1 and "stale" in lines[0], listed.stdout
+        assert other_build not in listed.stdout  # one line, not one per table
+        pruned = _run(["--prune"], env)
+        assert pruned.returncode == 0, pruned.stderr
+        assert "removed 3 stale entries" in pruned.stdout
+    left = {p.name for p in tuning.iterdir()}
+    for name in (current, no_kernels, newer, held):
+        assert name in left and name.replace(".json", ".lock") in left
+    for name in (other_build, older):
+        assert name not in left and name.replace(".json", ".lock") not in left
+    assert corrupt not in left and "notes.txt" in left
+    # released, the other build's held table is stale too
+    assert {e.path.name for e in scan(home) if e.stale} == {held}
