@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import re
 import secrets
 import shutil
 import sys
@@ -55,10 +53,9 @@ from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
 from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record
 from lockgate.kernels import BUILD_LOCK, build_name
 from lockgate.paths import cache_home
-from lockgate.runner.tuning_cache import TUNING_VERSION
+from lockgate.runner.tuning_cache import TABLE_NAME, TUNING_VERSION, lock_of, stored_key
 
 STALE_TMP_SECONDS = 3600.0  # an unlocked temporary directory untouched this long is a leftover
-TUNING_TABLE = re.compile(r"[a-z_]+-[0-9a-f]{16}\.json")  # tuning_cache's file names
 
 
 @dataclass(frozen=True)
@@ -149,12 +146,9 @@ def _kernel_entry(p: Path, current: str | None, unknown: str) -> Entry:
 
 
 def _tuning_table(p: Path, current: str | None) -> Entry:
-    size, lock = disk_bytes(p), p.with_suffix(".lock")
-    try:
-        key = json.loads(p.read_text()).get("key")
-    except (ValueError, AttributeError):  # corrupt, or not a JSON object
-        key = None
-    if not isinstance(key, dict):
+    size, lock = disk_bytes(p), lock_of(p)
+    key = stored_key(p)
+    if key is None:
         why, stale = "a table that cannot be read (it would be measured again)", True
     elif not isinstance(key.get("version"), int) or key["version"] < TUNING_VERSION:
         why, stale = f"tuning version {key.get('version')}; this version measures v{TUNING_VERSION}", True
@@ -169,11 +163,10 @@ def _tuning_table(p: Path, current: str | None) -> Entry:
     return Entry(p, "tuning-table", size + (disk_bytes(lock) if lock.exists() else 0), stale, why, lock)
 
 
-def _tuning_entries(d: Path) -> list[Entry]:
+def _tuning_entries(d: Path, current: str | None) -> list[Entry]:
     """The tuning directory (kept) and each of its tables (module docstring)."""
-    current, _ = _current_build()
     tables = [_guarded(p, "tuning-table", _tuning_table, p, current)
-              for p in sorted(d.iterdir()) if TUNING_TABLE.fullmatch(p.name)]
+              for p in sorted(d.iterdir()) if TABLE_NAME.fullmatch(p.name)]
     kept = sum(not t.stale for t in tables)
     rest = disk_bytes(d) - sum(t.bytes for t in tables if t.stale)
     return [Entry(d, "tuning", rest, False, f"measured kernel tables ({kept} current)"), *tables]
@@ -193,15 +186,15 @@ def scan(home: Path | None = None) -> list[Entry]:
     if not home.is_dir():
         return []
     out: list[Entry] = []
+    current, unknown = _current_build()  # the builds and the tables keyed by them go by this one name
     for p in sorted(home.iterdir()):
         if p.name == "models" and p.is_dir() and not p.is_symlink():
             out += [_guarded(m, "model", _model_entry, m) for m in sorted(p.iterdir())]
         elif p.name == "kernels" and p.is_dir() and not p.is_symlink():
-            current, unknown = _current_build()
             out += [_guarded(k, "kernels", _kernel_entry, k, current, unknown) for k in sorted(p.iterdir())]
         elif p.name == "tuning" and p.is_dir() and not p.is_symlink():
             try:
-                out += _tuning_entries(p)
+                out += _tuning_entries(p, current)
             except OSError as e:
                 out.append(Entry(p, "tuning", 0, False, f"unreadable now ({e.strerror or e}); left alone"))
         else:

@@ -178,7 +178,7 @@ def test_an_unknown_current_build_keeps_every_build(tmp_path, monkeypatch) -> No
 
 
 def test_tuning_tables_of_other_builds_and_versions_are_stale_and_listed_as_one_line(tmp_path) -> None:
-    from lockgate.runner.tuning_cache import TUNING_VERSION
+    from lockgate.runner.tuning_cache import TUNING_VERSION, lock_of
 
     home = tmp_path / "cache"
     tuning = home / "tuning"
@@ -188,7 +188,7 @@ def test_tuning_tables_of_other_builds_and_versions_are_stale_and_listed_as_one_
         fname = f"forms-{name}.json"
         (tuning / fname).write_text(json.dumps({"key": {"version": TUNING_VERSION, "kernels": build_name(), **key},
                                                 "choices": {}}))
-        (tuning / fname).with_suffix(".lock").write_text("")
+        lock_of(tuning / fname).write_text("")
         return fname
 
     current = table("0" * 16)

@@ -3,7 +3,8 @@
 Owns describing the CPU (``cpu_description``: model name with family, model and stepping numbers,
 and the full flag list), torch's build with any instruction-set switches (``torch_build``),
 ``TuningKey`` and its cache files: ``peek`` reads a stored result, ``cached`` reads it or measures
-and stores it. What is measured and how it is decided are ``lockgate.runner.tuning``'s (matmul
+and stores it; ``TABLE_NAME``, ``lock_of`` and ``stored_key`` tell ``lockgate cache`` which files
+are tables, their locks, and what each was keyed by. What is measured and how it is decided are ``lockgate.runner.tuning``'s (matmul
 forms, dtype), ``tuning_attention``'s and ``row_invariance``'s; ``form_choice`` builds the keys.
 
 Cache: ``$LOCKGATE_CACHE_DIR/tuning/<kind>-<hash>.json`` (default ``~/.cache/lockgate``;
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -120,13 +122,31 @@ def cache_dir() -> Path:
     return cache_home() / "tuning"
 
 
+TABLE_NAME = re.compile(r"[a-z_]+-[0-9a-f]{16}\.json")  # a table's file name: <kind>-<TuningKey.digest()>.json
+
+
+def lock_of(table: Path) -> Path:
+    """The lock file held while ``table`` is read, measured or written."""
+    return table.with_suffix(".lock")
+
+
+def stored_key(table: Path) -> dict[str, Any] | None:
+    """The key a table file was stored under (``asdict(TuningKey)``), or None when it cannot be read."""
+    try:
+        data = json.loads(table.read_text())
+    except (OSError, ValueError):
+        return None
+    key = data.get("key") if isinstance(data, dict) else None
+    return key if isinstance(key, dict) else None
+
+
 @contextlib.contextmanager
 def _locked(key: TuningKey) -> Iterator[Path]:
     """The cache file of ``key``, held under an exclusive lock (the OS drops it if we die)."""
     where = cache_dir()
     where.mkdir(parents=True, exist_ok=True)
     path = where / f"{key.kind}-{key.digest()}.json"
-    with open(path.with_suffix(".lock"), "w") as held:
+    with open(lock_of(path), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         yield path
 
