@@ -166,7 +166,8 @@ def _tuning_table(p: Path, current: str | None) -> Entry:
 def _tuning_entries(d: Path, current: str | None) -> list[Entry]:
     """The tuning directory (kept) and each of its tables (module docstring)."""
     tables = [_guarded(p, "tuning-table", _tuning_table, p, current)
-              for p in sorted(d.iterdir()) if TABLE_NAME.fullmatch(p.name)]
+              for p in sorted(d.iterdir())
+              if TABLE_NAME.fullmatch(p.name) and p.is_file() and not p.is_symlink()]  # what tuning_cache writes
     kept = sum(not t.stale for t in tables)
     rest = disk_bytes(d) - sum(t.bytes for t in tables if t.stale)
     return [Entry(d, "tuning", rest, False, f"measured kernel tables ({kept} current)"), *tables]

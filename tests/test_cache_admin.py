@@ -200,6 +200,9 @@ def test_tuning_tables_of_other_builds_and_versions_are_stale_and_listed_as_one_
     corrupt = "rows-" + "6" * 16 + ".json"
     (tuning / corrupt).write_text("{not json")
     (tuning / "notes.txt").write_text("mine")  # not a table: left alone
+    named_like_one = tuning / ("forms-" + "7" * 16 + ".json")  # a directory is never a table: left alone
+    named_like_one.mkdir()
+    (named_like_one / "x").write_text("mine")
 
     env = {**os.environ, "LOCKGATE_CACHE_DIR": str(home)}
     with _locked(tuning / held.replace(".json", ".lock")):
@@ -217,6 +220,6 @@ def test_tuning_tables_of_other_builds_and_versions_are_stale_and_listed_as_one_
         assert name in left and name.replace(".json", ".lock") in left
     for name in (other_build, older):
         assert name not in left and name.replace(".json", ".lock") not in left
-    assert corrupt not in left and "notes.txt" in left
+    assert corrupt not in left and "notes.txt" in left and (named_like_one / "x").is_file()
     # released, the other build's held table is stale too
     assert {e.path.name for e in scan(home) if e.stale} == {held}
