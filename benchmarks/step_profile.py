@@ -34,7 +34,7 @@ import torch
 from _common import command, machine
 
 from lockgate.config import CacheConfig, ModelConfig
-from lockgate.layers import attention
+from lockgate.layers import attention_meta
 from lockgate.plan import ForwardPlan, SamplingBatch
 from lockgate.runner.model_runner import ModelRunner
 
@@ -170,7 +170,7 @@ def main() -> None:
         ap.error(f"--shared-prefix ({args.shared_prefix}) is part of each prompt: give a longer --prompt-len "
                  f"(got {args.prompt_len}), e.g. --prompt-len {args.shared_prefix + 64}")
     if args.no_prefix_attention:
-        attention.MIN_SHARED_PREFIX = 1 << 40
+        attention_meta.MIN_SHARED_PREFIX = 1 << 40  # read by AttentionMetadata.build
 
     batches = [int(b) for b in args.batches.split(",") if b]
     threads = [int(t) for t in args.threads.split(",")]

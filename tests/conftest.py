@@ -36,7 +36,7 @@ class PoolDriver:
         ``prefill_kernel``: every step's attention in one group on the prefill kernel (the runner's
         choice where the tuning measures it faster)."""
         from lockgate import kernels as cpu_kernels
-        from lockgate.layers.attention import AttentionMetadata
+        from lockgate.layers.attention_meta import AttentionMetadata
 
         kernels = model.fused_ops if kernels is None else kernels
         if kernels:

@@ -10,14 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from lockgate import kernels
-from lockgate.layers.attention import (
-    MIN_SHARED_PREFIX,
-    SOLO_PREFILL_TOKENS,
-    AttentionMetadata,
-    paged_attention,
-    reference_attention,
-    write_kv,
-)
+from lockgate.layers.attention import paged_attention, reference_attention, write_kv
+from lockgate.layers.attention_meta import MIN_SHARED_PREFIX, SOLO_PREFILL_TOKENS, AttentionMetadata
 
 
 def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], h: int, hkv: int, d: int,

@@ -76,7 +76,7 @@ def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch, prefill_kerne
     # once per step for all three (shared-prefix path); on the prefill kernel each token reads it by
     # slot. Either way the greedy tokens must be the cache-off run's.
     from lockgate import LLM
-    from lockgate.layers import attention
+    from lockgate.layers import attention, attention_meta
 
     if prefill_kernel and not smol_fp32.engine.runner.paths.decode_kernel:
         pytest.skip("lockgate's CPU kernels are not loaded here")
@@ -90,7 +90,7 @@ def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch, prefill_kerne
     sp = SamplingParams(max_tokens=24, temperature=0.0)
     first = smol_fp32.chat(convs[:1], sp)  # warms the cache with the system prompt
     on = first + smol_fp32.chat(convs[1:], sp)
-    assert all(o.num_cached_tokens > attention.MIN_SHARED_PREFIX for o in on[1:])  # the system prompt was reused
+    assert all(o.num_cached_tokens > attention_meta.MIN_SHARED_PREFIX for o in on[1:])  # the system prompt was reused
     if not prefill_kernel:
         assert calls and max(calls) == 1  # one shared prefix, attended once per layer and step
     else:

@@ -3,7 +3,8 @@
 Pure torch; no knowledge of requests, the scheduler, IPC or the server.
 """
 
-from lockgate.layers.attention import AttentionMetadata, paged_attention, reference_attention, write_kv
+from lockgate.layers.attention import paged_attention, reference_attention, write_kv
+from lockgate.layers.attention_meta import AttentionMetadata
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 

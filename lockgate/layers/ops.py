@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lockgate.layers.attention import AttentionMetadata
+from lockgate.layers.attention_meta import AttentionMetadata
 from lockgate.layers.linear import Linear
 from lockgate.layers.norm import rms_norm
 from lockgate.layers.rope import apply_rope

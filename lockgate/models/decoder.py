@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockgate.kernel_choice import FORM_NAMES, FormChoice
-from lockgate.layers.attention import AttentionMetadata, paged_attention, windowed_attention
+from lockgate.layers.attention import paged_attention, windowed_attention
+from lockgate.layers.attention_meta import AttentionMetadata
 from lockgate.layers.forms import INT4_MODES, make_forms
 from lockgate.layers.linear import Linear
 from lockgate.layers.lora import LoraStep

@@ -42,7 +42,7 @@ from lockgate import kernels
 from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
-from lockgate.layers.attention import AttentionMetadata
+from lockgate.layers.attention_meta import AttentionMetadata
 from lockgate.layers.forms import weight_copies_fit
 from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
 from lockgate.models.decoder import DecoderModel

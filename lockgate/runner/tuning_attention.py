@@ -35,7 +35,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from lockgate.layers.attention import AttentionMetadata, paged_attention
+from lockgate.layers.attention import paged_attention
+from lockgate.layers.attention_meta import AttentionMetadata
 
 ATTENTION_ROUNDS = 3  # paired rounds per decode / prefill attention measurement
 ATTENTION_MARGIN = 0.25
