@@ -398,12 +398,45 @@ def test_int_linear_result_does_not_depend_on_threads(ops) -> None:
     assert torch.equal(ops.int_linear(x[7:8].contiguous(), q.packed, q.scales, q.zeros, 4), one[7:8])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 130])
+def test_int_linear_on_16_bit_x_is_the_float32_call_rounded_once(ops, dtype: torch.dtype, bits: int, m: int) -> None:
+    # A 16-bit x is widened exactly inside the kernel and the biased float32 result rounded once to
+    # x's dtype: bitwise what widening, calling on float32, adding the bias and casting give (the
+    # conversions a 16-bit model's every call used to make around the kernel). Row counts cover the
+    # few-row path (1-6) and the tiled one; a NaN in x stays a NaN in its row.
+    q, _ = _int_gemm_case(bits, 80, 288, seed=7 * m + bits)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, 288, generator=g) * 3).to(dtype)
+    x[-1, 5] = float("nan")
+    bias = torch.randn(80, generator=g).to(dtype)
+    for fn in (ops.int_linear, ops.int_linear_reference):
+        want = (fn(x.float(), q.packed, q.scales, q.zeros, bits) + bias).to(dtype)
+        got = fn(x, q.packed, q.scales, q.zeros, bits, bias)
+        assert got.dtype == dtype and got.shape == (m, 80)
+        assert torch.equal(got[:-1], want[:-1])
+        assert got[-1].isnan().all() and want[-1].isnan().all()
+        plain = fn(x[:-1], q.packed, q.scales, q.zeros, bits)  # no bias
+        assert torch.equal(plain, fn(x[:-1].float(), q.packed, q.scales, q.zeros, bits).to(dtype))
+    # float32 x with a bias: the float32 sum, as y + bias
+    xf = x[:-1].float()
+    assert torch.equal(ops.int_linear(xf, q.packed, q.scales, q.zeros, bits, bias),
+                       ops.int_linear(xf, q.packed, q.scales, q.zeros, bits) + bias)
+
+
 def test_int_linear_rejects_bad_input(ops) -> None:
     q, _ = _int_gemm_case(4, 48, 64, seed=5)
     x = torch.randn(2, 64)
     assert ops.int_linear(torch.zeros(0, 64), q.packed, q.scales, q.zeros, 4).shape == (0, 48)
-    with pytest.raises(RuntimeError, match="contiguous float32"):
-        ops.int_linear(x.bfloat16(), q.packed, q.scales, q.zeros, 4)
+    with pytest.raises(RuntimeError, match="contiguous float32, bfloat16 or float16"):
+        ops.int_linear(x.double(), q.packed, q.scales, q.zeros, 4)
+    with pytest.raises(RuntimeError, match="contiguous float32, bfloat16 or float16"):
+        ops.int_linear(torch.randn(64, 2).t(), q.packed, q.scales, q.zeros, 4)
+    with pytest.raises(RuntimeError, match=r"bias must be a float \[N\] = \[48\]"):
+        ops.int_linear(x, q.packed, q.scales, q.zeros, 4, torch.zeros(47))
+    with pytest.raises(RuntimeError, match="bias must be a float"):
+        ops.int_linear(x, q.packed, q.scales, q.zeros, 4, torch.zeros(48, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="not a positive multiple of 32"):
         ops.int_linear(torch.randn(2, 48), q.packed, q.scales, q.zeros, 4)
     with pytest.raises(RuntimeError, match="not a positive multiple of 32"):

@@ -453,12 +453,11 @@ class IntGemmWeight:
         return dataclasses.replace(made, error=grid_error(made.dequantize(n, k), source, g.step))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] -> [M, N] in x's dtype (the kernel takes and gives float32: a 16-bit x is
-        widened, exactly, and the result rounded once)."""
-        y = torch.ops.lockgate.int_linear(x.float().contiguous(), self.packed, self.scales, self.zeros, self.bits)
-        if bias is not None:
-            y = y + bias
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        """x [M, K] -> [M, N] in x's dtype (the kernel widens a 16-bit x exactly, computes in
+        float32 and rounds the biased result once to x's dtype)."""
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            x = x.float()
+        return torch.ops.lockgate.int_linear(x.contiguous(), self.packed, self.scales, self.zeros, self.bits, bias)
 
     def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
         """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``;

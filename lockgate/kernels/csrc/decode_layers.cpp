@@ -122,13 +122,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
     if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
     return p[3].numel() ? y.add_(p[3]) : y;
   }
-  if (kind >= kIntGemmKind) {
-    // float32 in and out (as IntGemmWeight: a 16-bit x widened exactly, the biased result rounded once)
-    const bool narrow = x.scalar_type() != at::kFloat;
-    at::Tensor y = lockgate::int_linear(narrow ? x.to(at::kFloat) : x, p[0], p[1], opt(p[2]), kind - kIntGemmKind);
-    if (p[3].numel()) y.add_(p[3]);
-    return narrow ? y.to(x.scalar_type()) : y;
-  }
+  if (kind >= kIntGemmKind)  // x's dtype in and out (a 16-bit x widened exactly, the biased result rounded once)
+    return lockgate::int_linear(x, p[0], p[1], opt(p[2]), kind - kIntGemmKind, opt(p[3]));
   return lockgate::quant_linear(x, p[0], p[1], opt(p[2]), opt(p[3]), kind);
 }
 

@@ -1,9 +1,10 @@
 // Groupwise-quantized linear for many rows (prefill, large decode batches) on integer dot products:
 // y = x W^T with W as GGUF blocks (Q4_1 or Q8_0) and x quantized to int16 per block of 32 columns.
 //
-// lockgate::int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor
+// lockgate::int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits, Tensor? bias=None) -> Tensor
 //
-//   x       [M, K] float32, contiguous; K % 32 == 0
+//   x       [M, K] float32, bfloat16 or float16, contiguous; K % 32 == 0. A 16-bit x is widened to
+//           float32 (exactly) as it is read
 //   packed  the weight's codes in this kernel's layout (made by ``lockgate.layers.forms``):
 //           bits 4: uint8 [N / 16, K / 4, 32]: byte i of chunk (nb, c) holds, for output row
 //                   n = 16 nb + i / 2 and column k = 4 c + i % 2, code(n, k) in its low nibble and
@@ -14,7 +15,12 @@
 //           to output row 16 nb + l and columns [32 g, 32 g + 32). GGUF keeps its Q4_1 / Q8_0
 //           block scales and offsets in float16, so they are exact; half the bytes of float32
 //           matter when one row streams the weights from memory (17% of a Q4_1 weight's bytes)
-//   returns [M, N] float32
+//   bias    [N] (any float dtype) or None: added to the float32 result
+//   returns [M, N] in x's dtype: float32 as computed; for a 16-bit x the float32 result (plus
+//           bias) rounded once to x's dtype, to nearest even, as ``y.to(x.dtype)`` rounds (a NaN
+//           stays a NaN). So a 16-bit model's call takes no conversions of its own: at batch-1
+//           decode the ~240 small conversions of a step (each an allocation and a dispatch) were
+//           ~0.3-0.4 ms of a ~5.5 ms step (docs/performance.md, round 31)
 //
 // Why: on a CPU without bf16 matrix units, float32 FMA is the fastest float arithmetic, and MKL's
 // sgemm already runs near its peak. AVX512-VNNI's VPDPWSSD multiplies 32 int16 pairs per
@@ -121,13 +127,16 @@ struct Job {
   bool generic;        // the plain C++ path even where VNNI is there (int_linear_reference)
 };
 
-// Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767.
-void quantize_rows(const float* x, int64_t m, int64_t k, bool sums, int16_t* xq, float* xs, float* xsum) {
+// Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767. T: float, or a
+// 16-bit float widened exactly to float32 first.
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, bool sums, int16_t* xq, float* xs, float* xsum) {
   const int64_t groups = k / kGroup;
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
-        const float* src = x + r * k + g * kGroup;
+        float src[kGroup];
+        for (int64_t j = 0; j < kGroup; ++j) src[j] = static_cast<float>(x[r * k + g * kGroup + j]);
         float amax = 0.f, sum = 0.f;
         bool finite = true;
         for (int64_t j = 0; j < kGroup; ++j) {
@@ -672,11 +681,31 @@ namespace lockgate {
 
 namespace {
 
+// out [M, N] (x's 16-bit dtype T) = y [M, N] float32 + bias, rounded to nearest even (c10's
+// conversion: the bits ``Tensor.to`` gives a finite or infinite value; a NaN as a NaN).
+template <typename T>
+void round_out(const float* y, const float* bias, int64_t m, int64_t n, T* out) {
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = y + r * n;
+      T* dst = out + r * n;
+      if (bias) {
+        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j] + bias[j]);
+      } else {
+        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j]);
+      }
+    }
+  });
+}
+
 at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& zeros, int64_t bits, bool generic) {
+                           const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias,
+                           bool generic) {
   TORCH_CHECK(bits == 4 || bits == 8, "int_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kFloat,
-              "int_linear: x must be contiguous float32 [M, K] on the CPU");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "int_linear: x must be contiguous float32, bfloat16 or float16 [M, K] on the CPU");
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
   TORCH_CHECK(k > 0 && k % kGroup == 0, "int_linear: K = ", k, " is not a positive multiple of ", kGroup);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == k * bits / 16 && packed.size(2) == 32 &&
@@ -691,30 +720,53 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
     TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->is_contiguous() && zeros->scalar_type() == at::kHalf,
                 "int_linear: zeros must be contiguous float16 [N / 16, K / 32, 16]");
   }
-  at::Tensor out = at::empty({m, nb * kLanes}, x.options());
+  const int64_t n = nb * kLanes;
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->device().is_cpu() &&
+                        at::isFloatingType(bias->scalar_type())),
+              "int_linear: bias must be a float [N] = [", n, "] on the CPU");
+  at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   std::vector<int16_t> xq(static_cast<size_t>(m * k));
   std::vector<float> xs(static_cast<size_t>(m * groups)), xsum(zeros ? static_cast<size_t>(m * groups) : 0);
-  quantize_rows(x.data_ptr<float>(), m, k, zeros.has_value(), xq.data(), xs.data(), xsum.data());
-  const Job job{xq.data(), xs.data(), zeros ? xsum.data() : nullptr, m, k, groups, nb,
+  const bool sums = zeros.has_value();
+  if (dtype == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), m, k, sums, xq.data(), xs.data(), xsum.data());
+  } else if (dtype == at::kBFloat16) {
+    quantize_rows(x.data_ptr<at::BFloat16>(), m, k, sums, xq.data(), xs.data(), xsum.data());
+  } else {
+    quantize_rows(x.data_ptr<at::Half>(), m, k, sums, xq.data(), xs.data(), xsum.data());
+  }
+  // the float32 result: straight into out for a float32 x, else into a buffer rounded afterwards
+  std::vector<float> wide(dtype == at::kFloat ? 0 : static_cast<size_t>(m * n));
+  float* y = dtype == at::kFloat ? out.data_ptr<float>() : wide.data();
+  const Job job{xq.data(), xs.data(), sums ? xsum.data() : nullptr, m, k, groups, nb,
                 reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<at::Half>(),
-                zeros ? zeros->data_ptr<at::Half>() : nullptr, static_cast<int>(bits), out.data_ptr<float>(),
-                generic};
+                sums ? zeros->data_ptr<at::Half>() : nullptr, static_cast<int>(bits), y, generic};
   run(job);
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat) {
+    if (bp) out.add_(b);
+  } else if (dtype == at::kBFloat16) {
+    round_out(y, bp, m, n, out.data_ptr<at::BFloat16>());
+  } else {
+    round_out(y, bp, m, n, out.data_ptr<at::Half>());
+  }
   return out;
 }
 
 }  // namespace
 
 at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& zeros, int64_t bits) {
-  return int_linear_impl(x, packed, scales, zeros, bits, false);
+                      const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias) {
+  return int_linear_impl(x, packed, scales, zeros, bits, bias, false);
 }
 
 // The plain C++ path on any CPU (what a CPU without VNNI runs): for tests of the vector path.
 at::Tensor int_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                                const std::optional<at::Tensor>& zeros, int64_t bits) {
-  return int_linear_impl(x, packed, scales, zeros, bits, true);
+                                const std::optional<at::Tensor>& zeros, int64_t bits,
+                                const std::optional<at::Tensor>& bias) {
+  return int_linear_impl(x, packed, scales, zeros, bits, bias, true);
 }
 
 bool int_linear_vectorized() {
@@ -743,8 +795,9 @@ std::string int_linear_isa() {
 }  // namespace lockgate
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
-  m.def("int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor");
-  m.def("int_linear_reference(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits) -> Tensor");
+  m.def("int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits, Tensor? bias=None) -> Tensor");
+  m.def("int_linear_reference(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits, "
+        "Tensor? bias=None) -> Tensor");
   m.def("int_linear_vectorized() -> bool", &lockgate::int_linear_vectorized);
   m.def("int_linear_isa() -> str", &lockgate::int_linear_isa);
 }

@@ -35,6 +35,6 @@ bool bf16_linear_available();
 
 // int_gemm.cpp
 at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& zeros, int64_t bits);
+                      const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias);
 
 }  // namespace lockgate
