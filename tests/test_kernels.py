@@ -224,16 +224,13 @@ def test_bf16_rounding_keeps_denormals_and_nans(ops) -> None:
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
-@pytest.mark.parametrize("guesses", [False, True])
 @pytest.mark.parametrize("form", ["bf16-gemm", "int-gemm"])
-def test_decode_layers_halves_give_the_same_bits(ops, form: str, guesses: bool) -> None:
+def test_decode_layers_halves_give_the_same_bits(ops, form: str) -> None:
     # decode_layers_ with parts = 2 (each thread carries half the sequences through every layer)
     # against parts = 1, at the model's shapes (head size 64: the vector attention and rope paths),
     # with contexts of 1-300 keys (up to three 128-key chunks, merged) and sequences sharing their
     # first 256 slots (a shared prefix: attention groups such sequences, and the halves cut
-    # through a group). Bitwise equal, over an odd number of sequences. ``guesses``: each sequence
-    # has 1-4 new rows (a decode row and its speculative guesses: q_offsets, the halves cut at a
-    # sequence boundary and each gets q_offsets of its own).
+    # through a group). Bitwise equal, over an odd number of sequences.
     from lockgate.layers.forms import Bf16GemmWeight, IntGemmWeight, bf16_gemm_available, int_gemm_available
 
     if form == "bf16-gemm" and not bf16_gemm_available():
@@ -257,28 +254,23 @@ def test_decode_layers_halves_give_the_same_bits(ops, form: str, guesses: bool) 
         weights += [(1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype) for _ in range(2)]
         for n, k in (((h + 2 * hkv) * d, hidden), (hidden, h * d), (2 * f, hidden), (hidden, f)):
             weights += weight(n, k)
-    qlen = torch.randint(1, 5, (b,), generator=g) if guesses else torch.ones(b, dtype=torch.long)
-    t = int(qlen.sum())
-    q_offsets = torch.cat([torch.zeros(1, dtype=torch.long), qlen.cumsum(0)]) if guesses else None
-    lens = torch.maximum(torch.randint(1, 300, (b,), generator=g), qlen)
-    lens[10:20] = 256 + torch.arange(1, 11) + qlen[10:20]  # ten sequences on one 256-slot prefix, then their own
+    lens = torch.randint(1, 300, (b,), generator=g)
+    lens[10:20] = 256 + torch.arange(1, 11)  # ten sequences on one 256-slot prefix, then their own
     prefix = torch.arange(256)
-    own = torch.randperm(cap - 256 - t, generator=g)[:int(lens.sum())] + 256
-    new_slots = torch.arange(cap - t, cap)
+    own = torch.randperm(cap - 256 - b, generator=g)[:int(lens.sum())] + 256
+    new_slots = torch.arange(cap - b, cap)
     ctx, used = [], 0
     for s, n in enumerate(lens.tolist()):
         mine = prefix if 10 <= s < 20 else torch.empty(0, dtype=torch.long)
-        q = int(qlen[s])
-        rest = own[used:used + n - len(mine) - q]
+        rest = own[used:used + n - len(mine) - 1]
         used += len(rest)
-        first = int(qlen[:s].sum())
-        ctx.append(torch.cat([mine, rest, new_slots[first:first + q]]))
+        ctx.append(torch.cat([mine, rest, new_slots[s:s + 1]]))
     slots = torch.cat(ctx)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
     kc = torch.randn(layers, cap, hkv, d, generator=g).to(dtype)
     vc = torch.randn(layers, cap, hkv, d, generator=g).to(dtype)
-    x = torch.randn(t, hidden, generator=g).to(dtype)
-    cos, sin = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
+    x = torch.randn(b, hidden, generator=g).to(dtype)
+    cos, sin = torch.randn(b, d, generator=g).to(dtype), torch.randn(b, d, generator=g).to(dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -286,8 +278,8 @@ def test_decode_layers_halves_give_the_same_bits(ops, form: str, guesses: bool) 
         for parts in (1, 2):
             k1, v1, x1 = kc.clone(), vc.clone(), x.clone()
             with torch.inference_mode():
-                ops.decode_layers_(x1, cos, sin, k1, v1, new_slots, slots, offsets, q_offsets, weights, kinds, h,
-                                   hkv, 1e-5, 0.125, parts)
+                ops.decode_layers_(x1, cos, sin, k1, v1, new_slots, slots, offsets, None, weights, kinds, h, hkv,
+                                   1e-5, 0.125, parts)
             got.append((x1, k1, v1))
     finally:
         torch.set_num_threads(threads)
@@ -326,9 +318,9 @@ def test_decode_layers_rejects_mismatched_weights(ops) -> None:
         ops.decode_layers_(torch.randn(1, hidden), *args, good, [0, 0, 0, 0], h, 0, 1e-5, 0.25)
     with pytest.raises(RuntimeError, match="parts must be 1 or 2, got 3"):
         ops.decode_layers_(torch.randn(1, hidden), *args, good, [0, 0, 0, 0], h, hkv, 1e-5, 0.25, 3)
-    with pytest.raises(RuntimeError, match="parts = 2 takes no out_rows"):  # halves with a trimmed last layer: no
+    with pytest.raises(RuntimeError, match="parts = 2 takes decode steps only"):  # halves of a prompt step: no
         ops.decode_layers_(torch.randn(1, hidden), *args[:-1], torch.tensor([0, 1]), good, [0, 0, 0, 0], h, hkv,
-                           1e-5, 0.25, 2, torch.tensor([0]))
+                           1e-5, 0.25, 2)
     with pytest.raises(RuntimeError, match="one row"):  # 2 rows, 1 sequence, no q_offsets
         ops.decode_layers_(torch.randn(2, hidden), torch.zeros(2, d), torch.zeros(2, d), kc, vc,
                            torch.tensor([3, 4]), torch.tensor([3, 4]), torch.tensor([0, 2]), None, good, [0, 0, 0, 0],

@@ -17,11 +17,10 @@ one kernel call and whose projections' forms ``lockgate::decode_layers_`` can ru
 with or without guess rows, and steps with prompt rows alike). The kernel backend packs the
 layers' tensors for that operator once per step size (once for all prompt steps, when every
 projection serves prompt rows on one form); ``forget()`` drops the packs when the projections'
-forms or choices change. On two threads a decode step of ``SPLIT_MIN_ROWS`` rows or more (with or
-without speculative guesses) whose projections all run on lockgate's bf16 kernel goes through that
-operator as two halves of the batch, one per thread (``parts=2``, decode_layers.cpp says why and
-what it saves): that kernel gives a row the same bits whatever the call's row count, so the halves
-change no result.
+forms or choices change. On two threads a decode step of ``SPLIT_MIN_ROWS`` rows or more whose
+projections all run on lockgate's bf16 kernel goes through that operator as two halves of the batch,
+one per thread (``parts=2``, decode_layers.cpp says why and what it saves): that kernel gives a row
+the same bits whatever the call's row count, so the halves change no result.
 
 Invariant: both backends round where the other does (each fused kernel rounds at the points the
 torch ops round), so a model gives the same results on either, up to the kernels' documented
@@ -130,9 +129,6 @@ class KernelOps:
     PROMPT_KEY = "prompt"
     SPLIT_MIN_ROWS = 32  # decode steps from this many rows run as two halves (measured: c = 32 and c = 128 gain)
     SPLIT_KINDS = frozenset({202})  # decode_layers_ kinds measured to gain from it (lockgate's bf16 kernel)
-    # a step whose sequences have at most this many new rows (a decode row and its speculative
-    # guesses), none of them prompt rows, splits too, at a sequence boundary
-    SPLIT_MAX_QUERY = 8
     # kinds that give a row the same bits whatever the call's rows (lockgate's bf16 kernel and integer
     # GEMM, by construction: row_invariance.py): a step all on them may run its last layer on the
     # sampled rows alone at any row count (whole_step's out_rows)
@@ -189,9 +185,7 @@ class KernelOps:
             return None
         weights, kinds, kind_set = packed
         d = cos.shape[-1]
-        # decode rows only (one each, or with their guesses): whole sequences split into halves
-        decoding = one_each or (not prompt_rows and g.max_q <= self.SPLIT_MAX_QUERY)
-        split = self.SPLIT_KINDS.issuperset(kind_set) and decoding and t >= self.SPLIT_MIN_ROWS
+        split = self.SPLIT_KINDS.issuperset(kind_set) and one_each and t >= self.SPLIT_MIN_ROWS
         parts = 2 if split and torch.get_num_threads() == 2 else 1
         # the last layer on the sampled rows only, where that changes none of their bits
         # (no sampled row at all, a middle chunk: nothing past the K/V is needed, on any form)
@@ -199,8 +193,6 @@ class KernelOps:
             out_rows is not None and (out_rows.shape[0] == 0 or (
                 packed is self._packs.get(self.PROMPT_KEY) and out_rows.shape[0] >= self._prompt_min_rows)))
         trim = out_rows if out_rows is not None and not one_each and out_rows.shape[0] < t and same_bits else None
-        if trim is not None:
-            parts = 1  # (the halves take no trimmed last layer)
         return torch.ops.lockgate.decode_layers_(x, cos.view(t, d), sin.view(t, d), k_cache, v_cache, meta.out_slots,
                                                  g.kernel_slots, g.kernel_offsets,
                                                  None if one_each else g.kernel_q_offsets, weights, kinds, heads,

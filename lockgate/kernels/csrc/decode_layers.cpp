@@ -24,10 +24,9 @@
 //              at::linear (F.linear), 202 = the bf16 weight packed for lockgate::bf16_linear (a, as
 //              lockgate.layers.forms.Bf16GemmWeight)
 //   parts      1: the layers run over all rows, each operator split over the threads; 2 (decode
-//              steps, with or without q_offsets for speculative guesses; no out_rows): the
-//              sequences split in two halves, each half's whole layer stack run by one thread (see
-//              "Two halves" below); a call with fewer than 2 sequences, on fewer than 2 threads or
-//              inside a parallel region runs as one part
+//              steps only: no q_offsets): the sequences split in two halves, each half's whole
+//              layer stack run by one thread (see "Two halves" below); a call with fewer than 2
+//              sequences, on fewer than 2 threads or inside a parallel region runs as one part
 //   out_rows   None: every row of x is wanted after the call; else int64 [K], strictly ascending: the
 //              only rows the caller reads after it (the rows it samples). With q_offsets, where each
 //              sequence's wanted rows are the last rows of its own (none, its last token, or more),
@@ -52,8 +51,7 @@
 // drift apart so that one thread's memory-bound attention runs beside the other's compute-bound
 // matmuls. Each half reads the layer's weights, the second mostly from the shared L3. On the Zen 5
 // class CPU decode steps at c = 32 and c = 128 took 2.5-7% less time (docs/performance.md, round
-// 21). Decode steps with speculative guesses (q_offsets: a sequence's row and its guesses) split at
-// the sequence boundary nearest half the rows, each half with its own q_offsets (round 31). A
+// 21). A
 // row's arithmetic is the same either way only where every projection's kernel gives a row the same
 // bits whatever the call's row count and thread: the caller asks for two parts only then
 // (lockgate.layers.ops.KernelOps.whole_step); the attention and fused kernels already work per row
@@ -217,7 +215,7 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
       }
       return;
     }
-    // (q_offsets are the part's own: they count rows from the part's first)
+    // (with q_offsets the call is one part: they count rows from the step's first)
     at::Tensor o = std::get<0>(q_offsets ? prefill_attention(q, kc, vc, slots, offp, *q_offsets, scale)
                                          : decode_attention(q, kc, vc, slots, offp, scale));
     y = add_rms_norm_(xp, project(o.view({t, heads * d}), w + 6, kind[1]), w[1], eps);
@@ -254,8 +252,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                 "kinds must be 0, 4, 8, 104, 108, 200, 201 or 202");
   }
   TORCH_CHECK(parts == 1 || parts == 2, "decode_layers_: parts must be 1 or 2, got ", parts);
-  TORCH_CHECK(parts == 1 || !out_rows || !q_offsets, "decode_layers_: parts = 2 takes no out_rows (every row is "
-              "wanted in a decode step)");
+  TORCH_CHECK(parts == 1 || !q_offsets, "decode_layers_: parts = 2 takes decode steps only (one row per sequence, no "
+              "q_offsets)");
   TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 1 && offsets.scalar_type() == at::kLong &&
                   offsets.is_contiguous(),
               "offsets must be contiguous int64 [B + 1]");
@@ -279,30 +277,12 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
     layers_over(0, seqs, 0, t, trim ? wanted_rows(*out_rows, slots, offsets, *q_offsets, t) : std::nullopt);
     return x;
   }
-  // Part p is sequences seq[p] .. seq[p + 1] and their rows row[p] .. row[p + 1]. One row per
-  // sequence: half the sequences each. With q_offsets (a decode step with speculative guesses) the
-  // cut is the sequence boundary nearest half the rows, and each part gets q_offsets of its own
-  // (counted from its first row); a part's rows are whole sequences, so its attention is the same.
-  int64_t cut = seqs / 2, row_cut = cut;
-  std::optional<at::Tensor> part_q[2];
-  if (q_offsets) {
-    const int64_t* qo = q_offsets->data_ptr<int64_t>();
-    TORCH_CHECK(qo[0] == 0 && qo[seqs] == t, "decode_layers_: q_offsets must cover the ", t, " rows");
-    cut = 1;
-    while (cut < seqs - 1 && 2 * qo[cut] < t) ++cut;
-    if (cut > 1 && t - 2 * qo[cut - 1] < 2 * qo[cut] - t) --cut;  // the nearer boundary
-    row_cut = qo[cut];
-    part_q[0] = q_offsets->narrow(0, 0, cut + 1);
-    part_q[1] = q_offsets->narrow(0, cut, seqs - cut + 1) - row_cut;
-  }
-  const int64_t seq[3] = {0, cut, seqs}, row[3] = {0, row_cut, t};
+  // one row per sequence here: part p is sequences, and rows, bounds[p] .. bounds[p + 1]
+  const int64_t bounds[3] = {0, seqs / 2, seqs};
   const at::ThreadLocalState caller;  // inference mode and the rest: the workers take the caller's
   at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(caller);
-    for (int64_t p = begin; p < end; ++p) {
-      run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, part_q[p], weights, kinds, heads, kv_heads,
-                 eps, scale, seq[p], seq[p + 1], row[p], row[p + 1], std::nullopt);
-    }
+    for (int64_t p = begin; p < end; ++p) layers_over(bounds[p], bounds[p + 1], bounds[p], bounds[p + 1], std::nullopt);
   });
   return x;
 }
