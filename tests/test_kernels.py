@@ -419,10 +419,17 @@ def test_int_linear_on_16_bit_x_is_the_float32_call_rounded_once(ops, dtype: tor
         assert got[-1].isnan().all() and want[-1].isnan().all()
         plain = fn(x[:-1], q.packed, q.scales, q.zeros, bits)  # no bias
         assert torch.equal(plain, fn(x[:-1].float(), q.packed, q.scales, q.zeros, bits).to(dtype))
-    # float32 x with a bias: the float32 sum, as y + bias
-    xf = x[:-1].float()
+    # float32 x with a 16-bit bias, a 16-bit x with a float32 bias: the float32 sum, as y + bias
+    xf, bias32 = x[:-1].float(), torch.randn(80, generator=g)
     assert torch.equal(ops.int_linear(xf, q.packed, q.scales, q.zeros, bits, bias),
                        ops.int_linear(xf, q.packed, q.scales, q.zeros, bits) + bias)
+    assert torch.equal(ops.int_linear(x[:-1], q.packed, q.scales, q.zeros, bits, bias32),
+                       (ops.int_linear(xf, q.packed, q.scales, q.zeros, bits) + bias32).to(dtype))
+    if dtype == torch.float16 and m > 1:  # sums past float16's range: inf, as the cast gives
+        big, near_max = (x[:-1].float() * 1000).to(dtype), torch.full((80,), 65000.0, dtype=dtype)
+        want = (ops.int_linear(big.float(), q.packed, q.scales, q.zeros, bits) + near_max).to(dtype)
+        got = ops.int_linear(big, q.packed, q.scales, q.zeros, bits, near_max)
+        assert want.isinf().any() and want.isfinite().any() and torch.equal(got, want)
 
 
 def test_int_linear_rejects_bad_input(ops) -> None:
@@ -433,10 +440,11 @@ def test_int_linear_rejects_bad_input(ops) -> None:
         ops.int_linear(x.double(), q.packed, q.scales, q.zeros, 4)
     with pytest.raises(RuntimeError, match="contiguous float32, bfloat16 or float16"):
         ops.int_linear(torch.randn(64, 2).t(), q.packed, q.scales, q.zeros, 4)
-    with pytest.raises(RuntimeError, match=r"bias must be a float \[N\] = \[48\]"):
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous float32, bfloat16 or float16 \[N\] = \[48\]"):
         ops.int_linear(x, q.packed, q.scales, q.zeros, 4, torch.zeros(47))
-    with pytest.raises(RuntimeError, match="bias must be a float"):
-        ops.int_linear(x, q.packed, q.scales, q.zeros, 4, torch.zeros(48, dtype=torch.int32))
+    for bad in (torch.zeros(48, dtype=torch.int32), torch.zeros(48, dtype=torch.float64), torch.zeros(96)[::2]):
+        with pytest.raises(RuntimeError, match="bias must be contiguous float32, bfloat16 or float16"):
+            ops.int_linear(x, q.packed, q.scales, q.zeros, 4, bad)
     with pytest.raises(RuntimeError, match="not a positive multiple of 32"):
         ops.int_linear(torch.randn(2, 48), q.packed, q.scales, q.zeros, 4)
     with pytest.raises(RuntimeError, match="not a positive multiple of 32"):

@@ -242,8 +242,8 @@ def test_prompt_steps_in_one_call_run_the_prompt_forms(tmp_path, pool_driver, mo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_layers_with_int_gemm_forms_equal_the_fused_layers(tmp_path, pool_driver, monkeypatch, dtype) -> None:
-    # A run whose projections pick the integer GEMM (lockgate::int_linear, float32 in and out: a
-    # bf16 run widens x for it and rounds the biased result) takes the
+    # A run whose projections pick the integer GEMM (lockgate::int_linear, which computes in float32:
+    # it widens a bf16 x and rounds the biased result to bf16 itself) takes the
     # one-call path for decode steps of any size (kinds 104: its few-row path at 1-6 rows, its
     # tiles above), exactly as the per-op path picks per call; where the table picks dense
     # (here: steps of more than 3 sequences) the one call runs dense (kind 200 or 201).

@@ -10,7 +10,8 @@ contracts are documented at the top of each source file:
   between a layer's matmuls in one call each, rounding where the torch ops they replace round.
 * ``quant_linear`` (``quant_linear.cpp``): GGUF Q8_0 / Q4_1 blocks multiplied as they are (few rows).
 * ``int_linear`` (``int_gemm.cpp``): the same blocks against x rounded to int16 per 32 columns, on
-  AVX512-VNNI int16 dot products (many rows: prefill, large decode batches, in float32 runs).
+  AVX512-VNNI int16 dot products (any row count; its few-row path streams the weights at batch-1
+  decode), float32 / bf16 / fp16 x in, the same dtype out.
 * ``bf16_linear`` (``bf16_gemm.cpp``): a bf16 weight times bf16 rows on AVX512-BF16 dot products
   (built only where the CPU has them; ``bf16_linear_available``), any row count; and
   ``bf16_linear_silu``: a gate/up weight's product with ``silu_mul`` applied in registers (the same bits).

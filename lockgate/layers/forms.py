@@ -455,9 +455,12 @@ class IntGemmWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype (the kernel widens a 16-bit x exactly, computes in
         float32 and rounds the biased result once to x's dtype)."""
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            x = x.float()
-        return torch.ops.lockgate.int_linear(x.contiguous(), self.packed, self.scales, self.zeros, self.bits, bias)
+        kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        if x.dtype not in kernel_dtypes or (bias is not None and bias.dtype not in kernel_dtypes):
+            y = torch.ops.lockgate.int_linear(x.float().contiguous(), self.packed, self.scales, self.zeros, self.bits)
+            return (y if bias is None else y + bias).to(x.dtype)  # (float64 and the like: not a run dtype)
+        return torch.ops.lockgate.int_linear(x.contiguous(), self.packed, self.scales, self.zeros, self.bits,
+                                             None if bias is None else bias.contiguous())
 
     def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
         """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``;

@@ -18,7 +18,7 @@
 //   kinds      per layer and projection: 0 = torch's int4 (a: packed codes, b: scales_and_zeros,
 //              groups of 32, bf16 activations), 4 / 8 = lockgate::quant_linear with that many bits
 //              (a: codes, b: scales, c: zeros), 104 / 108 = lockgate::int_linear with 4 / 8 bits
-//              (a: packed codes, b: scales, c: zeros; a bf16 x widened for it), 200 = the dense weight packed for
+//              (a: packed codes, b: scales, c: zeros; it widens a bf16 x and rounds its result itself), 200 = the dense weight packed for
 //              oneDNN (a: what mkldnn::_reorder_linear_weight made; run by mkldnn::_linear_pointwise with
 //              the bias fused, as lockgate.layers.forms.DenseWeight), 201 = the dense weight (a) by
 //              at::linear (F.linear), 202 = the bf16 weight packed for lockgate::bf16_linear (a, as

@@ -15,7 +15,8 @@
 //           to output row 16 nb + l and columns [32 g, 32 g + 32). GGUF keeps its Q4_1 / Q8_0
 //           block scales and offsets in float16, so they are exact; half the bytes of float32
 //           matter when one row streams the weights from memory (17% of a Q4_1 weight's bytes)
-//   bias    [N] (any float dtype) or None: added to the float32 result
+//   bias    [N] float32, bfloat16 or float16, contiguous, or None: added (widened exactly) to the
+//           float32 result
 //   returns [M, N] in x's dtype: float32 as computed; for a 16-bit x the float32 result (plus
 //           bias) rounded once to x's dtype, to nearest even, as ``y.to(x.dtype)`` rounds (a NaN
 //           stays a NaN). So a 16-bit model's call takes no conversions of its own: at batch-1
@@ -76,6 +77,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BW__) && defined(__AVX512F__)
@@ -681,21 +683,35 @@ namespace lockgate {
 
 namespace {
 
-// out [M, N] (x's 16-bit dtype T) = y [M, N] float32 + bias, rounded to nearest even (c10's
-// conversion: the bits ``Tensor.to`` gives a finite or infinite value; a NaN as a NaN).
-template <typename T>
-void round_out(const float* y, const float* bias, int64_t m, int64_t n, T* out) {
+// out [M, N] = y [M, N] float32 + bias (B: its dtype, widened exactly; nullptr: none) in x's dtype
+// T: float32 as summed (out may be y), a 16-bit T rounded to nearest even (c10's conversion: the
+// bits ``Tensor.to`` gives a finite or infinite value; a NaN as a NaN).
+template <typename T, typename B>
+void finish_out(const float* y, const B* bias, int64_t m, int64_t n, T* out) {
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* src = y + r * n;
       T* dst = out + r * n;
       if (bias) {
-        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j] + bias[j]);
+        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j] + static_cast<float>(bias[j]));
       } else {
         for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j]);
       }
     }
   });
+}
+
+template <typename T>
+void finish_out(const float* y, const std::optional<at::Tensor>& bias, int64_t m, int64_t n, T* out) {
+  if (!bias) {
+    if constexpr (!std::is_same_v<T, float>) finish_out(y, static_cast<const float*>(nullptr), m, n, out);
+  } else if (bias->scalar_type() == at::kFloat) {
+    finish_out(y, bias->data_ptr<float>(), m, n, out);
+  } else if (bias->scalar_type() == at::kBFloat16) {
+    finish_out(y, bias->data_ptr<at::BFloat16>(), m, n, out);
+  } else {
+    finish_out(y, bias->data_ptr<at::Half>(), m, n, out);
+  }
 }
 
 at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -721,9 +737,10 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
                 "int_linear: zeros must be contiguous float16 [N / 16, K / 32, 16]");
   }
   const int64_t n = nb * kLanes;
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->device().is_cpu() &&
-                        at::isFloatingType(bias->scalar_type())),
-              "int_linear: bias must be a float [N] = [", n, "] on the CPU");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() && bias->device().is_cpu() &&
+                        (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
+                         bias->scalar_type() == at::kHalf)),
+              "int_linear: bias must be contiguous float32, bfloat16 or float16 [N] = [", n, "] on the CPU");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   std::vector<int16_t> xq(static_cast<size_t>(m * k));
@@ -737,20 +754,18 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
     quantize_rows(x.data_ptr<at::Half>(), m, k, sums, xq.data(), xs.data(), xsum.data());
   }
   // the float32 result: straight into out for a float32 x, else into a buffer rounded afterwards
-  std::vector<float> wide(dtype == at::kFloat ? 0 : static_cast<size_t>(m * n));
-  float* y = dtype == at::kFloat ? out.data_ptr<float>() : wide.data();
+  const at::Tensor wide = dtype == at::kFloat ? out : at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* y = wide.data_ptr<float>();
   const Job job{xq.data(), xs.data(), sums ? xsum.data() : nullptr, m, k, groups, nb,
                 reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<at::Half>(),
                 sums ? zeros->data_ptr<at::Half>() : nullptr, static_cast<int>(bits), y, generic};
   run(job);
-  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
-    if (bp) out.add_(b);
+    finish_out(y, bias, m, n, y);  // the bias added in place (nothing to do without one)
   } else if (dtype == at::kBFloat16) {
-    round_out(y, bp, m, n, out.data_ptr<at::BFloat16>());
+    finish_out(y, bias, m, n, out.data_ptr<at::BFloat16>());
   } else {
-    round_out(y, bp, m, n, out.data_ptr<at::Half>());
+    finish_out(y, bias, m, n, out.data_ptr<at::Half>());
   }
   return out;
 }
