@@ -23,7 +23,8 @@ is written by lower layers, each keyed so that a stale entry is never read, only
   build, so no run here reads it), of an older ``TUNING_VERSION``, or that cannot be read (it
   would be measured again), unless a process holds its lock; a newer version's is kept. Each kernel
   change and test run used to leave hundreds behind. Listed as one line; each goes with its lock
-  file. Other files there are left alone.
+  file. A lock file whose table does not exist (a lookup that found no table leaves one) is stale
+  too unless held, listed as one more line. Other files there are left alone.
 * ``peers/``: ``benchmarks/compare_peers.py``'s vLLM install. Kept (delete it by hand).
 
 Invariants: ``prune`` removes only entries ``scan`` marked stale, and nothing outside the cache
@@ -61,7 +62,7 @@ STALE_TMP_SECONDS = 3600.0  # an unlocked temporary directory untouched this lon
 @dataclass(frozen=True)
 class Entry:
     path: Path
-    kind: str  # "model", "kernels", "packaged", "digests", "tuning", "tuning-table", "peers", "other"
+    kind: str  # "model", "kernels", "packaged", "digests", "tuning", "tuning-table", "tuning-lock", "peers", "other"
     bytes: int
     stale: bool
     why: str  # what it is, or why it is stale
@@ -163,14 +164,24 @@ def _tuning_table(p: Path, current: str | None) -> Entry:
     return Entry(p, "tuning-table", size + (disk_bytes(lock) if lock.exists() else 0), stale, why, lock)
 
 
+def _orphan_lock(p: Path) -> Entry:
+    if _in_use(p):
+        return Entry(p, "tuning-lock", disk_bytes(p), False, "a lock some process holds now", p)
+    return Entry(p, "tuning-lock", disk_bytes(p), True, "a lock file with no table", p)
+
+
 def _tuning_entries(d: Path, current: str | None) -> list[Entry]:
-    """The tuning directory (kept) and each of its tables (module docstring)."""
+    """The tuning directory (kept), each of its tables and each lock file without a table (module
+    docstring)."""
+    files = [p for p in sorted(d.iterdir()) if p.is_file() and not p.is_symlink()]
     tables = [_guarded(p, "tuning-table", _tuning_table, p, current)
-              for p in sorted(d.iterdir())
-              if TABLE_NAME.fullmatch(p.name) and p.is_file() and not p.is_symlink()]  # what tuning_cache writes
+              for p in files if TABLE_NAME.fullmatch(p.name)]  # what tuning_cache writes
+    orphans = [_guarded(p, "tuning-lock", _orphan_lock, p) for p in files
+               if p.suffix == ".lock" and TABLE_NAME.fullmatch(p.with_suffix(".json").name)
+               and not p.with_suffix(".json").exists()]
     kept = sum(not t.stale for t in tables)
-    rest = disk_bytes(d) - sum(t.bytes for t in tables if t.stale)
-    return [Entry(d, "tuning", rest, False, f"measured kernel tables ({kept} current)"), *tables]
+    rest = disk_bytes(d) - sum(t.bytes for t in (*tables, *orphans) if t.stale)
+    return [Entry(d, "tuning", rest, False, f"measured kernel tables ({kept} current)"), *tables, *orphans]
 
 
 def _current_build() -> tuple[str | None, str]:
@@ -268,11 +279,16 @@ def cache_main(do_prune: bool) -> int:
         print(f"lockgate cache: {home} is empty or absent")
         return 0
     print(f"lockgate cache: {home} ({human(sum(e.bytes for e in entries))})")
-    rows = [(str(e.path.relative_to(home)), e.bytes, e.stale, e.why) for e in entries if e.kind != "tuning-table"]
+    rows = [(str(e.path.relative_to(home)), e.bytes, e.stale, e.why) for e in entries
+            if e.kind not in ("tuning-table", "tuning-lock")]
     stale_tables = [e for e in entries if e.kind == "tuning-table" and e.stale]
     if stale_tables:  # hundreds of small files: one line
         rows.append((f"tuning/ ({len(stale_tables)} tables)", sum(e.bytes for e in stale_tables), True,
                      "of other kernel builds or older tuning versions, or unreadable"))
+    stale_locks = [e for e in entries if e.kind == "tuning-lock" and e.stale]
+    if stale_locks:
+        rows.append((f"tuning/ ({len(stale_locks)} lock files)", sum(e.bytes for e in stale_locks), True,
+                     "with no table (a lookup that found none leaves its lock)"))
     width = max(len(r[0]) for r in rows)
     for name, size, is_stale, why in rows:
         print(f"  {name:<{width}}  {human(size):>9}  {'stale' if is_stale else 'kept '}  {why}")

@@ -203,23 +203,30 @@ def test_tuning_tables_of_other_builds_and_versions_are_stale_and_listed_as_one_
     named_like_one = tuning / ("forms-" + "7" * 16 + ".json")  # a directory is never a table: left alone
     named_like_one.mkdir()
     (named_like_one / "x").write_text("mine")
+    orphan, orphan_held = "forms-" + "8" * 16 + ".lock", "rows-" + "9" * 16 + ".lock"  # locks with no table
+    for name in (orphan, orphan_held):
+        (tuning / name).write_text("")
+    (tuning / "mine.lock").write_text("")  # not named like a table's lock: left alone
 
     env = {**os.environ, "LOCKGATE_CACHE_DIR": str(home)}
-    with _locked(tuning / held.replace(".json", ".lock")):
-        assert {e.path.name for e in scan(home) if e.stale} == {other_build, older, corrupt}
+    with _locked(tuning / held.replace(".json", ".lock")), _locked(tuning / orphan_held):
+        assert {e.path.name for e in scan(home) if e.stale} == {other_build, older, corrupt, orphan}
         listed = _run([], env)
         assert listed.returncode == 0, listed.stderr
         lines = [line for line in listed.stdout.splitlines() if "tuning/ (3 tables)" in line]
         assert len(lines) == 1 and "stale" in lines[0], listed.stdout
-        assert other_build not in listed.stdout  # one line, not one per table
+        lines = [line for line in listed.stdout.splitlines() if "tuning/ (1 lock files)" in line]
+        assert len(lines) == 1 and "stale" in lines[0] and "no table" in lines[0], listed.stdout
+        assert other_build not in listed.stdout and orphan not in listed.stdout  # one line each, not one per file
         pruned = _run(["--prune"], env)
         assert pruned.returncode == 0, pruned.stderr
-        assert "removed 3 stale entries" in pruned.stdout
+        assert "removed 4 stale entries" in pruned.stdout
     left = {p.name for p in tuning.iterdir()}
+    assert orphan not in left and orphan_held in left and "mine.lock" in left
     for name in (current, no_kernels, newer, held):
         assert name in left and name.replace(".json", ".lock") in left
     for name in (other_build, older):
         assert name not in left and name.replace(".json", ".lock") not in left
     assert corrupt not in left and "notes.txt" in left and (named_like_one / "x").is_file()
-    # released, the other build's held table is stale too
-    assert {e.path.name for e in scan(home) if e.stale} == {held}
+    # released, the other build's held table and the held lock are stale too
+    assert {e.path.name for e in scan(home) if e.stale} == {held, orphan_held}
