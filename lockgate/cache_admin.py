@@ -10,7 +10,10 @@ is written by lower layers, each keyed so that a stale entry is never read, only
   is not lockgate's and is left alone; an entry of a newer converter is kept (a newer lockgate sharing the cache
   reads it). Also a ``.tmp-*`` directory (a conversion's, or a prune's) that no process holds
   locked and that has been untouched for an hour: a conversion that died.
-* ``models/.digests``: the GGUFs' sha256 memos, ~100 bytes per file state seen. Kept.
+* ``models/.digests``: the GGUFs' sha256 memos, ~100 bytes per file state seen. *Stale*: a memo
+  whose GGUF is gone or has changed since (its state would key another memo, so no run reads this
+  one again), or that cannot be read. Every test run's and clean clone's GGUFs used to leave theirs
+  behind. Listed as one line; other files there are left alone.
 * ``models/packaged/``: GGUFs assembled from PyPI wheels (``gemma-3-270m``). Kept.
 * ``kernels/lockgate_cpu_<hash>``: compiled CPU kernels (``lockgate.kernels``), a few MB each.
   *Stale*: every build but this environment's current one (its name hashes the sources, the
@@ -42,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -51,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
-from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record
+from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record, memo_path, stat_key
 from lockgate.kernels import BUILD_LOCK, build_name
 from lockgate.paths import cache_home
 from lockgate.runner.tuning_cache import TABLE_NAME, TUNING_VERSION, lock_of, stored_key
@@ -62,7 +66,8 @@ STALE_TMP_SECONDS = 3600.0  # an unlocked temporary directory untouched this lon
 @dataclass(frozen=True)
 class Entry:
     path: Path
-    kind: str  # "model", "kernels", "packaged", "digests", "tuning", "tuning-table", "tuning-lock", "peers", "other"
+    kind: str  # "model", "kernels", "packaged", "digests", "digest-memo", "tuning", "tuning-table", "tuning-lock",
+    # "peers", "other"
     bytes: int
     stale: bool
     why: str  # what it is, or why it is stale
@@ -134,6 +139,35 @@ def _model_entry(p: Path) -> Entry:
     return Entry(p, "model", size, False, f"converted model, converter v{version}{newer}")
 
 
+MEMO_NAME = re.compile(r"[0-9a-f]{24}")  # a digest memo's file name (loader.memo_path)
+
+
+def _digest_memo(p: Path) -> Entry:
+    size = disk_bytes(p)
+    try:
+        digest, source = (p.read_text().split("\n") + [""])[:2]
+    except (OSError, UnicodeDecodeError):
+        return Entry(p, "digest-memo", size, True, "a memo that cannot be read")
+    if len(digest.strip()) != 64 or not source:
+        return Entry(p, "digest-memo", size, True, "a memo that cannot be read")
+    try:
+        current = memo_path(stat_key(Path(source))).name
+    except OSError:
+        return Entry(p, "digest-memo", size, True, "a memo of a file that is gone")
+    if current != p.name:
+        return Entry(p, "digest-memo", size, True, "a memo of a file that has changed since")
+    return Entry(p, "digest-memo", size, False, "the memo of a GGUF file as it is")
+
+
+def _digest_entries(d: Path) -> list[Entry]:
+    """The memo directory (kept) and each memo (module docstring)."""
+    memos = [_guarded(p, "digest-memo", _digest_memo, p) for p in sorted(d.iterdir())
+             if MEMO_NAME.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+    rest = disk_bytes(d) - sum(m.bytes for m in memos if m.stale)
+    return [Entry(d, "digests", rest, False, f"sha256 memos of the GGUF files seen ({sum(not m.stale for m in memos)} "
+                                             "current)"), *memos]
+
+
 def _kernel_entry(p: Path, current: str | None, unknown: str) -> Entry:
     size, lock = disk_bytes(p), p / BUILD_LOCK
     if current is None:
@@ -201,7 +235,14 @@ def scan(home: Path | None = None) -> list[Entry]:
     current, unknown = _current_build()  # the builds and the tables keyed by them go by this one name
     for p in sorted(home.iterdir()):
         if p.name == "models" and p.is_dir() and not p.is_symlink():
-            out += [_guarded(m, "model", _model_entry, m) for m in sorted(p.iterdir())]
+            for m in sorted(p.iterdir()):
+                if m.name == ".digests" and m.is_dir() and not m.is_symlink():
+                    try:
+                        out += _digest_entries(m)
+                    except OSError as e:
+                        out.append(Entry(m, "digests", 0, False, f"unreadable now ({e.strerror or e}); left alone"))
+                else:
+                    out.append(_guarded(m, "model", _model_entry, m))
         elif p.name == "kernels" and p.is_dir() and not p.is_symlink():
             out += [_guarded(k, "kernels", _kernel_entry, k, current, unknown) for k in sorted(p.iterdir())]
         elif p.name == "tuning" and p.is_dir() and not p.is_symlink():
@@ -280,7 +321,11 @@ def cache_main(do_prune: bool) -> int:
         return 0
     print(f"lockgate cache: {home} ({human(sum(e.bytes for e in entries))})")
     rows = [(str(e.path.relative_to(home)), e.bytes, e.stale, e.why) for e in entries
-            if e.kind not in ("tuning-table", "tuning-lock")]
+            if e.kind not in ("tuning-table", "tuning-lock", "digest-memo")]
+    stale_memos = [e for e in entries if e.kind == "digest-memo" and e.stale]
+    if stale_memos:  # one per GGUF file state a run has seen: one line
+        rows.append((f"models/.digests/ ({len(stale_memos)} memos)", sum(e.bytes for e in stale_memos), True,
+                     "of GGUF files gone or changed since, or unreadable"))
     stale_tables = [e for e in entries if e.kind == "tuning-table" and e.stale]
     if stale_tables:  # hundreds of small files: one line
         rows.append((f"tuning/ ({len(stale_tables)} tables)", sum(e.bytes for e in stale_tables), True,

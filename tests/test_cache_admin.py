@@ -10,6 +10,7 @@ own file descriptions, which ``flock`` treats the same way.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -230,3 +231,38 @@ def test_tuning_tables_of_other_builds_and_versions_are_stale_and_listed_as_one_
     assert corrupt not in left and "notes.txt" in left and (named_like_one / "x").is_file()
     # released, the other build's held table and the held lock are stale too
     assert {e.path.name for e in scan(home) if e.stale} == {held, orphan_held}
+
+
+def test_digest_memos_of_files_gone_or_changed_are_stale_and_listed_as_one_line(tmp_path, monkeypatch) -> None:
+    # The sha256 memos loader.file_sha256 writes, one per GGUF file state: a memo is read again only
+    # while its file is as it was, so the memos of removed or rewritten files (every test run's and
+    # clean clone's GGUFs) are stale; the current one and other files there are kept.
+    from lockgate.checkpoint import loader
+
+    home = tmp_path / "cache"
+    monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(home))
+    monkeypatch.setattr(loader, "RACY_SECONDS", -1.0)  # remember the digests of files just written
+    files = {name: tmp_path / f"{name}.gguf" for name in ("kept", "gone", "changed")}
+    for name, f in files.items():
+        f.write_bytes(name.encode() * 100)
+        loader.file_sha256(f)
+    digests = home / "models" / ".digests"
+    assert len(list(digests.iterdir())) == 3
+    kept_memo = loader.memo_path(loader.stat_key(files["kept"].resolve())).name
+    gone_memo = loader.memo_path(loader.stat_key(files["gone"].resolve())).name
+    changed_memo = loader.memo_path(loader.stat_key(files["changed"].resolve())).name
+    files["gone"].unlink()
+    files["changed"].write_bytes(b"rewritten")
+    (digests / ("f" * 24)).write_text("not a digest\n")  # unreadable: it would be hashed again
+    (digests / "notes.txt").write_text("mine")  # not a memo: left alone
+    assert {e.path.name for e in scan(home) if e.stale} == {gone_memo, changed_memo, "f" * 24}
+    env = {**os.environ, "LOCKGATE_CACHE_DIR": str(home)}
+    listed = _run([], env)
+    assert listed.returncode == 0, listed.stderr
+    lines = [line for line in listed.stdout.splitlines() if "models/.digests/ (3 memos)" in line]
+    assert len(lines) == 1 and "stale" in lines[0], listed.stdout
+    assert gone_memo not in listed.stdout  # one line, not one per memo
+    pruned = _run(["--prune"], env)
+    assert pruned.returncode == 0 and "removed 3 stale entries" in pruned.stdout, pruned.stdout + pruned.stderr
+    assert {p.name for p in digests.iterdir()} == {kept_memo, "notes.txt"}
+    assert loader.file_sha256(files["kept"]) == hashlib.sha256(b"kept" * 100).hexdigest()
