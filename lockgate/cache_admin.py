@@ -26,8 +26,9 @@ is written by lower layers, each keyed so that a stale entry is never read, only
   build, so no run here reads it), of an older ``TUNING_VERSION``, or that cannot be read (it
   would be measured again), unless a process holds its lock; a newer version's is kept. Each kernel
   change and test run used to leave hundreds behind. Listed as one line; each goes with its lock
-  file. A lock file whose table does not exist (a lookup that found no table leaves one) is stale
-  too unless held, listed as one more line. Other files there are left alone.
+  file. A lock file whose table does not exist (a measurement that failed, or a lookup before
+  ``peek`` stopped taking locks for absent tables, left it) is stale too unless held, listed as one
+  more line. Other files there are left alone.
 * ``peers/``: ``benchmarks/compare_peers.py``'s vLLM install. Kept (delete it by hand).
 
 Invariants: ``prune`` removes only entries ``scan`` marked stale, and nothing outside the cache
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION
-from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record, memo_path, stat_key
+from lockgate.checkpoint.loader import CONVERTING_LOCK, SOURCE_RECORD, entry_record, memo_is_current
 from lockgate.kernels import BUILD_LOCK, build_name
 from lockgate.paths import cache_home
 from lockgate.runner.tuning_cache import TABLE_NAME, TUNING_VERSION, lock_of, stored_key
@@ -143,20 +144,10 @@ MEMO_NAME = re.compile(r"[0-9a-f]{24}")  # a digest memo's file name (loader.mem
 
 
 def _digest_memo(p: Path) -> Entry:
-    size = disk_bytes(p)
-    try:
-        digest, source = (p.read_text().split("\n") + [""])[:2]
-    except (OSError, UnicodeDecodeError):
-        return Entry(p, "digest-memo", size, True, "a memo that cannot be read")
-    if len(digest.strip()) != 64 or not source:
-        return Entry(p, "digest-memo", size, True, "a memo that cannot be read")
-    try:
-        current = memo_path(stat_key(Path(source))).name
-    except OSError:
-        return Entry(p, "digest-memo", size, True, "a memo of a file that is gone")
-    if current != p.name:
-        return Entry(p, "digest-memo", size, True, "a memo of a file that has changed since")
-    return Entry(p, "digest-memo", size, False, "the memo of a GGUF file as it is")
+    current = memo_is_current(p)
+    why = {True: "the memo of a GGUF file as it is", False: "a memo of a file gone or changed since",
+           None: "a memo that cannot be read"}[current]
+    return Entry(p, "digest-memo", disk_bytes(p), current is not True, why)
 
 
 def _digest_entries(d: Path) -> list[Entry]:
@@ -299,6 +290,15 @@ def prune(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
     return removed, failed
 
 
+# Small files listed as one line per kind (the directory's own line counts the kept ones): the
+# line's name and why they are stale.
+SUMMED = {
+    "digest-memo": ("models/.digests/ ({} memos)", "of GGUF files gone or changed since, or unreadable"),
+    "tuning-table": ("tuning/ ({} tables)", "of other kernel builds or older tuning versions, or unreadable"),
+    "tuning-lock": ("tuning/ ({} lock files)", "with no table (a failed measurement or an older lookup left it)"),
+}
+
+
 def human(n: float) -> str:
     for unit in ("B", "KB", "MB"):
         if n < 1024:
@@ -320,20 +320,11 @@ def cache_main(do_prune: bool) -> int:
         print(f"lockgate cache: {home} is empty or absent")
         return 0
     print(f"lockgate cache: {home} ({human(sum(e.bytes for e in entries))})")
-    rows = [(str(e.path.relative_to(home)), e.bytes, e.stale, e.why) for e in entries
-            if e.kind not in ("tuning-table", "tuning-lock", "digest-memo")]
-    stale_memos = [e for e in entries if e.kind == "digest-memo" and e.stale]
-    if stale_memos:  # one per GGUF file state a run has seen: one line
-        rows.append((f"models/.digests/ ({len(stale_memos)} memos)", sum(e.bytes for e in stale_memos), True,
-                     "of GGUF files gone or changed since, or unreadable"))
-    stale_tables = [e for e in entries if e.kind == "tuning-table" and e.stale]
-    if stale_tables:  # hundreds of small files: one line
-        rows.append((f"tuning/ ({len(stale_tables)} tables)", sum(e.bytes for e in stale_tables), True,
-                     "of other kernel builds or older tuning versions, or unreadable"))
-    stale_locks = [e for e in entries if e.kind == "tuning-lock" and e.stale]
-    if stale_locks:
-        rows.append((f"tuning/ ({len(stale_locks)} lock files)", sum(e.bytes for e in stale_locks), True,
-                     "with no table (a lookup that found none leaves its lock)"))
+    rows = [(str(e.path.relative_to(home)), e.bytes, e.stale, e.why) for e in entries if e.kind not in SUMMED]
+    for kind, (label, why) in SUMMED.items():  # hundreds of small files: one line per kind
+        stale_ones = [e for e in entries if e.kind == kind and e.stale]
+        if stale_ones:
+            rows.append((label.format(len(stale_ones)), sum(e.bytes for e in stale_ones), True, why))
     width = max(len(r[0]) for r in rows)
     for name, size, is_stale, why in rows:
         print(f"  {name:<{width}}  {human(size):>9}  {'stale' if is_stale else 'kept '}  {why}")

@@ -194,6 +194,8 @@ def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> No
                            shape={"hidden": 8}, dtype="float32",
                            weights={"checkpoint": "abc", "quantization": "auto", "fp32": False})
     calls = []
+    # a key never measured: peek says so and leaves nothing behind (no table, no lock file)
+    assert tuning_cache.peek(key) is None and not (tmp_path / "tuning").exists()
 
     def measure() -> dict:
         calls.append(1)
@@ -209,6 +211,8 @@ def test_cache_is_keyed_shared_and_survives_garbage(tmp_path, monkeypatch) -> No
     assert len(calls) == 1  # the second waited for the first and read its result
     assert sorted(hit for _, hit in results) == [False, True]
     assert all(data["choices"] == {"qkv": "int-gemm:8,dense"} for data, _ in results)
+    peeked = tuning_cache.peek(key)
+    assert peeked is not None and peeked["choices"] == {"qkv": "int-gemm:8,dense"}
     # another thread count is another key; a corrupt file is measured again; refresh measures again
     other = tuning_cache.TuningKey(**{**key.__dict__, "threads": 1})
     assert other.digest() != key.digest()

@@ -192,10 +192,26 @@ def memo_path(key: str) -> Path:
     return cache_root() / ".digests" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+def memo_is_current(memo: Path) -> bool | None:
+    """Whether the digest memo ``memo`` is the one ``file_sha256`` would read for its file as the
+    file is now: False when the file is gone or has changed since, None when the memo cannot be
+    read (``lockgate cache`` calls both stale)."""
+    try:
+        digest, source = (memo.read_text().split("\n") + [""])[:2]
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(digest.strip()) != 64 or not source:
+        return None
+    try:
+        return memo_path(stat_key(Path(source))).name == memo.name
+    except OSError:  # the file is gone
+        return False
+
+
 def file_sha256(path: Path) -> str:
     """The sha256 of ``path``'s bytes, remembered under ``models/.digests/`` by the file's state
-    (``stat_key``). A memo holds the digest, then the file's path (for a person reading the
-    memos; nothing parses it). Not remembered when the file changed in the last RACY_SECONDS (a
+    (``stat_key``). A memo holds the digest, then the file's path (``memo_is_current`` reads it
+    back to tell a memo no run will read again). Not remembered when the file changed in the last RACY_SECONDS (a
     write within the same timestamp tick would keep the key) or the memo cannot be written."""
     p = path.resolve()
     key = stat_key(p)

@@ -140,12 +140,15 @@ def stored_key(table: Path) -> dict[str, Any] | None:
     return key if isinstance(key, dict) else None
 
 
+def _table_path(key: TuningKey) -> Path:
+    return cache_dir() / f"{key.kind}-{key.digest()}.json"
+
+
 @contextlib.contextmanager
 def _locked(key: TuningKey) -> Iterator[Path]:
     """The cache file of ``key``, held under an exclusive lock (the OS drops it if we die)."""
-    where = cache_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    path = where / f"{key.kind}-{key.digest()}.json"
+    path = _table_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_of(path), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         yield path
@@ -166,7 +169,13 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 
 
 def peek(key: TuningKey) -> dict[str, Any] | None:
-    """The stored result for ``key``, or None (never measures)."""
+    """The stored result for ``key``, or None (never measures). A key with no table returns None
+    at once, taking no lock: a lookup would otherwise leave a lock file for every key it asked
+    about (a table is replaced whole, so reading one needs the lock only to wait for a writer).
+    A table another process is measuring right now is then not waited for: the caller builds
+    every form, and ``cached`` waits for that table later."""
+    if not _table_path(key).exists():
+        return None
     with _locked(key) as path:
         data = _read(path, key)
     if data is not None:
