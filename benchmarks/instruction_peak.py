@@ -112,12 +112,9 @@ def has(macro: str, cc: str) -> bool:
     return f"#define {macro} " in out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=1.0, help="roughly how long each measurement runs")
-    args = ap.parse_args()
-    if not 0.05 <= args.seconds <= 60:
-        raise SystemExit(f"--seconds must be within 0.05 .. 60, got {args.seconds}")
+def measure(seconds: float = 1.0) -> tuple[int, dict[str, dict[str, float] | None]]:
+    """(CPUs used, GFLOP/s per kind for "1_thread" and "all_threads"; None for a kind the compiler's
+    target lacks). Raises SystemExit where the target has neither AVX2 + FMA nor AVX-512."""
     cc = os.environ.get("CC", "cc")
     kinds = {"fp32_fma": 0 if has("__AVX512F__", cc) or (has("__AVX2__", cc) and has("__FMA__", cc)) else None,
              "bf16_dot": 1 if has("__AVX512BF16__", cc) else None}
@@ -134,7 +131,7 @@ def main() -> None:
                 result[name] = None
                 continue
             # an iteration is 12 multiply-adds, about one a cycle at ~3 GHz: loops for the wanted time
-            n = max(1, int(args.seconds * 3e9 / 12))
+            n = max(1, int(seconds * 3e9 / 12))
             row = {}
             for label, threads in (("1_thread", 1), ("all_threads", cpus)):
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "spread"}
@@ -142,6 +139,16 @@ def main() -> None:
                                      env=env).stdout.split()
                 row[label] = float(out[0])
             result[name] = row
+    return cpus, result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=1.0, help="roughly how long each measurement runs")
+    args = ap.parse_args()
+    if not 0.05 <= args.seconds <= 60:
+        raise SystemExit(f"--seconds must be within 0.05 .. 60, got {args.seconds}")
+    cpus, result = measure(args.seconds)
     print(json.dumps({"machine": machine(), "command": command(), "threads": {"1_thread": 1, "all_threads": cpus},
                       "gflops": result}))
 
