@@ -9,7 +9,10 @@ latency or memory:
 * ``fp32_fma``: ``vfmadd`` on 16 (AVX-512) or 8 (AVX2 + FMA) float32 lanes, 2 FLOP per lane
   (float32 sgemm's ceiling);
 * ``bf16_dot``: ``VDPBF16PS`` on 16 float32 lanes, each adding two bf16 products (4 FLOP per
-  lane), where the target has AVX512-BF16 (the bf16 matmul's ceiling); null elsewhere.
+  lane), where the target has AVX512-BF16 (the bf16 matmul's ceiling); null elsewhere;
+* ``int16_dot``: ``VPDPWSSD`` on 16 int32 lanes, each adding two int16 products (4 operations per
+  lane, counted as FLOP), where the target has AVX512-VNNI (the integer GEMM's ceiling: it
+  multiplies int16 activations by widened int4/int8 weights with it); null elsewhere.
 
 Prints one JSON line: machine, command, GFLOP/s per kind for 1 thread and for every CPU the
 process may use (all threads' work over the time from their common start to the last one's end). Usage: ``.venv/bin/python benchmarks/instruction_peak.py [--seconds 1.0]``
@@ -56,7 +59,7 @@ static float SUM(__m256 v) { float f[8]; _mm256_storeu_ps(f, v); float s = 0; fo
 #define TWELVE(stmt) ONE(stmt, 0) ONE(stmt, 1) ONE(stmt, 2) ONE(stmt, 3) ONE(stmt, 4) ONE(stmt, 5) \
                      ONE(stmt, 6) ONE(stmt, 7) ONE(stmt, 8) ONE(stmt, 9) ONE(stmt, 10) ONE(stmt, 11)
 
-/* kind 0: fp32 FMA, kind 1: bf16 dot products; prints GFLOP/s over all threads */
+/* kind 0: fp32 FMA, kind 1: bf16 dot products, kind 2: int16 dot products; prints GFLOP/s over all threads */
 int main(int argc, char** argv) {
   int kind = atoi(argv[1]);
   long n = atol(argv[2]);
@@ -80,6 +83,18 @@ int main(int argc, char** argv) {
       }
       for (int i = 0; i < 12; ++i) sink += SUM(a[i]);
       flop = (double)n * 12 * LANES * 2;
+#endif
+    } else if (kind == 2) {
+#if defined(__AVX512VNNI__)
+      __m512i a[12];
+      for (int i = 0; i < 12; ++i) a[i] = _mm512_setzero_si512();
+      __m512i x = _mm512_set1_epi16(1), y = _mm512_set1_epi16(1);
+      for (long i = 0; i < n; ++i) {
+        TWELVE(a[K] = _mm512_dpwssd_epi32(a[K], x, y))
+        __asm__ volatile("" : "+v"(x));
+      }
+      for (int i = 0; i < 12; ++i) sink += (float)_mm512_reduce_add_epi32(a[i]);
+      flop = (double)n * 12 * 16 * 4;
 #endif
     } else {
 #if defined(__AVX512BF16__)
@@ -117,7 +132,8 @@ def measure(seconds: float = 1.0) -> tuple[int, dict[str, dict[str, float] | Non
     target lacks). Raises SystemExit where the target has neither AVX2 + FMA nor AVX-512."""
     cc = os.environ.get("CC", "cc")
     kinds = {"fp32_fma": 0 if has("__AVX512F__", cc) or (has("__AVX2__", cc) and has("__FMA__", cc)) else None,
-             "bf16_dot": 1 if has("__AVX512BF16__", cc) else None}
+             "bf16_dot": 1 if has("__AVX512BF16__", cc) else None,
+             "int16_dot": 2 if has("__AVX512VNNI__", cc) else None}
     cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use
     if all(kind is None for kind in kinds.values()):
         raise SystemExit("the compiler's target has neither AVX2 + FMA nor AVX-512: nothing to measure")
