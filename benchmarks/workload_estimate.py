@@ -3,8 +3,8 @@ arithmetic alone allows, and where a 1.5x lead over a peer's measured figure fal
 
 Owns the pricing of a workload's rows with timed runner steps. It relies on ``step_profile``'s
 decode-plan builder (contexts laid out as the scheduler lays them out), on ``instruction_peak`` for
-the CPU's arithmetic ceiling, and on ``compare_peers``' workload sizes, restated in ``WORKLOADS``
-(its module docstring has them; a change there must be made here too).
+the CPU's arithmetic ceiling, and on ``compare_peers``' workload sizes, read from its own argument
+defaults (``WORKLOADS``).
 
 For each workload issue 16 sets a throughput target on (uniform at c = 32, uniform-high at c = 128,
 mixed, shared-prefix), the script times the model runner's steps directly (plans built by hand, no
@@ -61,11 +61,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import compare_peers
 import instruction_peak
 import numpy as np
 from _common import command, machine
 from step_profile import decode_plan, greedy
 
+from lockgate.bench.workloads import MIXED_SHORT
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.plan import ForwardPlan
 from lockgate.runner.model_runner import ModelRunner
@@ -112,12 +114,20 @@ class PeerWorkload:
         return self.prefix + self.prompt + round(extra / max(1, sum(o - 1 for o in outs)))
 
 
-WORKLOADS = (
-    PeerWorkload("uniform", 128, 256, (128,), 32),
-    PeerWorkload("uniform-high", 128, 256, (128,), 128),
-    PeerWorkload("mixed", 128, 256, (16, 512), 32),
-    PeerWorkload("shared-prefix", 128, 64, (64,), 32, prefix=1024, groups=16),
-)
+def peer_workloads() -> tuple[PeerWorkload, ...]:
+    """compare_peers' throughput workloads at its default sizes (read from its own parser)."""
+    a = compare_peers.parse_args([])
+    return (
+        PeerWorkload("uniform", a.num_requests, a.input_len, (a.output_len,), a.concurrency),
+        PeerWorkload("uniform-high", a.num_requests_high, a.input_len, (a.output_len,), a.concurrency_high),
+        # half the requests short, half long (lockgate.bench.workloads: the order does not matter here)
+        PeerWorkload("mixed", a.num_requests, a.input_len, (MIXED_SHORT, a.mixed_output_len), a.concurrency),
+        PeerWorkload("shared-prefix", a.groups * a.per_group, a.suffix_len, (a.prefix_output_len,), a.concurrency,
+                     prefix=a.prefix_len, groups=a.groups),
+    )
+
+
+WORKLOADS = peer_workloads()
 
 
 class PromptStep(NamedTuple):
