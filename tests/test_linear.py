@@ -11,24 +11,20 @@ import torch.nn.functional as F
 
 from lockgate.kernel_choice import STATIC_SMALL_ROWS, UNBOUNDED, FormChoice
 from lockgate.layers.forms import (
-    INT4_GROUP,
-    LOSSLESS_TOLERANCE,
     Bf16GemmWeight,
     Fp32Weight,
     GroupQuantWeight,
     Int4Weight,
     IntGemmWeight,
     bf16_gemm_available,
-    find_grid,
     int4_activation_dtype,
     int4_unfit_reason,
     int_gemm_available,
     int_gemm_isa,
     make_forms,
     onednn_packs,
-    quantize_int4,
-    quantize_int8,
 )
+from lockgate.layers.grid import INT4_GROUP, LOSSLESS_TOLERANCE, find_grid, quantize_int4, quantize_int8
 from lockgate.layers.linear import Linear
 
 
@@ -161,13 +157,13 @@ def test_find_grid_finds_gguf_grids_whose_codes_do_not_reach_both_ends(monkeypat
     has: the range-based step misses both; the values still lie on a grid the kernels run exactly.
     Q6_K's two scales per 32 columns do not (it stays dense). The same when a few rows are tried
     first (what a weight of more than ``GRID_SAMPLE_ROWS`` rows gets)."""
-    from lockgate.layers import forms as forms_mod
+    from lockgate.layers import grid as grid_mod
 
-    monkeypatch.setattr(forms_mod, "GRID_SAMPLE_ROWS", sample_rows)
+    monkeypatch.setattr(grid_mod, "GRID_SAMPLE_ROWS", sample_rows)
     w = _gguf_blocks(qtype, 64, 256, seed=3)
     searched_rows: list[int] = []
-    real_of = forms_mod.Grid.of
-    monkeypatch.setattr(forms_mod.Grid, "of", staticmethod(lambda src, b: searched_rows.append(src.shape[0])
+    real_of = grid_mod.Grid.of
+    monkeypatch.setattr(grid_mod.Grid, "of", staticmethod(lambda src, b: searched_rows.append(src.shape[0])
                                                            or real_of(src, b)))
     found = _bits_and_loss(w, "auto", kernels=True)
     assert (found[0] if found else None) == bits
@@ -184,15 +180,15 @@ def test_a_weights_quantized_forms_search_its_grid_once(monkeypatch, qtype: str,
     """make_forms searches a weight's grid once (a K-quant grid search sorts every group) and every
     quantized form takes its codes from it: the same tensors as each form searching on its own."""
     from lockgate import kernels as cpu_kernels
-    from lockgate.layers import forms as forms_mod
+    from lockgate.layers import grid as grid_mod
     from lockgate.layers.forms import IntGemmWeight
 
     assert cpu_kernels.load(), cpu_kernels.error()
     w = _gguf_blocks(qtype, 64, 256, seed=4)
     searched = {4: 0, 8: 0}
     for b, name in ((4, "quantize_int4"), (8, "quantize_int8")):
-        real = getattr(forms_mod, name)
-        monkeypatch.setattr(forms_mod, name, lambda *a, _real=real, _b=b, **k: searched.__setitem__(_b, searched[_b] + 1)
+        real = getattr(grid_mod, name)
+        monkeypatch.setattr(grid_mod, name, lambda *a, _real=real, _b=b, **k: searched.__setitem__(_b, searched[_b] + 1)
                             or _real(*a, **k))
     made = make_forms(w, torch.bfloat16, "auto", kernels=True)
     assert searched == ({4: 1, 8: 0} if bits == 4 else {4: 1, 8: 1})  # auto tries 4 bits first

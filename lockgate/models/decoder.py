@@ -52,7 +52,8 @@ from torch import nn
 from lockgate.kernel_choice import FORM_NAMES, FormChoice
 from lockgate.layers.attention import paged_attention, windowed_attention
 from lockgate.layers.attention_meta import AttentionMetadata
-from lockgate.layers.forms import INT4_MODES, make_forms
+from lockgate.layers.forms import make_forms
+from lockgate.layers.grid import INT4_MODES
 from lockgate.layers.linear import Linear
 from lockgate.layers.lora import LoraStep
 from lockgate.layers.moe import MoeBlock
@@ -371,7 +372,7 @@ class DecoderModel(nn.Module):
 
         ``fp32``: 16-bit runs also keep float32 copies of every projection and the LM head, made
         from the checkpoint's values (the ``fp32`` form).
-        ``quantization`` (``lockgate.layers.forms.INT4_MODES``): none, int4 (every projection the
+        ``quantization`` (``lockgate.layers.grid.INT4_MODES``): none, int4 (every projection the
         kernel fits), auto (only projections already on a 4- or 8-bit grid: nothing lost).
         ``cpu_kernels``: lockgate's CPU kernels are loaded (``lockgate.kernels.load``): the model
         runs its fused ops and may have lockgate's quantized forms (``make_forms``).

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from lockgate.layers.forms import INT4_GROUP, LOSSLESS_TOLERANCE
+from lockgate.layers.grid import INT4_GROUP, LOSSLESS_TOLERANCE
 from lockgate.layers.linear import Linear
 
 log = logging.getLogger("lockgate.models")

@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from lockgate.kernel_choice import FORM_NAMES, FormChoice
-from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, quantize_int4
+from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight
+from lockgate.layers.grid import quantize_int4
 from lockgate.runner.tuning_attention import (
     LOOKAHEAD_BATCH,
     LOOKAHEAD_CONTEXT,
