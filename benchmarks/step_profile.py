@@ -87,13 +87,32 @@ def decode_plan(batch: int, prompt_len: int, decoded: int, vocab: int, shared: i
         sampling=greedy(batch))
 
 
+def prompt_plan(seqs: list[tuple[int, int, int]], first_slot: int, vocab: int) -> ForwardPlan:
+    """One prompt step of several sequences, each given as (keys it already holds, new tokens, the
+    first slot of the held keys: a prefix already in the pool, read in place). The new tokens take
+    one contiguous slot run from ``first_slot`` on, sequence after sequence; every sequence is
+    sampled at its last row."""
+    ids, pos, out, kv, offs = [], [], [], [], [0]
+    nxt = first_slot
+    for held, new, held_from in seqs:
+        fresh = np.arange(nxt, nxt + new, dtype=I64)
+        nxt += new
+        kv.append(np.concatenate([np.arange(held_from, held_from + held, dtype=I64), fresh]))
+        offs.append(offs[-1] + held + new)
+        ids.append((np.arange(held, held + new, dtype=I64) * 7919) % vocab)
+        pos.append(np.arange(held, held + new, dtype=I64))
+        out.append(fresh)
+    n = len(seqs)
+    return ForwardPlan(
+        input_ids=np.concatenate(ids), positions=np.concatenate(pos), out_slots=np.concatenate(out),
+        query_lens=np.array([new for _, new, _ in seqs], I64), seq_lens=np.array([h + w for h, w, _ in seqs], I64),
+        kv_slots=np.concatenate(kv), kv_offsets=np.array(offs, I64), sample_rows=np.arange(n, dtype=I64),
+        sampling=greedy(n))
+
+
 def prefill_plan(n: int, first_slot: int, vocab: int) -> ForwardPlan:
     """One sequence prefilling ``n`` prompt tokens into a contiguous slot run."""
-    slots = np.arange(first_slot, first_slot + n, dtype=I64)
-    return ForwardPlan(
-        input_ids=(np.arange(n, dtype=I64) * 7919) % vocab, positions=np.arange(n, dtype=I64), out_slots=slots,
-        query_lens=np.array([n], I64), seq_lens=np.array([n], I64), kv_slots=slots, kv_offsets=np.array([0, n], I64),
-        sample_rows=np.zeros(1, I64), sampling=greedy(1))
+    return prompt_plan([(0, n, 0)], first_slot, vocab)
 
 
 def mixed_plan(dec: ForwardPlan, pre: ForwardPlan) -> ForwardPlan:

@@ -63,9 +63,8 @@ from typing import Any, NamedTuple
 
 import compare_peers
 import instruction_peak
-import numpy as np
 from _common import command, machine
-from step_profile import decode_plan, greedy
+from step_profile import decode_plan, prompt_plan
 
 from lockgate.bench.workloads import MIXED_SHORT
 from lockgate.config import CacheConfig, ModelConfig
@@ -74,7 +73,6 @@ from lockgate.runner.model_runner import ModelRunner
 from lockgate.runner.tuning_cache import cpu_description
 from lockgate.server.launch import scheduler_env
 
-I64 = np.int64
 LEAD = 1.5  # issue 16's target ratio
 # the pool: the largest decode plan reads slots below 41,088 (128 x 321 keys), the prefixes below
 # 16,384; a prompt step (at most 16,384 rows) writes at the top, above both
@@ -146,30 +144,6 @@ class DecodeStep(NamedTuple):
     group: int
 
 
-def prompt_plan(step: PromptStep, capacity: int, vocab: int) -> ForwardPlan:
-    """The step's plan. A sequence that holds keys reads them from ``held_from`` on (a prefix
-    already in the pool). Its new tokens get fresh slots at the pool's top, above anything a plan
-    reads. Every sequence is sampled at its last row."""
-    new_rows = sum(new for _, new, _ in step.seqs)
-    nxt = capacity - new_rows
-    ids, pos, out, qlens, slens, kv, offs = [], [], [], [], [], [], [0]
-    for held, new, held_from in step.seqs:
-        fresh = np.arange(nxt, nxt + new, dtype=I64)
-        nxt += new
-        kv.append(np.concatenate([np.arange(held_from, held_from + held, dtype=I64), fresh]))
-        offs.append(offs[-1] + held + new)
-        ids.append((np.arange(held, held + new, dtype=I64) * 7919) % vocab)
-        pos.append(np.arange(held, held + new, dtype=I64))
-        out.append(fresh)
-        qlens.append(new)
-        slens.append(held + new)
-    n = len(step.seqs)
-    return ForwardPlan(
-        input_ids=np.concatenate(ids), positions=np.concatenate(pos), out_slots=np.concatenate(out),
-        query_lens=np.array(qlens, I64), seq_lens=np.array(slens, I64), kv_slots=np.concatenate(kv),
-        kv_offsets=np.array(offs, I64), sample_rows=np.arange(n, dtype=I64), sampling=greedy(n))
-
-
 def steps_of(w: PeerWorkload, chunk: int) -> tuple[list[tuple[PromptStep, int]], DecodeStep]:
     """The workload's prompt steps (shape, how many) and its decode step's shape (module docstring).
     Group g's prefix sits at slots g * prefix ..; suffix i of a step reads prefix i % groups."""
@@ -188,8 +162,9 @@ def steps_of(w: PeerWorkload, chunk: int) -> tuple[list[tuple[PromptStep, int]],
 
 
 def build(runner: ModelRunner, step: PromptStep | DecodeStep) -> ForwardPlan:
-    if isinstance(step, PromptStep):
-        return prompt_plan(step, runner.capacity, runner.vocab_size)
+    if isinstance(step, PromptStep):  # its fresh slots at the pool's top, above anything a plan reads
+        rows = sum(new for _, new, _ in step.seqs)
+        return prompt_plan(list(step.seqs), runner.capacity - rows, runner.vocab_size)
     return decode_plan(step.batch, step.prompt_len, step.decoded, runner.vocab_size, shared=step.shared,
                        group=step.group)
 
@@ -209,13 +184,13 @@ def timed(runner: ModelRunner, plans: dict[Any, ForwardPlan], rounds: int) -> di
 
 
 def flops_per_token(runner: ModelRunner) -> tuple[float, float]:
-    """(The decoder layers' projection FLOPs per token, the LM head's per sampled token.)"""
+    """(The decoder layers' projection FLOPs per token, the LM head's per sampled token), from
+    ``ModelArgs.matmul_parameters``."""
     a = runner.model.args
-    if a.moe is not None:
+    if a.moe is not None:  # matmul_parameters counts every expert; a token runs only some
         raise SystemExit("workload_estimate.py counts dense models' FLOPs only (this model has experts)")
-    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    per_layer = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
-    return 2.0 * a.num_layers * per_layer, 2.0 * a.hidden_size * a.vocab_size
+    head = a.vocab_size * a.hidden_size
+    return 2.0 * (a.matmul_parameters - head), 2.0 * head
 
 
 def estimate(runner: ModelRunner, w: PeerWorkload, chunk: int, step_s: dict[Any, float],
