@@ -411,7 +411,13 @@ class ServerConfig:
     dp: int = option(1, "data parallel: N engine replicas on the N ports after --port, behind a gateway on "
                      "--port (routing flags below)")
     grammar_compile_timeout: float = option(10.0, "seconds a request's JSON schema, regex or grammar may take to "
-                                            "compile before the request is refused (400)")
+                                            "compile before the request is refused (400); compiles run in the "
+                                            "grammar sandbox's worker processes, so nothing else waits for them")
+    grammar_workers: int = option(2, "worker processes that compile requests' JSON schemas, regexes and grammars "
+                                  "(~100 MB each; one starts with the server, more when compiles wait)")
+    grammar_queue_size: int = option(64, "constraints that may wait for a grammar worker; one more is a 429")
+    grammar_memory: str = option("2GiB", "memory one grammar compile may take in its worker (beyond it the "
+                                 "request is refused)")
     ray: bool = option(False, "place the engine replicas on a Ray cluster (pip install 'lockgate[ray]'): "
                        "--replicas of them as Ray actors, behind a gateway on --host/--port that finds them through Ray")
     ray_address: str | None = option(None, "with --ray: the cluster to join (host:port of its head, or 'auto'); "
@@ -425,6 +431,15 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0):
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
+        if self.grammar_workers < 1:
+            raise ValueError(f"--grammar-workers must be >= 1, got {self.grammar_workers}")
+        if self.grammar_queue_size < 1:
+            raise ValueError(f"--grammar-queue-size must be >= 1, got {self.grammar_queue_size}")
+        try:
+            if parse_size(self.grammar_memory) < 64 * 1024**2:
+                raise ValueError("at least 64MiB")
+        except ValueError as e:
+            raise ValueError(f"--grammar-memory: {e}, got {self.grammar_memory!r}") from None
         if self.listen_fd is not None and self.listen_fd < 0:
             raise ValueError(f"--listen-fd must be a file descriptor >= 0, got {self.listen_fd}")
         if not 0 <= self.port <= 65535:

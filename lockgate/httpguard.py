@@ -1,6 +1,7 @@
-"""ASGI guards shared by the API server and the gateway: the bearer-token check and the body limit.
+"""ASGI guards shared by the API server and the gateway: the bearer-token check, the body limit and
+the last-resort error handler.
 
-Owns two plain ASGI middlewares (not Starlette's ``@app.middleware("http")``, which wraps every
+Owns three plain ASGI middlewares (not Starlette's ``@app.middleware("http")``, which wraps every
 response body, streamed ones chunk by chunk, in its own task and memory stream: measured with
 py-spy at concurrency 1, a fifth of the API process's time). Each answers a refused request
 itself, through ``render(scope, status, message)``, so each app keeps its own error body format.
@@ -13,6 +14,8 @@ Invariants:
 * ``BodyLimit``: no request body larger than ``limit()`` bytes is ever held whole. A declared
   ``Content-Length`` over the limit is refused with 413 before a byte is read; a chunked body is
   read up to the limit and refused as soon as it passes it; either way the app never sees it.
+* ``InternalErrors``: an unexpected exception is a 500 in the app's format and leaves the
+  keep-alive connection open (bad input never gets here: it is a 4xx where it is parsed).
 
 Imports only starlette and the stdlib (no server or gateway module).
 """
@@ -20,6 +23,7 @@ Imports only starlette and the stdlib (no server or gateway module).
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Callable
 
 from starlette.responses import Response
@@ -95,3 +99,36 @@ class BodyLimit:
             return replay.pop(0) if replay else await receive()
 
         await self.app(scope, replayed, send)
+
+
+class InternalErrors:
+    """An exception no route handled becomes a 500 in the app's error format, logged once with its
+    traceback, and the connection stays usable. (Left to Starlette, the exception is re-raised after
+    its plain-text 500 and uvicorn closes the connection: the client's next request on that keep-alive
+    connection is reset.) An exception after the response started can only end that response."""
+
+    def __init__(self, app: ASGIApp, render: Render, logger: logging.Logger) -> None:
+        self.app = app
+        self.render = render
+        self.log = logger
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            self.log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                return  # the body was cut short; nothing more can be said on this response
+            await self.render(scope, 500, "internal error: the server failed on this request (it is logged)")(
+                scope, receive, send)

@@ -134,6 +134,8 @@ class LLM:
         for i, (p_ids, p) in enumerate(zip(ids, params, strict=True)):
             try:
                 self.engine.validate(p_ids, p.max_tokens)
+                if p.structured is not None:  # compiled (and cached) now: a bad one fails before any is queued
+                    self.engine.grammars.compile(p.structured)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         live: dict[str, _Pending] = {}
@@ -145,7 +147,11 @@ class LLM:
                                      OutputProcessor(self.tokenizer, p.stop, p.skip_special_tokens))
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", unit="req") if use_tqdm else None
-        while self.engine.has_work:
+        while self.engine.has_work or self.engine.num_compiling:
+            if not self.engine.has_work:
+                self.engine.grammar_wait.wait()
+            for rid, why in self.engine.rejected:
+                raise ValueError(f"request {rid}: {why}")
             for ev in self.engine.step():
                 pend = live[ev.rid]
                 d = pend.proc.process(ev.new_token_ids, ev.new_logprobs, ev.new_top,

@@ -10,19 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lockgate.jsonsafe import is_text
+
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31  # no vocabulary is larger; ids travel as int32/int64 tensors
 MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema, regex or grammar text longer than this is refused
-STRUCTURED_KINDS = ("json", "regex", "choice", "lark")
-
-
-def is_text(s: str) -> bool:
-    """True if ``s`` is valid Unicode text (encodable as UTF-8: no lone surrogates)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+STRUCTURED_KINDS = ("json", "regex", "choice", "lark", "llguidance")
+MAX_COMPILED_GRAMMAR_CHARS = 16 * MAX_GRAMMAR_CHARS  # an ``llguidance`` text (made from a checked constraint)
 
 
 @dataclass(frozen=True)
@@ -32,7 +26,10 @@ class StructuredOutput:
     ``kind``: ``json`` (``value`` is a JSON schema as JSON text; ``{"type": "object"}`` for
     OpenAI's ``json_object``), ``regex`` (the whole output matches the regular expression),
     ``choice`` (``value`` is a JSON list of strings: the output is exactly one of them) or
-    ``lark`` (a Lark grammar, llguidance's dialect; GBNF is converted to it on the way in)."""
+    ``lark`` (a Lark grammar, llguidance's dialect; GBNF is converted to it on the way in) or
+    ``llguidance`` (``value`` is llguidance's own grammar text, what ``grammar.grammar_text`` makes of
+    one of the others: the server's API process checks a client's constraint in its grammar sandbox
+    and sends the scheduler this form, so the scheduler never parses client text)."""
 
     kind: str
     value: str
@@ -64,9 +61,10 @@ class StructuredOutput:
             raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
         if not isinstance(self.value, str) or not self.value:
             raise ValueError(f"the {self.kind} constraint must be a non-empty string")
-        if len(self.value) > MAX_GRAMMAR_CHARS:
+        limit = MAX_COMPILED_GRAMMAR_CHARS if self.kind == "llguidance" else MAX_GRAMMAR_CHARS
+        if len(self.value) > limit:
             raise ValueError(f"the {self.kind} constraint is {len(self.value)} characters long; at most "
-                             f"{MAX_GRAMMAR_CHARS} are accepted")
+                             f"{limit} are accepted")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ import numpy as np
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import EngineConfig
 from lockgate.engine.forecast import Forecast, StepRates, estimate
+from lockgate.engine.grammar_wait import GrammarWait
 from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
@@ -56,7 +58,10 @@ class StepInfo:
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, runner: Runner | None = None, check_invariants: bool = False) -> None:
+    def __init__(self, cfg: EngineConfig, runner: Runner | None = None, check_invariants: bool = False,
+                 wake: Callable[[], None] | None = None) -> None:
+        """``wake``: called from another thread when a request's grammar has compiled off the loop
+        (the scheduler process wakes its idle loop with it); see ``engine.grammar_wait``."""
         self.cfg = cfg
         self.runner = runner if runner is not None else make_runner(cfg.model, cfg.cache)
         self.scheduler = Scheduler(cfg.scheduler, capacity=self.runner.capacity,
@@ -75,6 +80,8 @@ class EngineCore:
             for name, path in cfg.lora.modules:
                 self.load_adapter(name, path)
         self._grammars: GrammarCompiler | None = None
+        self.grammar_wait = GrammarWait(lambda: self.grammars, wake)
+        self.rejected: list[tuple[str, str]] = []  # (rid, why): parked requests refused after add_request returned
         # constrained decoding's own cost: steps with grammar rows, those rows, seconds filling their masks
         self.grammar_steps = self.grammar_rows = 0
         self.grammar_seconds = 0.0
@@ -90,20 +97,44 @@ class EngineCore:
 
     def add_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams,
                     rid: str | None = None) -> Request:
+        """Queue a request; ``RequestRejected`` if it can never run here. A constrained request whose
+        grammar is not compiled yet waits in ``grammar_wait`` (its compile runs off this thread) and
+        joins the scheduler's queue at a later ``step``; if its grammar fails, its id and the reason
+        land in ``rejected`` instead."""
         req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params)
         if params.lora is not None:
             if params.lora not in self.adapters:
                 raise RequestRejected(f"unknown LoRA adapter {params.lora!r} (loaded: "
                                       f"{', '.join(sorted(self.adapters)) or 'none'})")
             req.adapter = self.adapters[params.lora][0]
-        if params.structured is not None:
+        if self.scheduler.get(req.rid) is not None or req.rid in self.grammar_wait:
+            raise RequestRejected(f"duplicate request id {req.rid!r}")
+        self.scheduler.validate(req.prompt_ids, params.max_tokens)
+        so = params.structured
+        if so is not None and not self.grammars.cached(so):
+            self.grammar_wait.park(req, so)
+            return req
+        if so is not None:
             try:
-                req.grammar = self.grammars.matcher(params.structured)
+                req.grammar = self.grammars.matcher(so)
             except GrammarError as e:
                 raise RequestRejected(str(e)) from None
         self.scheduler.submit(req)
         self._forecast = None
         return req
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler's queue; refused ones go to ``rejected``."""
+        for c in self.grammar_wait.take():
+            if c.grammar is None:
+                self.rejected.append((c.req.rid, c.error or "the constraint could not be compiled"))
+                continue
+            c.req.grammar = c.grammar
+            try:
+                self.scheduler.submit(c.req)
+            except RequestRejected as e:
+                self.rejected.append((c.req.rid, str(e)))
+            self._forecast = None
 
     # ---- LoRA adapters -------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
@@ -135,7 +166,8 @@ class EngineCore:
         if not self._unloading:
             return
         sched = self.scheduler
-        used = {r.adapter for r in sched.running} | {r.adapter for r in sched.waiting}
+        used = ({r.adapter for r in sched.running} | {r.adapter for r in sched.waiting}
+                | {r.adapter for r in self.grammar_wait.requests()})
         for uid in list(self._unloading):
             if uid not in used and (sched.lora is None or sched.lora.forget(uid)):
                 self.runner.drop_adapter(uid)
@@ -145,7 +177,8 @@ class EngineCore:
         """Per loaded adapter: (running, waiting) requests."""
         names = {uid: name for name, (uid, _) in self.adapters.items()}
         running = Counter(names.get(r.adapter) for r in self.scheduler.running if r.adapter)
-        waiting = Counter(names.get(r.adapter) for r in self.scheduler.waiting if r.adapter)
+        waiting = Counter(names.get(r.adapter) for r in [*self.scheduler.waiting, *self.grammar_wait.requests()]
+                          if r.adapter)
         return {name: (running.get(name, 0), waiting.get(name, 0)) for name in self.adapters}
 
     @property
@@ -164,7 +197,8 @@ class EngineCore:
 
     def abort(self, rid: str) -> Request | None:
         self._forecast = None
-        return self.scheduler.abort(rid)
+        parked = self.grammar_wait.abort(rid)
+        return parked if parked is not None else self.scheduler.abort(rid)
 
     def forecast(self) -> Forecast:
         """How long the queue here will take (engine/forecast.py), made at most every ``FORECAST_EVERY``
@@ -180,7 +214,13 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """A step would do something: the scheduler has requests, or a compiled grammar's request
+        waits to join it. (Requests whose grammar is still compiling are ``num_compiling``.)"""
+        return self.scheduler.has_work or self.grammar_wait.has_ready
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self.grammar_wait)
 
     def stats(self) -> SchedulerStats:
         """Load figures: running / waiting counts, slots, admission headroom, speculation counters."""
@@ -205,6 +245,7 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         """Run one step; returns the per-request events it produced."""
         t0 = time.perf_counter()
+        self._take_compiled()
         step = self.scheduler.schedule()
         if step is None:
             return []

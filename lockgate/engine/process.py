@@ -57,6 +57,7 @@ from lockgate.ipc.messages import (
     TokenOut,
     ToScheduler,
     UnloadAdapter,
+    Wake,
 )
 from lockgate.scheduler.request import FinishReason, Request
 from lockgate.scheduler.scheduler import RequestRejected, StepOutput
@@ -152,7 +153,9 @@ class SchedulerProcess:
         self.out = Sender(self.ctx, args.detok_endpoint)
         try:
             pin_opted_out(os.environ.get(PIN_ENV))  # a bad value stops the start, before the model loads
-            self.engine = EngineCore(args.engine)
+            self._wake_lock = threading.Lock()
+            self._wake_out = Sender(self.ctx, args.in_endpoint)  # side threads -> this loop (Wake)
+            self.engine = EngineCore(args.engine, wake=self._wake)
             self.engine.runner.warmup()
             self.engine.grammars.prepare_in_background()  # the first constrained request then does not wait
         except Exception as e:
@@ -192,6 +195,11 @@ class SchedulerProcess:
 
         threading.Thread(target=run, name="heartbeat", daemon=True).start()
 
+    def _wake(self) -> None:
+        """Called from side threads (a grammar compiled): wake the loop if it is blocked on its socket."""
+        with self._wake_lock:
+            self._wake_out.try_send(Wake())
+
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
         while True:
@@ -203,6 +211,7 @@ class SchedulerProcess:
                 self.send([])  # the forecast with the new arrivals, before a step that may take long
             if self.engine.has_work:
                 self.step()
+            self._rejected()
             if self.pending:
                 self.send([])
             if os.getppid() != self.args.parent_pid:
@@ -229,6 +238,8 @@ class SchedulerProcess:
                     self.pending.append(self._token_out(m.rid, None, FinishReason.ABORT))
             elif isinstance(m, LoadAdapter | UnloadAdapter):
                 self.adapter_change(m)
+            elif isinstance(m, Wake):
+                pass  # what finished off the loop is taken in by the next step
             else:
                 log.info("shutdown requested; aborting %d running and %d waiting requests",
                          len(self.engine.running), self.engine.num_waiting)
@@ -264,6 +275,14 @@ class SchedulerProcess:
                                          num_prompt_tokens=len(m.prompt_ids)))
             return
         self.requests[m.rid] = (req, max(0.0, time.time() - m.arrival_time))
+
+    def _rejected(self) -> None:
+        """Requests refused after they were queued (a grammar that failed to compile off the loop)."""
+        while self.engine.rejected:
+            rid, why = self.engine.rejected.pop()
+            out = self._token_out(rid, None, None)
+            out.finish_reason, out.error = "error", why
+            self.pending.append(out)
 
     def step(self) -> None:
         eng = self.engine

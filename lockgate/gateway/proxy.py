@@ -69,7 +69,7 @@ from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import PREFIX_POLICIES, Route, Router
 from lockgate.gateway.prefix_index import block_hashes
 from lockgate.gateway.replicas import Fleet, Replica
-from lockgate.httpguard import BearerAuth, BodyLimit, has_key
+from lockgate.httpguard import BearerAuth, BodyLimit, InternalErrors, has_key
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("lockgate.gateway")
@@ -175,6 +175,7 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
         return _error(status, message, scope["path"])
 
     # Outermost first: the key is checked before anything is read, routed or recorded.
+    app.add_middleware(InternalErrors, render=refuse, logger=log)
     app.add_middleware(BodyLimit, limit=lambda: gw.max_request_bytes, flag="--max-request-bytes", render=refuse)
     if gw.api_key is not None:
         app.add_middleware(BearerAuth, api_key=gw.api_key, render=refuse)

@@ -14,7 +14,9 @@ apache-tvm-ffi; and llguidance can check speculative guesses (``validate_tokens`
 Owns:
 
 * ``grammar_text``: ``StructuredOutput`` -> llguidance grammar text, checked; a bad schema, regex or
-  grammar raises ``GrammarError`` carrying llguidance's message.
+  grammar raises ``GrammarError`` carrying llguidance's message. In the server, client text is parsed
+  and compiled only in the grammar sandbox's worker processes (``grammar.sandbox``,
+  ``grammar.worker``), which hand the scheduler the ``llguidance`` text to build its matcher from.
 * ``GrammarCompiler``: one per process. Builds the llguidance tokenizer from the model's tokenizer
   (once, lazily: ~0.5 s for a 49k vocabulary) and caches compiled matchers by grammar text (LRU,
   ``cache_size``); ``matcher`` hands out a fresh copy per request.
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lockgate import jsonsafe
 from lockgate.sampling import StructuredOutput
 
 if TYPE_CHECKING:
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
 
     from lockgate.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["GrammarCompiler", "GrammarError", "RequestGrammar", "grammar_text", "mask_words"]
+__all__ = ["GrammarBusy", "GrammarCompiler", "GrammarError", "RequestGrammar", "grammar_text", "mask_words"]
 
 log = logging.getLogger("lockgate.grammar")
 
@@ -60,28 +63,39 @@ class GrammarError(ValueError):
     """A schema, regex or grammar llguidance cannot use; the message is llguidance's, prefixed with what it was."""
 
 
+class GrammarBusy(RuntimeError):
+    """Too many constraints are waiting to be compiled (the grammar sandbox's queue is full)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
 def grammar_text(so: StructuredOutput) -> str:
-    """llguidance grammar text for ``so``; ``GrammarError`` if it is not valid (checked without a tokenizer)."""
+    """llguidance grammar text for ``so``; ``GrammarError`` if it is not valid (checked without a tokenizer).
+
+    Parses client text (JSON, Lark, GBNF): in the server it runs in the grammar sandbox's worker
+    processes only (``grammar.sandbox``), never in the API or the scheduler process. An
+    ``llguidance`` constraint is such text already and is returned as it is."""
     import llguidance
 
+    if so.kind == "llguidance":
+        return so.value
     what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "lark": "grammar"}[so.kind]
     try:
         if so.kind == "json":
-            try:
-                schema = json.loads(so.value)
-            except json.JSONDecodeError as e:
-                raise GrammarError(f"invalid JSON schema: not JSON ({e})") from None
+            schema = jsonsafe.loads(so.value, "it")
             if not isinstance(schema, dict | bool):
                 raise GrammarError(f"invalid JSON schema: must be an object, got {type(schema).__name__}")
             text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
         elif so.kind == "regex":
             text = llguidance.LLMatcher.grammar_from_regex(so.value)
         elif so.kind == "choice":
-            choices = json.loads(so.value)
+            choices = jsonsafe.loads(so.value, "it")
             if (not isinstance(choices, list) or not choices
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise GrammarError("invalid choice list: must be a non-empty list of non-empty strings")
@@ -100,6 +114,8 @@ def grammar_text(so: StructuredOutput) -> str:
         if isinstance(e, GrammarError):
             raise
         raise GrammarError(f"invalid {what}: {e}") from None
+    except RecursionError:
+        raise GrammarError(f"invalid {what}: nested too deeply") from None
     err = llguidance.LLMatcher.validate_grammar(text)
     if err and not err.startswith("WARNING"):
         raise GrammarError(f"invalid {what}: {err}")
@@ -189,7 +205,7 @@ class GrammarCompiler:
         self._lltok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
-        self._lock = threading.Lock()  # the API process compiles in worker threads
+        self._lock = threading.Lock()  # compiles run on a side thread (engine.grammar_wait, grammar.worker)
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -216,6 +232,19 @@ class GrammarCompiler:
 
     def compile(self, so: StructuredOutput) -> llguidance.LLMatcher:
         """The pristine compiled matcher for ``so`` (cached); ``GrammarError`` if it cannot be built."""
+        return self._compile(so)[1]
+
+    def check(self, so: StructuredOutput) -> str:
+        """Compile ``so`` as ``compile`` does and return its llguidance text (the ``llguidance``
+        constraint the grammar sandbox hands back); ``GrammarError`` if it cannot be built."""
+        return self._compile(so)[0]
+
+    def cached(self, so: StructuredOutput) -> bool:
+        """Whether ``so`` (an ``llguidance`` constraint) compiled here before and is still cached."""
+        with self._lock:
+            return so.kind == "llguidance" and so.value in self._cache
+
+    def _compile(self, so: StructuredOutput) -> tuple[str, llguidance.LLMatcher]:
         import llguidance
 
         text = grammar_text(so)
@@ -223,7 +252,7 @@ class GrammarCompiler:
             hit = self._cache.get(text)
             if hit is not None:
                 self._cache.move_to_end(text)
-                return hit
+                return text, hit
         matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {so.kind} constraint: {matcher.get_error()}")
@@ -239,7 +268,7 @@ class GrammarCompiler:
             self._cache[text] = matcher
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return matcher
+        return text, matcher
 
     def matcher(self, so: StructuredOutput) -> RequestGrammar:
         """A fresh grammar state for one request."""

@@ -5,7 +5,8 @@ Owns the contract between ``server.launch`` (the parent) and the two children, s
 never imports a child's module (and with it the engine or the tokenizer stack):
 
 * ``SCHEDULER_MODULE`` / ``DETOKENIZER_MODULE``: run as ``python -m MODULE ARGS_JSON``;
-* ``SchedulerProcArgs`` / ``DetokProcArgs``: the typed JSON argument of each;
+* ``SchedulerProcArgs`` / ``DetokProcArgs``: the typed JSON argument of each (and
+  ``GrammarWorkerArgs``, the API process's grammar sandbox workers', ``GRAMMAR_WORKER_MODULE``);
 * ``WATCHDOG_EXIT_CODE``: the scheduler's exit code when its watchdog fired;
 * ``child_startup``: decode the argument, configure logging with the process name in each line,
   and ignore SIGINT/SIGTERM. Ctrl-C or a TERM sent to the whole process group reaches the
@@ -30,6 +31,7 @@ A = TypeVar("A")
 
 SCHEDULER_MODULE = "lockgate.engine.process"
 DETOKENIZER_MODULE = "lockgate.tokenizer.process"
+GRAMMAR_WORKER_MODULE = "lockgate.grammar.worker"
 WATCHDOG_EXIT_CODE = 70
 
 
@@ -51,6 +53,19 @@ class DetokProcArgs(msgspec.Struct, frozen=True):
     scheduler_endpoint: str  # PUSH to the scheduler (aborts on stop strings)
     parent_pid: int
     log_level: str = "INFO"
+
+
+class GrammarWorkerArgs(msgspec.Struct, frozen=True):
+    """A grammar sandbox worker (``lockgate.grammar.sandbox``): the tokenizer the scheduler compiles
+    grammars with, and the limits a compile runs under."""
+
+    model: str  # the --model spec ("sim" selects the byte tokenizer)
+    model_dir: str | None
+    vocab_size: int  # the model's logits width (a mask row's bits)
+    eos_token_ids: list[int]
+    stack_bytes: int  # the compiling thread's stack
+    memory_bytes: int  # address space a compile may add to the loaded worker
+    log_level: str = "WARNING"
 
 
 def child_startup(argv: list[str] | None, args_type: type[A], name: str) -> A:

@@ -64,7 +64,12 @@ class UnloadAdapter(_Msg):
     name: str
 
 
-ToScheduler = AddRequest | AbortRequest | Shutdown | LoadAdapter | UnloadAdapter
+class Wake(_Msg):
+    """The scheduler process to itself, from a side thread: work finished off the loop (a grammar
+    compiled, an adapter read) waits to be taken in; an idle loop blocked on its socket wakes."""
+
+
+ToScheduler = AddRequest | AbortRequest | Shutdown | LoadAdapter | UnloadAdapter | Wake
 
 
 # ---- scheduler -> detokenizer ------------------------------------------------------------
@@ -195,3 +200,30 @@ class DetokenizerReady(_Msg):
 
 
 ToApi = TextBatch | DetokenizerReady | Fatal | Heartbeat | AdapterReply
+
+
+# ---- API <-> grammar worker (the grammar sandbox: one worker's stdin and stdout) -----------------
+class CompileJob(_Msg):
+    """A client's constraint to check: ``StructuredOutput`` (kind, value) as the request gave it."""
+
+    kind: str
+    value: str
+
+
+class CompileResult(_Msg):
+    """The worker's answer: ``text`` (the constraint as llguidance grammar text, compiled and probed
+    against the model's tokenizer) or ``error`` (what is wrong with it); ``seconds`` it took."""
+
+    text: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class WorkerReady(_Msg):
+    """A grammar worker loaded the tokenizer and waits for jobs."""
+
+    pid: int
+
+
+ToGrammarWorker = CompileJob
+FromGrammarWorker = CompileResult | WorkerReady

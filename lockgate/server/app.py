@@ -24,6 +24,7 @@ Invariant: no route answers 500 for bad input. Every outside input is parsed by
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -41,7 +42,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Scope
 
 from lockgate.config import ServerConfig
-from lockgate.httpguard import BearerAuth, BodyLimit
+from lockgate.httpguard import BearerAuth, BodyLimit, InternalErrors
 from lockgate.ipc.messages import EngineStats, Shutdown
 from lockgate.server import lora_api, openai_api, tgi_api
 from lockgate.server.context import APIError, ClientGone, ServerContext, parse_body
@@ -72,7 +73,10 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
+        warm = asyncio.create_task(_warm_grammar_sandbox(app.state.ctx), name="grammar-sandbox-warm-up")
         yield
+        warm.cancel()
+        await app.state.ctx.close()
         if on_stopping is not None:
             on_stopping()
         live = list(client.streams)
@@ -98,7 +102,8 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
         info = client.info
         return cfg.request_bytes_limit(info.max_model_len if info is not None else None)
 
-    # Outermost first: the key is checked before a body is read; the body limit before a route runs.
+    # Added innermost first: the key is checked before a body is read; the body limit before a route runs.
+    app.add_middleware(InternalErrors, render=refuse, logger=log)
     app.add_middleware(BodyLimit, limit=body_limit, flag="--max-request-bytes", render=refuse)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, render=refuse)
@@ -134,6 +139,14 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
         return _render(request, APIError(400, error_message(exc), param=error_param(exc, _OPENAI_FIELDS)))
 
     return app
+
+
+async def _warm_grammar_sandbox(ctx: ServerContext) -> None:
+    """Once the model is ready, start the first grammar worker (the first constrained request then
+    does not wait for it)."""
+    await ctx.client.ready.wait()
+    if ctx.client.failed is None:
+        ctx.grammar_sandbox().prepare()
 
 
 # ---- the OpenAPI document --------------------------------------------------------------------

@@ -25,10 +25,14 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from lockgate.config import ServerConfig
-from lockgate.grammar import GrammarCompiler, GrammarError
+from lockgate import jsonsafe
+from lockgate.config import ServerConfig, parse_size
+from lockgate.grammar import GrammarBusy, GrammarError
+from lockgate.grammar.sandbox import STACK_BYTES as SANDBOX_STACK_BYTES
+from lockgate.grammar.sandbox import GrammarSandbox
+from lockgate.ipc.child import GrammarWorkerArgs
 from lockgate.ipc.messages import Ready, TextOut
-from lockgate.sampling import SamplingParams, StructuredOutput, is_text
+from lockgate.sampling import SamplingParams, StructuredOutput
 from lockgate.server.errors import error_message, error_param
 from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream, SampleGroup
 from lockgate.server.metrics import Metrics
@@ -93,7 +97,7 @@ def _decode_body(raw: bytes, model: type[M]) -> M:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    problem = json_problem(data)
+    problem = jsonsafe.problem(data)
     if problem is not None:
         path, what = problem
         raise APIError(400, f"{path}: {what}" if path else what, param=path.split(".")[0].split("[")[0] or None)
@@ -103,36 +107,10 @@ def _decode_body(raw: bytes, model: type[M]) -> M:
         raise APIError(400, error_message(e), param=error_param(e, request_fields(model))) from None
 
 
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = jsonsafe.MAX_DEPTH
 INLINE_BODY_BYTES = 256 * 1024  # larger bodies are decoded and validated in a worker thread
 INLINE_TEXT_CHARS = 8192  # longer texts are tokenized in a worker thread (about 10 ms of work and up)
 INLINE_MESSAGES = 64  # so are chats with more messages (the template's loop costs even when they are empty)
-_INT_RANGE = (-(2**63), 2**64)  # signed and unsigned 64-bit: seeds are u64, everything else is smaller
-
-
-def json_problem(data: object) -> tuple[str, str] | None:
-    """The first thing in decoded JSON no route can use, as (path, what is wrong), or None.
-
-    Iterative (no recursion), so any depth json.loads produced is walked safely."""
-    stack: list[tuple[object, str, int]] = [(data, "", 1)]
-    while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                return path, f"nested too deeply: at most {MAX_JSON_DEPTH} levels of objects and arrays"
-            if isinstance(value, dict):
-                for k, v in value.items():
-                    if not is_text(k):
-                        return path, f"the key {k!r:.40} is not valid Unicode (a lone surrogate escape)"
-                    stack.append((v, f"{path}.{k}" if path else k, depth + 1))
-            else:
-                stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
-        elif isinstance(value, str):
-            if not is_text(value):
-                return path, "text is not valid Unicode: it contains a lone surrogate escape (\\ud800-\\udfff)"
-        elif type(value) is int and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
-            return path, f"the integer {value} is out of range: integers must fit in 64 bits"
-    return None
 
 
 class ClientGone(Exception):
@@ -146,7 +124,7 @@ class ServerContext:
     metrics: Metrics
     model_name: str
     api_key: str | None
-    _grammars: GrammarCompiler | None = field(default=None, init=False)  # made on the first constrained request
+    _sandbox: GrammarSandbox | None = field(default=None, init=False)  # made once the model is ready
 
     # ---- readiness and limits ------------------------------------------------------------
     @property
@@ -203,24 +181,35 @@ class ServerContext:
         return await asyncio.to_thread(run)
 
     # ---- output constraints ----------------------------------------------------------------
-    async def check_structured(self, so: StructuredOutput | None, param: str | None, status: int = 400) -> None:
-        """Compile ``so`` (cached) before anything is queued: an invalid schema, regex or grammar, or
-        one that does not compile within ``--grammar-compile-timeout``, is a ``status`` naming ``param``.
-        Compiling runs in a worker thread (llguidance releases the GIL), so other requests go on."""
+    def grammar_sandbox(self) -> GrammarSandbox:
+        """The worker processes that compile clients' constraints (made once the model is ready)."""
+        if self._sandbox is None:
+            info, cfg = self.info, self.cfg
+            spec = GrammarWorkerArgs(model=self.client.model_spec, model_dir=info.model_dir,
+                                     vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
+                                     stack_bytes=SANDBOX_STACK_BYTES, memory_bytes=parse_size(cfg.grammar_memory))
+            self._sandbox = GrammarSandbox(spec, workers=cfg.grammar_workers, queue_limit=cfg.grammar_queue_size,
+                                           timeout=cfg.grammar_compile_timeout)
+        return self._sandbox
+
+    async def compiled(self, so: StructuredOutput | None, param: str | None,
+                       status: int = 400) -> StructuredOutput | None:
+        """``so`` compiled in the grammar sandbox, as the constraint to submit; before anything is
+        queued. An invalid schema, regex or grammar, one that crashes the compiler or does not compile
+        within ``--grammar-compile-timeout``, is a ``status`` naming ``param``; a full sandbox queue a
+        429 with Retry-After. Nothing but this request waits for the compile."""
         if so is None:
-            return
-        if self._grammars is None:
-            tok = self.tokenizer
-            self._grammars = GrammarCompiler(lambda: tok, tok.vocab_size, tok.eos_token_ids)
-        await asyncio.to_thread(self._grammars.prepare)  # the tokenizer's trie, once: not the grammar's time
-        limit = self.cfg.grammar_compile_timeout
+            return None
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._grammars.compile, so), timeout=limit)
-        except TimeoutError:
-            raise APIError(status, f"the {so.kind} constraint did not compile within {limit:g} s "
-                                   "(--grammar-compile-timeout)", param=param) from None
+            return await self.grammar_sandbox().compile(so)
+        except GrammarBusy as e:
+            raise APIError(429, str(e), param=param, headers={"Retry-After": str(e.retry_after)}) from None
         except GrammarError as e:
             raise APIError(status, str(e), param=param) from None
+
+    async def close(self) -> None:
+        if self._sandbox is not None:
+            await self._sandbox.close()
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names, or None for the base model. A request may

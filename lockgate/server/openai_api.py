@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -36,6 +37,7 @@ from lockgate.server.tools import ToolCallStream, parse_tool_calls, render_conve
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
+log = logging.getLogger("lockgate.api")
 
 
 def ctx_of(request: Request) -> ServerContext:
@@ -136,9 +138,13 @@ def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list
                 yield last
             if attribution is not None:
                 yield attribution(by_choice)
-            yield "data: [DONE]\n\n"
+        except Exception as e:  # noqa: BLE001  (a stream that fails still ends as a stream: error, then [DONE])
+            log.exception("a stream failed while rendering its events")
+            yield sse({"error": {"message": f"internal error while streaming: {type(e).__name__}",
+                                 "type": "server_error", "code": 500}})
         finally:
             ctx.abort(streams)  # no-op for finished ones
+        yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -158,11 +164,11 @@ async def completions(request: Request) -> Response:
     texts_in = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await ctx.encode_all(texts_in)) if texts_in else iter([])
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
-    await ctx.check_structured(body.structured, body.structured_field)
+    structured = await ctx.compiled(body.structured, body.structured_field)
     jobs: list[tuple[list[int], SamplingParams]] = []
     for p_ids in ids:  # every prompt checked (ids against the vocabulary too) before any is decoded or sent
         max_tokens = ctx.check_prompt(p_ids, body.max_tokens if body.max_tokens is not None else 16)
-        params = dataclasses.replace(body.sampling_params(max_tokens), lora=lora)
+        params = dataclasses.replace(body.sampling_params(max_tokens), lora=lora, structured=structured)
         jobs += [(p_ids, sp) for sp in per_choice_params(params, body.n)]
     texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if body.echo else []
     streams = ctx.submit("cmpl", jobs)
@@ -236,7 +242,7 @@ async def chat_completions(request: Request) -> Response:
         choice = "required" if mode == "required" else {"function": {"name": body.tool_choice.name}}  # type: ignore[union-attr]
         params = dataclasses.replace(params, structured=tool_grammar(tools, choice))
         constraint_field = "tool_choice"
-    await ctx.check_structured(params.structured, constraint_field)
+    params = dataclasses.replace(params, structured=await ctx.compiled(params.structured, constraint_field))
     streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])
     rid, created = streams[0].rid, int(time.time())
 

@@ -16,7 +16,10 @@ routes); validation errors are 422 as in TGI.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +39,7 @@ from lockgate.server.context import (
 from lockgate.server.protocol import TGIGenerateRequest
 
 router = APIRouter()
+log = logging.getLogger("lockgate.api")
 
 TGI_PATHS = ("/generate", "/generate_stream", "/")
 
@@ -72,7 +76,7 @@ async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, A
         params = body.sampling_params()
     except ValueError as e:
         raise APIError(422, str(e)) from None
-    await ctx.check_structured(params.structured, "grammar", status=422)
+    params = dataclasses.replace(params, structured=await ctx.compiled(params.structured, "grammar", status=422))
     return ctx, body, ctx.submit("tgi", [(ids, params)])
 
 
@@ -162,6 +166,9 @@ def _stream(ctx: ServerContext, body: TGIGenerateRequest, streams: Any, attribut
                     yield f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
                 if o.finish_reason is not None and attribution:
                     yield usage_comment(o.num_prompt_tokens, o.cached_tokens)
+        except Exception as e:  # noqa: BLE001  (a stream that fails still ends with an error event)
+            log.exception("a TGI stream failed while rendering its events")
+            yield f"data:{json.dumps({'error': f'internal error while streaming: {type(e).__name__}', 'error_type': 'generation'})}\n\n"
         finally:
             ctx.abort(streams)
 

@@ -28,6 +28,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockgate import jsonsafe
 from lockgate.sampling import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -45,11 +46,7 @@ def _system_text(tools: list[dict[str, Any]]) -> str:
 
 def _call_text(call: dict[str, Any]) -> str:
     fn = call.get("function") or {}
-    args = fn.get("arguments")
-    try:
-        args = json.loads(args) if isinstance(args, str) else args
-    except json.JSONDecodeError:
-        pass
+    args = _loads(fn.get("arguments"))
     return f"{OPEN}\n{json.dumps({'name': fn.get('name'), 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
 
 
@@ -85,16 +82,23 @@ def render_conversation(messages: list[dict[str, Any]], tools: list[dict[str, An
 
 
 def _loads(args: Any) -> Any:
+    """A client's call arguments (JSON text) as an object, or the text itself if it is not JSON
+    within ``jsonsafe``'s limits."""
     if isinstance(args, str):
         try:
-            return json.loads(args)
-        except json.JSONDecodeError:
+            return jsonsafe.loads(args)
+        except ValueError:
             return args
     return args
 
 
 def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any]) -> StructuredOutput | None:
-    """The constraint ``tool_choice`` puts on the output: None for auto/none; one call otherwise."""
+    """The constraint ``tool_choice`` puts on the output: None for auto/none; one call otherwise.
+
+    Each function's ``parameters`` schema goes under the call schema's ``$defs`` (``tool0``,
+    ``tool1``, ...) with its own ``$ref`` pointers moved along (``#/$defs/Unit`` becomes
+    ``#/$defs/tool0/$defs/Unit``), so schemas that refer to their own ``$defs`` (as pydantic writes
+    them) mean the same inside the call as they do alone."""
     if choice in ("auto", "none"):
         return None
     if isinstance(choice, dict):
@@ -102,15 +106,32 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any]) -> S
         chosen = [t for t in tools if t["function"]["name"] == name]
     else:  # required
         chosen = tools
+    defs: dict[str, Any] = {}
 
-    def call_schema(t: dict[str, Any]) -> dict[str, Any]:
+    def call_schema(i: int, t: dict[str, Any]) -> dict[str, Any]:
         params = t["function"].get("parameters") or {"type": "object", "properties": {}}
-        return {"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": params},
+        defs[f"tool{i}"] = _moved_refs(params, f"#/$defs/tool{i}")
+        return {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                 "arguments": {"$ref": f"#/$defs/tool{i}"}},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
-    schema = call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [call_schema(t) for t in chosen]}
-    schema = {**schema, "x-guidance": JSON_STYLE}
+    calls = [call_schema(i, t) for i, t in enumerate(chosen)]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**schema, "$defs": defs, "x-guidance": JSON_STYLE}
     return StructuredOutput("lark", f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}')
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are data, not schemas
+
+
+def _moved_refs(node: Any, base: str) -> Any:
+    """A schema whose local ``$ref`` pointers (``#...``) are rebased under ``base``."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else v if k in _DATA_KEYWORDS else _moved_refs(v, base)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_moved_refs(v, base) for v in node]
+    return node
 
 
 @dataclass
@@ -125,14 +146,32 @@ class ToolCall:
 
 
 def _parse_block(body: str, names: set[str]) -> ToolCall | None:
+    """The call a ``<tool_call>`` block holds, or None if it is not one (then it stays text).
+
+    Total over any text a model can write: a block is a call only if it is JSON within
+    ``jsonsafe``'s limits (depth, valid Unicode), an object whose ``name`` is one of ``names`` and
+    whose ``arguments`` (or ``parameters``) is an object or JSON text of one."""
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+        obj = jsonsafe.loads(body)
+    except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):
+        try:
+            parsed = jsonsafe.loads(args)
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        return ToolCall(name, args)
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
