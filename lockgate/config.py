@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -418,6 +419,13 @@ class ServerConfig:
     grammar_queue_size: int = option(64, "constraints that may wait for a grammar worker; one more is a 429")
     grammar_memory: str = option("2GiB", "memory one grammar compile may take in its worker (beyond it the "
                                  "request is refused)")
+    allow_runtime_lora_updating: bool = option(False, "let clients load and unload LoRA adapters at run time "
+                                               "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter) without "
+                                               "--api-key; with a key they may (vLLM's "
+                                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True is honoured too)")
+    lora_root: tuple[str, ...] = option((), "directories run-time LoRA loads may read from (a lora_path elsewhere "
+                                        "is refused with the same 400 whether it exists or not); default: any "
+                                        "directory the server can read", nargs="+")
     ray: bool = option(False, "place the engine replicas on a Ray cluster (pip install 'lockgate[ray]'): "
                        "--replicas of them as Ray actors, behind a gateway on --host/--port that finds them through Ray")
     ray_address: str | None = option(None, "with --ray: the cluster to join (host:port of its head, or 'auto'); "
@@ -429,6 +437,10 @@ class ServerConfig:
                                    "binding --host/--port (how serve --dp hands each replica the port it reserved)")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_root", tuple(self.lora_root or ()))
+        for root in self.lora_root:
+            if not os.path.isdir(root):
+                raise ValueError(f"--lora-root {root}: not a directory")
         if not (math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0):
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.grammar_workers < 1:

@@ -125,11 +125,12 @@ def smol_fp32():
 
 @pytest.fixture(scope="session")
 def smol_server():
-    """A real ``lockgate serve`` on the default model (defaults, a 64k-token pool), shared by the
-    modules that drive it over HTTP; stopped by process id at the end of the session."""
+    """A real ``lockgate serve`` on the default model (defaults, a 64k-token pool, run-time LoRA
+    loads allowed), shared by the modules that drive it over HTTP; stopped by process id at the end
+    of the session."""
     from server_util import ServerProc
 
-    s = ServerProc("--model", "default", "--max-total-tokens", "65536")
+    s = ServerProc("--model", "default", "--max-total-tokens", "65536", "--allow-runtime-lora-updating")
     try:
         yield s.wait_ready(timeout=300)
     finally:

@@ -43,7 +43,7 @@ def sim_lora(tmp_path_factory):
     root = tmp_path_factory.mktemp("sim-adapters")
     paths = {n: sim_adapter(root / n) for n in ("a", "b", "c")}
     s = ServerProc(*SIM, "--lora-modules", f"a={paths['a']}", f'{{"name": "b", "path": "{paths["b"]}"}}',
-                   "--max-loras", "1")
+                   "--max-loras", "1", "--allow-runtime-lora-updating")
     try:
         yield s.wait_ready(), paths
     finally:
@@ -134,7 +134,7 @@ def test_a_bad_lora_module_at_start_fails_fast_naming_it(tmp_path) -> None:
 
 def test_the_gateway_broadcasts_adapter_changes_and_routes_by_adapter(tmp_path) -> None:
     path = sim_adapter(tmp_path / "g")
-    reps = [ServerProc(*SIM).wait_ready() for _ in range(2)]
+    reps = [ServerProc(*SIM, "--allow-runtime-lora-updating").wait_ready() for _ in range(2)]
     gw = None
     try:
         gw = start_gateway(*(a for r in reps for a in ("--replica", r.url)))

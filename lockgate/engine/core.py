@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import EngineConfig
 from lockgate.engine.forecast import Forecast, StepRates, estimate
 from lockgate.engine.grammar_wait import GrammarWait
+from lockgate.engine.side_thread import SideThread
 from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
@@ -74,6 +76,10 @@ class EngineCore:
         self.adapters: dict[str, tuple[int, AdapterInfo]] = {}
         self._adapter_uids = itertools.count(1)
         self._unloading: set[int] = set()
+        self._reading: set[str] = set()  # names whose files are being read on the side thread
+        self._reads: list[tuple[str, str, bool, AdapterInfo | None, object, str | None]] = []
+        self._reads_lock = threading.Lock()
+        self._adapter_side = SideThread("adapter-read", wake)
         if cfg.lora.enable_lora:
             self.runner.enable_lora(cfg.lora.max_loras, cfg.lora.max_lora_rank)
             self.scheduler.lora = AdapterSlots(cfg.lora.max_loras, self.runner.put_adapter)
@@ -104,8 +110,8 @@ class EngineCore:
         req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params)
         if params.lora is not None:
             if params.lora not in self.adapters:
-                raise RequestRejected(f"unknown LoRA adapter {params.lora!r} (loaded: "
-                                      f"{', '.join(sorted(self.adapters)) or 'none'})")
+                raise RequestRejected(f"the LoRA adapter {params.lora!r} is not loaded (loaded: "
+                                      f"{', '.join(sorted(self.adapters)) or 'none'})", status=404)
             req.adapter = self.adapters[params.lora][0]
         if self.scheduler.get(req.rid) is not None or req.rid in self.grammar_wait:
             raise RequestRejected(f"duplicate request id {req.rid!r}")
@@ -138,18 +144,63 @@ class EngineCore:
 
     # ---- LoRA adapters -------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
-        """Read, check and register the PEFT adapter at ``path`` as ``name``; ValueError saying why
-        not (LoRA off, the name taken, or what is wrong with the files). Other adapters and the
+        """Read, check and register the PEFT adapter at ``path`` as ``name``, now; ValueError saying
+        why not (LoRA off, the name taken, or what is wrong with the files). Other adapters and the
         requests in flight are not affected either way. ``replace``: an adapter already named so
         is swapped for this one once it loaded (its running requests finish on the old weights)."""
+        self._check_new_adapter(name, replace)
+        info, weights = self.runner.read_adapter(name, path)
+        return self._install_adapter(name, info, weights, replace)
+
+    def read_adapter_aside(self, ticket: str, name: str, path: str, replace: bool = False) -> None:
+        """``load_adapter`` with the files read and checked on a side thread while steps go on; the
+        adapter is registered by the ``take_adapter_reads`` after the read ends. ValueError now if the
+        name cannot be taken (LoRA off, the name taken or being read)."""
+        self._check_new_adapter(name, replace)
+        self._reading.add(name)
+
+        def read() -> None:
+            info, weights, error = None, None, None
+            try:
+                info, weights = self.runner.read_adapter(name, path)
+            except (ValueError, OSError) as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001  (a hostile file may break a reader anyhow: its load fails)
+                error = f"LoRA adapter {path}: cannot be read ({type(e).__name__}: {e})"
+            with self._reads_lock:
+                self._reads.append((ticket, name, replace, info, weights, error))
+
+        self._adapter_side.submit(read)
+
+    def take_adapter_reads(self) -> list[tuple[str, str, str | None]]:
+        """Adapters whose side-thread read ended since the last call, registered now if they are
+        good: (ticket, name, error or None), each once."""
+        if not self._reads:
+            return []
+        with self._reads_lock:
+            reads, self._reads = self._reads, []
+        out = []
+        for ticket, name, replace, info, weights, error in reads:
+            self._reading.discard(name)
+            if error is None:
+                assert info is not None
+                self._install_adapter(name, info, weights, replace)
+            out.append((ticket, name, error))
+        return out
+
+    def _check_new_adapter(self, name: str, replace: bool) -> None:
         if not self.cfg.lora.enable_lora:
             raise ValueError("LoRA adapters are disabled (--no-enable-lora)")
         if not isinstance(name, str) or not name.strip():
             raise ValueError("a LoRA adapter needs a non-empty name")
+        if name in self._reading:
+            raise ValueError(f"a LoRA adapter named {name!r} is being loaded already")
         if name in self.adapters and not replace:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
+
+    def _install_adapter(self, name: str, info: AdapterInfo, weights: object, replace: bool) -> AdapterInfo:
         uid = next(self._adapter_uids)
-        info = self.runner.load_adapter(uid, name, path)
+        self.runner.add_adapter(uid, weights)
         if name in self.adapters:
             self.unload_adapter(name)
         self.adapters[name] = (uid, info)

@@ -1,33 +1,30 @@
 """Requests waiting for their grammar, compiled off the scheduler's loop (vLLM's WAITING_FOR_FSM).
 
 Owns ``GrammarWait``: a constrained request whose matcher is not in the compiler's cache is parked
-here while one background thread builds it (llguidance releases the GIL, so the loop's steps go on
-meanwhile), then handed back by ``take()`` to join the scheduler's waiting queue. A grammar that
-compiles slowly delays its own request only; every other stream keeps its pace.
+here while a side thread (``engine.side_thread``) builds it (llguidance releases the GIL, so the
+loop's steps go on meanwhile), then handed back by ``take()`` to join the scheduler's waiting queue.
+A grammar that compiles slowly delays its own request only; every other stream keeps its pace.
 
-The thread's stack is ``STACK_BYTES``, several times the grammar sandbox worker's
-(``grammar.sandbox.STACK_BYTES``): in the server every grammar reaching here compiled in a worker
-first, with the same code over the same tokenizer, so one whose parse recursed past the worker's
-stack was refused there and never reaches this process.
+The side thread's stack is several times the grammar sandbox worker's: in the server every grammar
+reaching here compiled in a worker first, with the same code over the same tokenizer, so one whose
+parse recursed past the worker's stack was refused there and never reaches this process.
 
 Invariants: a request is in here or in the scheduler, never both; ``take()`` returns each parked
 request exactly once, with its grammar or with the error that refused it, unless ``abort`` took it
-out first; ``wake`` (if given) is called from the compile thread each time a result is ready, so an
+out first; ``wake`` (if given) is called from the side thread each time a result is ready, so an
 idle loop blocked on its socket can be woken to collect it.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lockgate.engine.side_thread import SideThread
 from lockgate.grammar import GrammarCompiler, GrammarError, RequestGrammar
 from lockgate.sampling import StructuredOutput
 from lockgate.scheduler.request import Request
-
-STACK_BYTES = 256 * 1024 * 1024  # virtual; only the pages a compile touches are committed
 
 
 @dataclass
@@ -40,12 +37,10 @@ class Compiled:
 class GrammarWait:
     def __init__(self, compiler: Callable[[], GrammarCompiler], wake: Callable[[], None] | None = None) -> None:
         self._compiler = compiler
-        self._wake = wake
-        self._jobs: queue.SimpleQueue[tuple[Request, StructuredOutput] | None] = queue.SimpleQueue()
+        self._side = SideThread("grammar-compile", wake)
         self._done: list[Compiled] = []
         self._parked: dict[str, Request] = {}  # rid -> request, until take() or abort()
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
 
     def __len__(self) -> int:
         """Requests parked (compiling, or compiled and not yet taken)."""
@@ -63,8 +58,7 @@ class GrammarWait:
 
     def park(self, req: Request, so: StructuredOutput) -> None:
         self._parked[req.rid] = req
-        self._ensure_thread()
-        self._jobs.put((req, so))
+        self._side.submit(lambda: self._compile(req, so))
 
     def take(self) -> list[Compiled]:
         """The parked requests whose compile ended (grammar or error), each once."""
@@ -84,35 +78,17 @@ class GrammarWait:
         return self._parked.pop(rid, None)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
+        self._side.close()
 
-    def _ensure_thread(self) -> None:
-        if self._thread is not None:
-            return
-        previous = threading.stack_size(STACK_BYTES)
+    def _compile(self, req: Request, so: StructuredOutput) -> None:
+        if req.rid not in self._parked:
+            return  # aborted while it waited
         try:
-            self._thread = threading.Thread(target=self._run, name="grammar-compile", daemon=True)
-            self._thread.start()
-        finally:
-            threading.stack_size(previous)
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            req, so = job
-            if req.rid not in self._parked:
-                continue  # aborted while it waited
-            try:
-                result = Compiled(req, self._compiler().matcher(so))
-            except GrammarError as e:
-                result = Compiled(req, None, str(e))
-            except Exception as e:  # noqa: BLE001  (the loop must hear of every end, whatever it was)
-                result = Compiled(req, None, f"the constraint could not be compiled: {type(e).__name__}: {e}")
-            with self._cond:
-                self._done.append(result)
-                self._cond.notify_all()
-            if self._wake is not None:
-                self._wake()
+            result = Compiled(req, self._compiler().matcher(so))
+        except GrammarError as e:
+            result = Compiled(req, None, str(e))
+        except Exception as e:  # noqa: BLE001  (the loop must hear of every end, whatever it was)
+            result = Compiled(req, None, f"the constraint could not be compiled: {type(e).__name__}: {e}")
+        with self._cond:
+            self._done.append(result)
+            self._cond.notify_all()

@@ -196,7 +196,8 @@ class SchedulerProcess:
         threading.Thread(target=run, name="heartbeat", daemon=True).start()
 
     def _wake(self) -> None:
-        """Called from side threads (a grammar compiled): wake the loop if it is blocked on its socket."""
+        """Called from side threads (a grammar compiled, an adapter read): wake the loop if it is
+        blocked on its socket."""
         with self._wake_lock:
             self._wake_out.try_send(Wake())
 
@@ -207,6 +208,7 @@ class SchedulerProcess:
             if not self.handle(msgs):
                 self.out.send(Shutdown())  # the detokenizer goes too
                 return
+            self.adapter_reads()
             if any(isinstance(m, AddRequest) for m in msgs):
                 self.send([])  # the forecast with the new arrivals, before a step that may take long
             if self.engine.has_work:
@@ -239,7 +241,7 @@ class SchedulerProcess:
             elif isinstance(m, LoadAdapter | UnloadAdapter):
                 self.adapter_change(m)
             elif isinstance(m, Wake):
-                pass  # what finished off the loop is taken in by the next step
+                pass  # what finished off the loop is taken in below (adapter reads) or by the next step
             else:
                 log.info("shutdown requested; aborting %d running and %d waiting requests",
                          len(self.engine.running), self.engine.num_waiting)
@@ -250,13 +252,15 @@ class SchedulerProcess:
         return [AdapterCard(name, info.path, info.rank, info.modules) for name, (_, info) in self.engine.adapters.items()]
 
     def adapter_change(self, m: LoadAdapter | UnloadAdapter) -> None:
-        """Load or unload a LoRA adapter between steps; the answer goes back to the API (an error
-        there changes nothing and leaves every request running)."""
+        """Load or unload a LoRA adapter; the answer goes back to the API (an error there changes
+        nothing and leaves every request running). A load's files are read and checked on a side
+        thread (``EngineCore.read_adapter_aside``) and answered by ``adapter_reads`` once done."""
         error, status = None, 200
         try:
             if isinstance(m, LoadAdapter):
-                self.engine.load_adapter(m.name, m.path, replace=m.replace)
-            elif m.name not in self.engine.adapters:
+                self.engine.read_adapter_aside(m.ticket, m.name, m.path, replace=m.replace)
+                return
+            if m.name not in self.engine.adapters:
                 error, status = f"no LoRA adapter named {m.name!r} is loaded", 404
             else:
                 self.engine.unload_adapter(m.name)
@@ -266,12 +270,19 @@ class SchedulerProcess:
             log.warning("LoRA adapter %r not loaded: %s", m.name, e)
         self.out.send(AdapterReply(m.ticket, self._adapter_cards(), error, status))
 
+    def adapter_reads(self) -> None:
+        """Answer the loads whose side-thread read ended (the adapter is registered if it was good)."""
+        for ticket, name, error in self.engine.take_adapter_reads():
+            if error is not None:
+                log.warning("LoRA adapter %r not loaded: %s", name, error)
+            self.out.send(AdapterReply(ticket, self._adapter_cards(), error, 400 if error is not None else 200))
+
     def add(self, m: AddRequest) -> None:
         self.out.send(Register(m.rid, list(m.params.stop), m.params.skip_special_tokens))
         try:
             req = self.engine.add_request(m.prompt_ids, m.params, rid=m.rid)
         except RequestRejected as e:
-            self.pending.append(TokenOut(m.rid, [], finish_reason="error", error=str(e),
+            self.pending.append(TokenOut(m.rid, [], finish_reason="error", error=str(e), status=e.status,
                                          num_prompt_tokens=len(m.prompt_ids)))
             return
         self.requests[m.rid] = (req, max(0.0, time.time() - m.arrival_time))
@@ -281,7 +292,7 @@ class SchedulerProcess:
         while self.engine.rejected:
             rid, why = self.engine.rejected.pop()
             out = self._token_out(rid, None, None)
-            out.finish_reason, out.error = "error", why
+            out.finish_reason, out.error, out.status = "error", why, 400
             self.pending.append(out)
 
     def step(self) -> None:

@@ -94,6 +94,7 @@ class TokenOut(_Msg):
     cached_tokens: int = 0
     queue_seconds: float | None = None  # on the first output: arrival -> first scheduled
     error: str | None = None  # with finish_reason "error": what went wrong
+    status: int = 0  # with an error: the HTTP status it means (404 an adapter gone, 400 a refused request); 0: 500
 
 
 class AdapterCard(msgspec.Struct, omit_defaults=True):

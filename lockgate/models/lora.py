@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lockgate.checkpoint.peft import WEIGHTS, AdapterInfo, read_adapter_config
+from lockgate.checkpoint.peft import WEIGHTS, AdapterInfo, inside, read_adapter_config
 from lockgate.layers.lora import LORA_ROLES, AdapterWeights, LoraUpdate
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -53,9 +53,18 @@ class LoraTargets:
     modules: dict[str, ModuleTarget]
 
 
+def max_weights_bytes(targets: LoraTargets, max_rank: int) -> int:
+    """The largest ``adapter_model.safetensors`` an adapter within ``max_rank`` can need (every
+    target in every layer at that rank, 8-byte floats, plus room for the header): a larger file is
+    refused before it is read."""
+    per_layer = sum((t.k + t.hi - t.lo) * max_rank for t in targets.modules.values())
+    return per_layer * targets.num_layers * 8 + 16 * 1024 * 1024
+
+
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's alpha_pattern / rank_pattern lookup: a key matches a module path equal to it or
-    ending in ``.key`` (keys may be regular expressions)."""
+    ending in ``.key`` (keys are module names, ``checkpoint.peft`` checked; PEFT's ``.`` as any
+    character is kept)."""
     for key, value in patterns.items():
         if module == key or module.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", module):
             return value
@@ -73,6 +82,12 @@ def load_adapter(name: str, path: str | Path, targets: LoraTargets, max_rank: in
         other = sorted(p.name for p in path.glob("adapter_model.*"))
         raise ValueError(f"LoRA adapter {path}: no {WEIGHTS}" + (f" (found {', '.join(other)}: only safetensors "
                                                                   f"are read)" if other else ""))
+    if not inside(weights_path, path):
+        raise ValueError(f"LoRA adapter {path}: {WEIGHTS} is a link to a file outside the adapter directory")
+    size, limit = weights_path.stat().st_size, max_weights_bytes(targets, max_rank)
+    if size > limit:
+        raise ValueError(f"LoRA adapter {path}: {WEIGHTS} is {size} bytes, more than an adapter of this model "
+                         f"within --max-lora-rank {max_rank} can need ({limit} bytes)")
     tensors: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as f:
@@ -96,8 +111,7 @@ def load_adapter(name: str, path: str | Path, targets: LoraTargets, max_rank: in
         pairs.setdefault((layer, module), {})[ab] = (key, t)
     if not pairs:
         raise ValueError(f"LoRA adapter {path}: {WEIGHTS} holds no LoRA weights")
-    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
-    rslora = bool(cfg.get("use_rslora", False))
+    alpha, rslora = cfg.lora_alpha, cfg.use_rslora
     layers: list[dict[str, list[tuple[ModuleTarget, torch.Tensor, torch.Tensor]]]] = [
         {} for _ in range(targets.num_layers)]
     top_rank = 0
@@ -119,7 +133,7 @@ def load_adapter(name: str, path: str | Path, targets: LoraTargets, max_rank: in
             raise ValueError(f"LoRA adapter {path}: rank {r} ({ka}) is above --max-lora-rank {max_rank}"
                              if r > max_rank else f"LoRA adapter {path}: {ka} has rank 0")
         full = ka[:ka.index(".lora_A")] if ".lora_A" in ka else ka
-        mod_alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, full, alpha))
+        mod_alpha = float(_pattern_value(cfg.alpha_pattern, full, alpha))
         scale = mod_alpha / (math.sqrt(r) if rslora else r)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ValueError(f"LoRA adapter {path}: layer {layer} {module} has non-finite weights")
@@ -128,7 +142,7 @@ def load_adapter(name: str, path: str | Path, targets: LoraTargets, max_rank: in
     weights = AdapterWeights([{role: _fuse(parts, dtype) for role, parts in layer.items()} for layer in layers])
     modules = sorted({module for _, module in pairs})
     info = AdapterInfo(name=name, path=str(path), rank=top_rank, alpha=alpha, modules=modules,
-                       base_model=cfg.get("base_model_name_or_path"), nbytes=weights.nbytes,
+                       base_model=cfg.base_model, nbytes=weights.nbytes,
                        extra={"rslora": rslora})
     return info, weights
 

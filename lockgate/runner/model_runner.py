@@ -162,15 +162,20 @@ class ModelRunner:
         self.lora_slots = LoraSlots(max_loras, self.model.args.num_layers)
         self.max_lora_rank = max_rank
 
-    def load_adapter(self, uid: int, name: str, path: str) -> AdapterInfo:
-        """Read and check a PEFT adapter (ValueError saying what is wrong); kept until ``drop_adapter``."""
+    def read_adapter(self, name: str, path: str) -> tuple[AdapterInfo, object]:
+        """Read and check a PEFT adapter (ValueError saying what is wrong); changes nothing here (it
+        runs on the scheduler process's side thread while steps go on)."""
         if self.lora_slots is None:
             raise ValueError("LoRA is not enabled (start without --no-enable-lora)")
         info, weights = load_adapter(name, path, self.model.args.lora_targets(), self.max_lora_rank, self.dtype)
-        self._adapters[uid] = weights
-        log.info("LoRA adapter %r loaded from %s: rank %d, %s, %.1f MiB", name, info.path, info.rank,
+        log.info("LoRA adapter %r read from %s: rank %d, %s, %.1f MiB", name, info.path, info.rank,
                  "/".join(info.modules), info.nbytes / 2**20)
-        return info
+        return info, weights
+
+    def add_adapter(self, uid: int, weights: object) -> None:
+        """Keep ``read_adapter``'s weights as adapter ``uid`` until ``drop_adapter``."""
+        assert isinstance(weights, AdapterWeights)
+        self._adapters[uid] = weights
 
     def drop_adapter(self, uid: int) -> None:
         self._adapters.pop(uid, None)

@@ -50,17 +50,19 @@ class SimRunner:
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         self.slot_uid, self.max_lora_rank = [0] * max_loras, max_rank
 
-    def load_adapter(self, uid: int, name: str, path: str) -> AdapterInfo:
+    def read_adapter(self, name: str, path: str) -> tuple[AdapterInfo, object]:
         if self.slot_uid is None:
             raise ValueError("LoRA is not enabled (start without --no-enable-lora)")
         cfg = read_adapter_config(Path(path))
-        rank = int(cfg.get("r", 8))
-        if not 1 <= rank <= self.max_lora_rank:
-            raise ValueError(f"LoRA adapter {path}: rank {rank} is above --max-lora-rank {self.max_lora_rank}")
-        info = AdapterInfo(name=name, path=str(path), rank=rank, alpha=float(cfg.get("lora_alpha", rank)),
-                           modules=sorted(cfg.get("target_modules") or []), base_model=cfg.get("base_model_name_or_path"))
-        self.adapters[uid] = info
-        return info
+        if cfg.r > self.max_lora_rank:
+            raise ValueError(f"LoRA adapter {path}: rank {cfg.r} is above --max-lora-rank {self.max_lora_rank}")
+        info = AdapterInfo(name=name, path=str(path), rank=cfg.r, alpha=cfg.lora_alpha,
+                           modules=sorted(cfg.target_modules), base_model=cfg.base_model)
+        return info, info
+
+    def add_adapter(self, uid: int, weights: object) -> None:
+        assert isinstance(weights, AdapterInfo)
+        self.adapters[uid] = weights
 
     def drop_adapter(self, uid: int) -> None:
         self.adapters.pop(uid, None)

@@ -86,7 +86,12 @@ I64 = np.int64
 
 
 class RequestRejected(ValueError):
-    """The request can never run here (too long for the context or the pool, bad ids)."""
+    """The request can never run here (too long for the context or the pool, bad ids, an adapter
+    not loaded); ``status`` is the HTTP status it means (400, or 404 for a missing adapter)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass

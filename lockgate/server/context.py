@@ -34,7 +34,7 @@ from lockgate.ipc.child import GrammarWorkerArgs
 from lockgate.ipc.messages import Ready, TextOut
 from lockgate.sampling import SamplingParams, StructuredOutput
 from lockgate.server.errors import error_message, error_param
-from lockgate.server.frontend import EngineClient, EngineUnavailable, RequestStream, SampleGroup
+from lockgate.server.frontend import AdapterGone, EngineClient, EngineUnavailable, RequestStream, SampleGroup
 from lockgate.server.metrics import Metrics
 from lockgate.server.protocol import request_fields
 from lockgate.tokenizer.tokenizer import Tokenizer
@@ -303,6 +303,10 @@ class ServerContext:
         except EngineUnavailable as e:
             self.abort(streams)
             raise APIError(503, str(e)) from None
+        except AdapterGone as e:
+            self.abort(streams)
+            raise APIError(404, f"The model `{e.name}` does not exist: the LoRA adapter {e.name!r} is not loaded "
+                                "(it was unloaded)", param="model") from None
         except BaseException:
             self.abort(streams)  # the ones already sent; the failing one was never registered
             raise

@@ -70,6 +70,14 @@ class EngineUnavailable(RuntimeError):
     """The engine is not ready yet or has failed."""
 
 
+class AdapterGone(LookupError):
+    """A request names a LoRA adapter that is not loaded, or is being unloaded."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 @dataclass(eq=False)
 class SampleGroup:
     """The n engine requests of one prompt (a parallel sampling group), for the per-group metrics."""
@@ -172,8 +180,13 @@ class EngineClient:
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                group: SampleGroup | None = None) -> RequestStream:
+        """Send one request. ``AdapterGone`` if its LoRA adapter is not loaded (any more): checked
+        here, in the same event-loop turn as the send, so no request for an adapter leaves after the
+        adapter's unload did (the channel is FIFO: one sent before it keeps its adapter to the end)."""
         if self.failed is not None or self.info is None:
             raise EngineUnavailable(self.failed or "the model is still loading")
+        if params.lora is not None and params.lora not in self.adapters:
+            raise AdapterGone(params.lora)
         stream = RequestStream(rid, len(prompt_ids), group=group)
         if group is not None:
             group.pending += 1
@@ -187,9 +200,14 @@ class EngineClient:
 
     async def change_adapter(self, msg: LoadAdapter | UnloadAdapter, timeout: float) -> AdapterReply:
         """Send a LoRA load/unload to the scheduler and wait for its answer (``msg.ticket`` is
-        set here); EngineUnavailable if the engine is down or does not answer within ``timeout``."""
+        set here); EngineUnavailable if the engine is down or does not answer within ``timeout``.
+        An unload takes the adapter out of ``adapters`` at once: from here on a request naming it is
+        a 404, and every one sent before keeps it (the scheduler unloads after them)."""
         if self.failed is not None or self.info is None:
             raise EngineUnavailable(self.failed or "the model is still loading")
+        if isinstance(msg, UnloadAdapter) and msg.name in self.adapters:
+            del self.adapters[msg.name]
+            self.unloaded.add(msg.name)
         msg.ticket = self.new_id("lora")
         reply: asyncio.Future[AdapterReply] = asyncio.get_running_loop().create_future()
         self._adapter_replies[msg.ticket] = reply

@@ -31,6 +31,7 @@ from lockgate.ipc.messages import TextOut
 from lockgate.sampling import SamplingParams
 from lockgate.server.context import APIError, ServerContext, usage_comment, usage_headers, wants_usage_comment
 from lockgate.server.context import parse_body as parse
+from lockgate.server.errors import openai_error
 from lockgate.server.frontend import RequestStream
 from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 from lockgate.server.tools import ToolCallStream, parse_tool_calls, render_conversation, tool_grammar
@@ -100,7 +101,8 @@ def finished_ok(results: list[list[TextOut]]) -> list[list[TextOut]]:
     server (shutdown, an unresponsive engine) a 503."""
     for outs in results:
         if outs and outs[-1].error is not None:
-            raise APIError(503 if outs[-1].finish_reason == "abort" else 500, outs[-1].error)
+            raise APIError(503 if outs[-1].finish_reason == "abort" else outs[-1].status or 500, outs[-1].error,
+                           param="model" if outs[-1].status == 404 else None)
         if outs and outs[-1].finish_reason == "error":
             raise APIError(500, "internal error")
     return results
@@ -108,8 +110,8 @@ def finished_ok(results: list[list[TextOut]]) -> list[list[TextOut]]:
 
 def error_event(o: TextOut) -> str:
     """The SSE event that ends a stream whose request failed in the engine or was cut by the server."""
-    code = 503 if o.finish_reason == "abort" else 500
-    return sse({"error": {"message": o.error or "internal error", "type": "server_error", "code": code}})
+    code = 503 if o.finish_reason == "abort" else o.status or 500
+    return sse(openai_error(o.error or "internal error", code, "model" if code == 404 else None))
 
 
 def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list[str],

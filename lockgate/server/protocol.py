@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -437,11 +438,31 @@ class LoadLoraAdapterRequest(_Model):
     lora_path: str = Field(min_length=1, max_length=4096)
     load_inplace: bool = False
 
+    @field_validator("lora_name", "lora_path")
+    @classmethod
+    def _printable(cls, v: str, info: ValidationInfo) -> str:
+        return printable(v, info.field_name or "value")
+
 
 class UnloadLoraAdapterRequest(_Model):
     """POST /v1/unload_lora_adapter (vLLM's body; its ``lora_int_id`` is ignored: names are unique)."""
 
     lora_name: str = Field(min_length=1, max_length=256)
+
+    @field_validator("lora_name")
+    @classmethod
+    def _printable(cls, v: str) -> str:
+        return printable(v, "lora_name")
+
+
+def printable(v: str, name: str) -> str:
+    """``v`` if it has no control character (NUL, newlines, escapes) and is not only spaces."""
+    bad = next((c for c in v if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    if bad is not None:
+        raise ValueError(f"{name} must not contain control characters (found {bad!r})")
+    if not v.strip():
+        raise ValueError(f"{name} must not be blank")
+    return v
 
 
 class TokenizeRequest(_Model):

@@ -90,7 +90,7 @@ async def _whole(request: Request, ctx: ServerContext, body: TGIGenerateRequest,
     outs = (await ctx.collect(request, streams))[0]
     last = outs[-1]
     if last.finish_reason == "error" or last.error is not None:
-        raise APIError(503 if last.finish_reason == "abort" else 500, last.error or "internal error")
+        raise APIError(503 if last.finish_reason == "abort" else last.status or 500, last.error or "internal error")
     text = "".join(o.text for o in outs)
     if body.parameters.return_full_text:
         text = body.inputs + text
