@@ -419,6 +419,9 @@ class ServerConfig:
     grammar_queue_size: int = option(64, "constraints that may wait for a grammar worker; one more is a 429")
     grammar_memory: str = option("2GiB", "memory one grammar compile may take in its worker (beyond it the "
                                  "request is refused)")
+    http_header_timeout: float = option(10.0, "seconds a client has to send a request's headers, from connecting "
+                                        "or from its previous response; a slower connection is closed")
+    http_keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection stays open")
     allow_runtime_lora_updating: bool = option(False, "let clients load and unload LoRA adapters at run time "
                                                "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter) without "
                                                "--api-key; with a key they may (vLLM's "
@@ -443,6 +446,10 @@ class ServerConfig:
                 raise ValueError(f"--lora-root {root}: not a directory")
         if not (math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0):
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
+        for flag, v in (("--http-header-timeout", self.http_header_timeout),
+                        ("--http-keep-alive-timeout", self.http_keep_alive_timeout)):
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{flag} must be > 0 seconds, got {v}")
         if self.grammar_workers < 1:
             raise ValueError(f"--grammar-workers must be >= 1, got {self.grammar_workers}")
         if self.grammar_queue_size < 1:

@@ -9,7 +9,9 @@ use 127.0.0.1). The replica servers are stopped through the gateway (SIGTERM dra
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -27,12 +29,16 @@ import ray  # noqa: E402  (in the test extra: a missing Ray fails here rather th
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 1024 * 1024,
-             namespace="lockgate-tests")
+    from lockgate.fleet.ray_fleet import private_ray_dir
+
+    temp = private_ray_dir()  # a new cluster, whatever another run left in /tmp/ray
+    ray.init(address="local", _temp_dir=temp, num_cpus=6, include_dashboard=False, log_to_driver=False,
+             object_store_memory=100 * 1024 * 1024, namespace="lockgate-tests")
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def members(url: str) -> list[dict]:
@@ -187,3 +193,73 @@ def test_a_real_model_replica_on_ray(cluster) -> None:
         assert out.choices[0].message.content and out.usage.completion_tokens > 0
     finally:
         assert s.stop() == 0
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every process below them (from /proc's parent links)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = set(roots), set(roots)
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _using(text: str) -> set[int]:
+    """Processes whose command line mentions ``text`` (Ray's head processes name their temp dir)."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.add(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def test_a_local_cluster_is_private_and_a_hard_kill_leaves_nothing_that_stops_the_next(tmp_path) -> None:
+    """``serve --ray`` with no --ray-address starts a cluster of its own: a stale ``RAY_ADDRESS`` does not
+    send it elsewhere, and after SIGTERM then SIGKILL to its process group a second later (a supervisor's
+    way), its Ray processes go and the next ``serve --ray`` starts and serves."""
+    env = {**LOOPBACK, "RAY_ADDRESS": "127.0.0.1:9"}  # a cluster that is not there
+    first = ServerProc("--ray", "--replicas", "1", *SIM, env=env)
+    started: set[int] = set()
+    try:
+        first.wait_ready(180)
+        ms = wait_for(lambda: len(healthy(first.url)) == 1 and members(first.url), 120, "a healthy replica")
+        temp = f"lockgate-ray-{first.proc.pid}-"
+        started = _descendants({first.proc.pid, *_using(temp), ms[0]["actor_pid"], ms[0]["pid"]})
+        assert len(started) > 3, started  # the server, Ray's head processes, the actor, its server
+        group = os.getpgid(first.proc.pid)
+        os.killpg(group, signal.SIGTERM)
+        time.sleep(1.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        first.proc.wait(10)
+        deadline = time.monotonic() + 60
+        while any(pid_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = {p for p in started if pid_alive(p)}
+        assert not left, f"processes of the killed server still run: {left}"
+        second = RayServe.__new__(RayServe)
+        second.server, second.seen_pids = ServerProc("--ray", "--replicas", "1", *SIM, env=env), set()
+        second.url = second.server.url
+        try:
+            second.ready(1, timeout=180)
+            assert complete(second.url, "after a hard kill").status_code == 200
+        finally:
+            assert second.stop() == 0
+    finally:
+        first.stop()
+        for p in started:
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -22,6 +22,9 @@ its server gets SIGTERM and finishes what it is running, and only then is the ac
 Invariants: ``urls`` never lists a draining replica; every actor this fleet started is either
 listed in ``members`` or has been killed; the gateway's own process never runs an engine.
 
+Without ``--ray-address`` the fleet starts a local cluster private to this process (``private_ray_dir``:
+its own temp directory and ``address="local"``), which ``ray.shutdown()`` stops when the server exits.
+
 Addresses: a replica listens on its node's IP as Ray sees it, and the gateway (or anything routing to
 it) must reach that address. On one machine, start Ray on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
 makes Ray use 127.0.0.1; the tests do this).
@@ -33,10 +36,12 @@ import asyncio
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -53,6 +58,35 @@ def _die_with_parent() -> None:  # runs in the server's process before exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: the actor's own exit still stops the server in the usual cases
         pass
+
+
+RAY_DIR_PREFIX = "lockgate-ray-"
+
+
+def private_ray_dir(base: str | None = None) -> str:
+    """A new temp directory for a local Ray cluster of this process's own (``ray.init(address="local",
+    _temp_dir=...)``): a new cluster, never whatever ``/tmp/ray/ray_current_cluster`` names, so a
+    cluster left by a server that was killed hard cannot stop this one from starting. Directories
+    of earlier servers whose process is gone are removed first (a ``kill -9`` leaves its directory)."""
+    base = base or tempfile.gettempdir()
+    for entry in os.listdir(base):
+        if not entry.startswith(RAY_DIR_PREFIX):
+            continue
+        pid = entry[len(RAY_DIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+    # short: Ray puts unix sockets under it, and a socket path has at most 107 bytes
+    return tempfile.mkdtemp(prefix=f"{RAY_DIR_PREFIX}{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _free_port(host: str) -> int:
@@ -119,9 +153,14 @@ class RayFleet:
         import ray
 
         self._ray = ray
+        self.temp_dir: str | None = None  # a private local cluster's (removed by shutdown)
         if not ray.is_initialized():
-            extra: dict[str, Any] = {} if address else {"object_store_memory": 128 * 1024 * 1024}
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, **extra)
+            if address:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            else:
+                self.temp_dir = private_ray_dir()
+                ray.init(address="local", _temp_dir=self.temp_dir, namespace=NAMESPACE, log_to_driver=False,
+                         include_dashboard=False, object_store_memory=128 * 1024 * 1024)
         self.serve_args = serve_args
         self.env = env or {}
         self.replica_cpus = replica_cpus

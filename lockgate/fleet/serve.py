@@ -15,6 +15,7 @@ Admin routes (behind ``--api-key`` when one is set, like every gateway route but
 
 On SIGINT/SIGTERM the gateway stops taking requests, every replica is drained, and the actors are
 killed; a Ray cluster this command started goes with it. A local cluster (no ``--ray-address``)
+is this server's own (a new cluster in its own temp directory, never one another server left) and
 runs on loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's switch for that).
 """
 
@@ -24,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -97,9 +99,12 @@ def serve_ray(engine: EngineConfig, server: ServerConfig, routing: Any, log_leve
         log.info("serve --ray: %d replicas (%.3g CPUs each) on %s", server.replicas, server.replica_cpus,
                  server.ray_address or "a local Ray cluster")
         return run_gateway(gw, server.host, server.port, log_level, grace=server.shutdown_timeout + 5.0,
-                           on_app=lambda app: add_admin_routes(app, fleet))
+                           on_app=lambda app: add_admin_routes(app, fleet), header_timeout=server.http_header_timeout,
+                           keep_alive_timeout=server.http_keep_alive_timeout)
     finally:
         fleet.shutdown()
         import ray
 
         ray.shutdown()  # a cluster this command started stops; one it joined stays
+        if fleet.temp_dir is not None:
+            shutil.rmtree(fleet.temp_dir, ignore_errors=True)

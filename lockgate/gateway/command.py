@@ -40,6 +40,7 @@ from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import POLICIES, PREFIX_POLICIES, Router
 from lockgate.gateway.proxy import Gateway, create_gateway_app
 from lockgate.gateway.replicas import Fleet, MembershipSource, Replica, file_path
+from lockgate.httpserver import uvicorn_config
 
 log = logging.getLogger("lockgate.gateway")
 
@@ -112,6 +113,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, "
                    "and send it to the replicas (default: $LOCKGATE_API_KEY, if set)")
     g.add_argument("--max-request-bytes", default="16MiB", help="largest request body accepted (413 beyond it)")
+    g.add_argument("--http-header-timeout", type=float, default=10.0, help="seconds a client has to send a "
+                   "request's headers, from connecting or from its previous response; a slower connection is closed")
+    g.add_argument("--http-keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
     add_config_args(p, RoutingFlags)
 
 
@@ -163,7 +168,8 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
 
 
 def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float = 10.0,
-                on_stop: Callable[[], None] | None = None, on_app: Callable[[FastAPI], None] | None = None) -> int:
+                on_stop: Callable[[], None] | None = None, on_app: Callable[[FastAPI], None] | None = None,
+                header_timeout: float = 10.0, keep_alive_timeout: float = 5.0) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if uvicorn could not start. On the signal,
     ``on_stop`` runs at once (``serve --dp`` stops its replicas then, so their own shutdown grace and
     its final events reach the clients through the gateway), and open responses get ``grace``
@@ -172,8 +178,8 @@ def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float 
     app = create_gateway_app(gw)
     if on_app is not None:  # e.g. serve --ray's admin routes
         on_app(app)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=math.ceil(grace))
+    config = uvicorn_config(app, host, port, log_level, header_timeout=header_timeout,
+                            keep_alive_timeout=keep_alive_timeout, graceful_timeout=grace)
     server = uvicorn.Server(config)
     log.info("gateway on http://%s:%d, policy %s, %d replicas", host, port, gw.router.policy,
              len(gw.fleet.replicas))
@@ -202,11 +208,16 @@ def gateway_main(ns: argparse.Namespace) -> int:
         routing = routing_from_args(ns)
         if not 0 <= ns.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+        for flag, v in (("--http-header-timeout", ns.http_header_timeout),
+                        ("--http-keep-alive-timeout", ns.http_keep_alive_timeout)):
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{flag} must be > 0 seconds, got {v}")
         gw = build_gateway(ns.replica, ns.replicas_file, routing, ns.model, ns.api_key, ns.max_request_bytes)
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
-    return run_gateway(gw, ns.host, ns.port, ns.log_level)
+    return run_gateway(gw, ns.host, ns.port, ns.log_level, header_timeout=ns.http_header_timeout,
+                       keep_alive_timeout=ns.http_keep_alive_timeout)
 
 
 # ---- serve --dp N ------------------------------------------------------------------------
@@ -260,7 +271,8 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
 
         # The gateway waits for the replicas' grace (their streams end with their own final events) and a bit.
         code = run_gateway(gw, server.host, server.port, log_level, grace=server.shutdown_timeout + 5.0,
-                           on_stop=stop_replicas_now)
+                           on_stop=stop_replicas_now, header_timeout=server.http_header_timeout,
+                           keep_alive_timeout=server.http_keep_alive_timeout)
     finally:
         stopping.set()
         _stop_replicas(replicas, server.shutdown_timeout + 10.0)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import shutil
 import signal
@@ -55,6 +54,7 @@ import msgspec
 import uvicorn
 
 from lockgate.config import EngineConfig, ServerConfig
+from lockgate.httpserver import uvicorn_config
 from lockgate.ipc.child import (
     DETOKENIZER_MODULE,
     SCHEDULER_MODULE,
@@ -219,9 +219,10 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
                                   chat_template=engine.model.chat_template)
             # the children's exits from here on are the shutdown's, not deaths to report
             app = create_app(client, server, api_key, metrics, on_stopping=lambda: setattr(sup, "stopping", True))
-            config = uvicorn.Config(app, host=server.host, port=server.port, log_level=log_level.lower(),
-                                    access_log=False, timeout_graceful_shutdown=math.ceil(server.shutdown_timeout),
-                                    lifespan="on")
+            config = uvicorn_config(app, server.host, server.port, log_level,
+                                    header_timeout=server.http_header_timeout,
+                                    keep_alive_timeout=server.http_keep_alive_timeout,
+                                    graceful_timeout=server.shutdown_timeout)
             uv_server = uvicorn.Server(config)
             cutter = asyncio.create_task(cut_at_grace_end(uv_server, client, server.shutdown_timeout))
             sup.watch(on_death)

@@ -29,7 +29,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from lockgate.checkpoint.peft import inside
-
 from lockgate.ipc.messages import LoadAdapter, UnloadAdapter
 from lockgate.server.context import APIError, ServerContext, parse_body
 from lockgate.server.frontend import EngineUnavailable

@@ -17,7 +17,6 @@ routes); validation errors are 422 as in TGI.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 from collections.abc import AsyncIterator
