@@ -7,13 +7,14 @@ but ``ValueError`` on any input.
 
 Invariants: a value ``loads`` returns is nested at most ``MAX_DEPTH`` deep (objects and arrays),
 every string and key in it is valid Unicode (no lone surrogate from a ``\\ud800`` escape), every
-integer fits in 64 bits, and walking it recursively (``json.dumps``, a schema compiler) is safe.
+integer fits in 64 bits, every float is finite, and walking it recursively (``json.dumps``, a schema compiler) is safe.
 The depth walk is iterative. Imports only the stdlib.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 MAX_DEPTH = 64
@@ -49,6 +50,8 @@ def problem(value: object, max_depth: int = MAX_DEPTH) -> tuple[str, str] | None
                 return path, "text is not valid Unicode: it contains a lone surrogate escape (\\ud800-\\udfff)"
         elif type(v) is int and not _INT_RANGE[0] <= v < _INT_RANGE[1]:
             return path, f"the integer {v} is out of range: integers must fit in 64 bits"
+        elif type(v) is float and not math.isfinite(v):
+            return path, "a number is out of range (or NaN / Infinity, which JSON does not have)"
     return None
 
 

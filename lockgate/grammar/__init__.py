@@ -88,14 +88,14 @@ def grammar_text(so: StructuredOutput) -> str:
     what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "lark": "grammar"}[so.kind]
     try:
         if so.kind == "json":
-            schema = jsonsafe.loads(so.value, "it")
+            schema = jsonsafe.loads(so.value, "the schema")
             if not isinstance(schema, dict | bool):
                 raise GrammarError(f"invalid JSON schema: must be an object, got {type(schema).__name__}")
             text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
         elif so.kind == "regex":
             text = llguidance.LLMatcher.grammar_from_regex(so.value)
         elif so.kind == "choice":
-            choices = jsonsafe.loads(so.value, "it")
+            choices = jsonsafe.loads(so.value, "the list")
             if (not isinstance(choices, list) or not choices
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise GrammarError("invalid choice list: must be a non-empty list of non-empty strings")
