@@ -8,7 +8,7 @@ but ``ValueError`` on any input.
 Invariants: a value ``loads`` returns is nested at most ``MAX_DEPTH`` deep (objects and arrays),
 every string and key in it is valid Unicode (no lone surrogate from a ``\\ud800`` escape), every
 integer fits in 64 bits, every float is finite, and walking it recursively (``json.dumps``, a schema compiler) is safe.
-The depth walk is iterative. Imports only the stdlib.
+The depth walk is iterative. Imports only the stdlib and ``sampling``.
 """
 
 from __future__ import annotations
@@ -17,17 +17,10 @@ import json
 import math
 from typing import Any
 
+from lockgate.sampling import is_text
+
 MAX_DEPTH = 64
 _INT_RANGE = (-(2**63), 2**64)  # signed and unsigned 64-bit
-
-
-def is_text(s: str) -> bool:
-    """Valid Unicode: no lone surrogate code point (which JSON's ``\\ud800`` escapes can spell)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def problem(value: object, max_depth: int = MAX_DEPTH) -> tuple[str, str] | None:

@@ -10,7 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lockgate.jsonsafe import is_text
+
+def is_text(s: str) -> bool:
+    """True if ``s`` is valid Unicode text (encodable as UTF-8: no lone surrogates)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
 
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31  # no vocabulary is larger; ids travel as int32/int64 tensors

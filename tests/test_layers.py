@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1] / "lockgate"
 # Rank of each top-level unit of the package; a unit may import its own and lower-ranked units only.
 LAYERS: dict[str, int] = {
     "sampling": 0, "plan": 0, "kernel_choice": 0, "version": 0, "paths": 0,
-    "config": 1,
-    "kvcache": 2, "ipc": 2, "httpguard": 2, "kernels": 2, "checkpoint": 2,
+    "config": 1, "jsonsafe": 1,
+    "kvcache": 2, "ipc": 2, "httpguard": 2, "httpserver": 2, "kernels": 2, "checkpoint": 2,
     "tokenizer": 3, "scheduler": 3, "layers": 3,
     "models": 4, "grammar": 4,
     "runner": 5,
@@ -36,7 +36,8 @@ TORCH_FREE = ["lockgate.config", "lockgate.paths", "lockgate.sampling", "lockgat
               "lockgate.ipc.child", "lockgate.httpguard", "lockgate.tokenizer.tokenizer", "lockgate.tokenizer.output",
               "lockgate.tokenizer.process", "lockgate.scheduler.scheduler", "lockgate.scheduler.policy",
               "lockgate.scheduler.speculate", "lockgate.engine.core", "lockgate.engine.process",
-              "lockgate.checkpoint.loader", "lockgate.grammar", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
+              "lockgate.checkpoint.loader", "lockgate.grammar", "lockgate.grammar.sandbox", "lockgate.grammar.worker",
+              "lockgate.jsonsafe", "lockgate.httpserver", "lockgate.checkpoint.peft", "lockgate.engine.grammar_wait", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
               "lockgate.gateway.command", "lockgate.bench.command", "lockgate.fleet.serve", "lockgate.fleet.ray_fleet", "lockgate.cli"]
 
 

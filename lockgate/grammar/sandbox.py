@@ -19,8 +19,9 @@ streams go on whatever the workers do.
 ``compile(so)`` returns the constraint as an ``llguidance`` ``StructuredOutput`` (the text the
 worker compiled), which is what the scheduler is sent: it builds the matcher from that text
 (off its loop) and never parses client text itself. Results are cached by the constraint (LRU,
-failures too, so a hostile grammar sent again costs nothing), and requests for a constraint being
-compiled share that compile.
+failures too, so a hostile grammar sent again costs nothing; a timeout only for ``TIMEOUT_MEMORY``
+seconds, since a busy machine can slow a good grammar), and requests for a constraint being compiled
+share that compile.
 
 Workers start on demand (the first with ``prepare()``, once the model is ready), up to
 ``workers`` of them, each ~100 MB (the tokenizer and llguidance's view of it) and ~0.7 s to start.
@@ -33,9 +34,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import struct
 import sys
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -51,6 +55,11 @@ HEADER = struct.Struct(">I")  # the worker's framing (grammar.worker): a 4-byte 
 START_TIMEOUT = 120.0  # seconds a worker may take to load the tokenizer
 STACK_BYTES = 8 * 1024 * 1024  # a worker's compile stack (the scheduler's is larger: engine.grammar_wait)
 MEMORY_BYTES = 2 * 1024**3  # address space a compile may add to a worker
+TIMEOUT_MEMORY = 60.0  # seconds a timed-out constraint is refused without being tried again
+
+
+class _TimedOut(GrammarError):
+    """A compile that ran out of time (remembered for ``TIMEOUT_MEMORY`` seconds only)."""
 
 
 @dataclass
@@ -66,27 +75,17 @@ class _Worker:
 
 
 @dataclass
-class SandboxStats:
-    compiles: int = 0  # jobs a worker answered
-    failures: int = 0  # of those, refused constraints
-    crashes: int = 0  # workers that died on a job
-    timeouts: int = 0  # workers killed for taking too long
-    refused_busy: int = 0  # requests refused because the queue was full
-    cache_hits: int = 0
-
-
-@dataclass
 class GrammarSandbox:
     spec: GrammarWorkerArgs
     workers: int = 2
     queue_limit: int = 64
     timeout: float = 10.0
     cache_size: int = 512
-    stats: SandboxStats = field(default_factory=SandboxStats)
+    on_outcome: Callable[[str], None] = field(default=lambda outcome: None)  # ok, invalid, crash, timeout, busy, cached
 
     def __post_init__(self) -> None:
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._cache: OrderedDict[tuple[str, str], str | GrammarError] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[str | GrammarError, float]] = OrderedDict()  # (result, until)
         self._inflight: dict[tuple[str, str], asyncio.Future[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._live: set[_Worker] = set()
@@ -105,17 +104,19 @@ class GrammarSandbox:
         if so.kind == "llguidance":
             raise GrammarError("an llguidance constraint is the sandbox's output, not a client's input")
         key = (so.kind, so.value)
-        hit = self._cache.get(key)
-        if hit is not None:
+        hit, until = self._cache.get(key, (None, 0.0))
+        if hit is not None and until < time.monotonic():
+            del self._cache[key]
+        elif hit is not None:
             self._cache.move_to_end(key)
-            self.stats.cache_hits += 1
+            self.on_outcome("cached")
             if isinstance(hit, GrammarError):
                 raise GrammarError(str(hit))
             return StructuredOutput("llguidance", hit)
         shared = self._inflight.get(key)
         if shared is None:
             if self._queue.qsize() >= self.queue_limit:
-                self.stats.refused_busy += 1
+                self.on_outcome("busy")
                 raise GrammarBusy(f"{self._queue.qsize()} constraints are waiting to be compiled (the limit); "
                                   "retry shortly", retry_after=max(1, round(self.timeout)))
             shared = asyncio.get_running_loop().create_future()
@@ -137,7 +138,8 @@ class GrammarSandbox:
             self._remember(key, err)
 
     def _remember(self, key: tuple[str, str], value: str | GrammarError) -> None:
-        self._cache[key] = value
+        until = time.monotonic() + TIMEOUT_MEMORY if isinstance(value, _TimedOut) else math.inf
+        self._cache[key] = (value, until)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
@@ -235,28 +237,28 @@ class GrammarSandbox:
             await w.proc.stdin.drain()
             reply = await asyncio.wait_for(_read(w.proc), self.timeout)
         except TimeoutError:
-            self.stats.timeouts += 1
+            self.on_outcome("timeout")
             log.warning("a %s did not compile within %gs; its worker (pid %d) is replaced", what, self.timeout,
                         w.proc.pid)
-            _settle(job, GrammarError(f"the {what} did not compile within {self.timeout:g} s "
-                                      "(--grammar-compile-timeout)"))
+            _settle(job, _TimedOut(f"the {what} did not compile within {self.timeout:g} s "
+                                   "(--grammar-compile-timeout)"))
             return False
         except (OSError, ConnectionError):
             reply = None
         if not isinstance(reply, CompileResult):
             code = await _exit_code(w.proc)
-            self.stats.crashes += 1
+            self.on_outcome("crash")
             log.warning("a %s crashed the grammar compiler (worker pid %d, %s); the worker is replaced", what,
                         w.proc.pid, code)
             _settle(job, GrammarError(f"the {what} cannot be compiled: it crashed the grammar compiler ({code}); "
                                       "it is too large or too deeply nested"))
             return False
-        self.stats.compiles += 1
         if reply.error is not None:
-            self.stats.failures += 1
+            self.on_outcome("invalid")
             _settle(job, GrammarError(reply.error))
         else:
             assert reply.text is not None
+            self.on_outcome("ok")
             if not job.done.done():
                 job.done.set_result(reply.text)
         return True

@@ -188,8 +188,10 @@ class ServerContext:
             spec = GrammarWorkerArgs(model=self.client.model_spec, model_dir=info.model_dir,
                                      vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
                                      stack_bytes=SANDBOX_STACK_BYTES, memory_bytes=parse_size(cfg.grammar_memory))
+            counter = self.metrics.grammar_compiles
             self._sandbox = GrammarSandbox(spec, workers=cfg.grammar_workers, queue_limit=cfg.grammar_queue_size,
-                                           timeout=cfg.grammar_compile_timeout)
+                                           timeout=cfg.grammar_compile_timeout,
+                                           on_outcome=lambda o: counter.labels(self.model_name, o).inc())
         return self._sandbox
 
     async def compiled(self, so: StructuredOutput | None, param: str | None,

@@ -11,7 +11,8 @@ dashboard in ``dashboards/grafana.json`` works as it is. Histogram buckets are v
 for the latencies, finer ones below them (CPU token latencies are milliseconds): every ``le`` a
 vLLM query uses exists here too. Token-count histograms use the 1-2-5 series up to the context
 length, as vLLM's do, and appear once the engine is ready (``on_ready``). Series with no vLLM
-counterpart: ``kv_slots_used`` / ``kv_slots_capacity`` (the token pool in tokens).
+counterpart: ``kv_slots_used`` / ``kv_slots_capacity`` (the token pool in tokens), ``grammar_compiles``
+(the grammar sandbox's outcomes).
 ``num_preemptions`` is always 0: peak admission never lets a running request run out of KV
 slots, so nothing is ever preempted (exported for the dashboards that plot it).
 """
@@ -80,6 +81,10 @@ class Metrics:
         self.generation_tokens = Counter("lockgate:generation_tokens", "Generated tokens", labels, registry=r)
         self.requests = Counter("lockgate:request_success", "Finished requests by finish reason",
                                 [*labels, "finished_reason"], registry=r)
+        self.grammar_compiles = Counter("lockgate:grammar_compiles", "Output constraints checked by the grammar "
+                                        "sandbox, by outcome: ok, invalid, crash (the compiler died on it), "
+                                        "timeout, busy (429: its queue was full), cached (answered from its cache)",
+                                        [*labels, "outcome"], registry=r)
         self.preemptions = Counter("lockgate:num_preemptions", "Preempted requests (always 0: peak admission "
                                    "never lets a running request run out of KV slots)", labels, registry=r)
         self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
