@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import typing
 from typing import Any
 
 import uvicorn
@@ -30,13 +31,13 @@ class HeaderDeadline(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
-        inner: ASGIApp = self.app
+        inner: ASGIApp = getattr(self, "app")  # noqa: B009  (uvicorn's protocol classes type it; the alias does not)
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             self._disarm()  # a whole request's headers arrived
             await inner(scope, receive, send)
 
-        self.app = app
+        setattr(self, "app", app)  # noqa: B010
 
     def _arm(self) -> None:
         self._disarm()
@@ -70,5 +71,5 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str, *, header
     """The uvicorn.Config of a lockgate server: no access log, the app's lifespan, the two deadlines."""
     protocol = type("HeaderDeadlineProtocol", (HeaderDeadline,), {"header_timeout": header_timeout})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False, lifespan="on",
-                          http=protocol, timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]  (a float works)
+                          http=protocol, timeout_keep_alive=typing.cast(int, keep_alive_timeout),  # a float works
                           timeout_graceful_shutdown=math.ceil(graceful_timeout))

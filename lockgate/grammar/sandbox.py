@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import struct
@@ -121,7 +122,7 @@ class GrammarSandbox:
                                   "retry shortly", retry_after=max(1, round(self.timeout)))
             shared = asyncio.get_running_loop().create_future()
             self._inflight[key] = shared
-            shared.add_done_callback(lambda f, key=key: self._settle(key, f))
+            shared.add_done_callback(functools.partial(self._settle, key))
             self._queue.put_nowait(_Job(so, shared))
             self._grow()
         text = await asyncio.shield(shared)  # a client that leaves does not cancel the shared compile
