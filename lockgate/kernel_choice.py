@@ -21,6 +21,16 @@ from dataclasses import dataclass
 FORM_NAMES = ("bf16-gemm", "dense", "fp32", "group-quant", "int-gemm", "torch-int4")
 QUANTIZED_FORMS = ("group-quant", "int-gemm", "torch-int4")
 
+# What serves a call whose chosen form a projection lacks: dense, else (a projection kept in its
+# file's blocks, with no dense weight) its fastest quantized form in general
+FALLBACK_ORDER = ("dense", "int-gemm", "group-quant", "torch-int4", "bf16-gemm", "fp32")
+
+
+def fallback_form(forms: Iterable[str]) -> str:
+    have = set(forms)
+    return next((f for f in FALLBACK_ORDER if f in have), "dense")
+
+
 STATIC_SMALL_ROWS = 16  # FormChoice.static: quantized forms up to this many rows (decode), dense above
 UNBOUNDED = 1 << 62  # the last span of a choice covers every larger call
 
@@ -73,11 +83,14 @@ class FormChoice:
     @staticmethod
     def static(forms: Iterable[str]) -> FormChoice:
         """The choice without a measurement: the first quantized form a projection has (int-gemm,
-        torch-int4, group-quant) for calls of up to STATIC_SMALL_ROWS rows, dense above."""
+        torch-int4, group-quant) for calls of up to STATIC_SMALL_ROWS rows, dense above (a
+        projection without dense, kept in its file's blocks: that form for every call)."""
         have = set(forms)
         small = next((f for f in ("int-gemm", "torch-int4", "group-quant") if f in have), None)
         if small is None:
-            return FormChoice.single("dense")
+            return FormChoice.single(fallback_form(have))
+        if "dense" not in have:
+            return FormChoice.single(small)
         return FormChoice(((STATIC_SMALL_ROWS, small), (UNBOUNDED, "dense")))
 
     def pick(self, rows: int) -> str:
@@ -88,9 +101,11 @@ class FormChoice:
         return {f for _, f in self.spans}
 
     def restricted_to(self, forms: Iterable[str]) -> FormChoice:
-        """The same spans with every form not in ``forms`` replaced by dense, merged."""
+        """The same spans with every form not in ``forms`` replaced by ``fallback_form(forms)``
+        (dense where the projection has it), merged."""
         have = set(forms)
-        return FormChoice.merged([(b, f if f in have else "dense") for b, f in self.spans])
+        fallback = fallback_form(have)
+        return FormChoice.merged([(b, f if f in have else fallback) for b, f in self.spans])
 
     def from_rows(self, rows: int, form: str) -> FormChoice:
         """Calls of ``rows`` rows or more take ``form``; smaller ones keep this choice."""

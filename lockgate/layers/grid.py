@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lockgate.checkpoint.gguf_blocks import QuantMatrix
+
 INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
 INT4_MODES = ("auto", "none", "int4")
 LOSSLESS_TOLERANCE = 1e-3  # auto mode: largest error allowed, in quantization steps (float rounding only)
@@ -81,7 +83,7 @@ def native_steps(w: torch.Tensor, base: torch.Tensor, step: torch.Tensor, lo: in
 @dataclass(frozen=True)
 class Grid:
     """A weight [N, K] on a grid of ``INT4_GROUP`` columns, as ``quantize_int4`` (bits 4: codes
-    int32 0..15, ``weight ~= codes * step + low``) or ``quantize_int8`` (bits 8: codes int8
+    int32 0..15, uint8 when read from GGUF blocks, ``weight ~= codes * step + low``) or ``quantize_int8`` (bits 8: codes int8
     -127..127, ``weight ~= codes * step``, low None) make it, and what it loses (``error``:
     ``grid_error``, in steps). Made once per weight (``Grid.of``): the quantized forms all take
     their codes from it (a K-quant checkpoint's grid search sorts every group: ~4x the load time
@@ -106,6 +108,18 @@ class Grid:
             back8 = codes8.view(shaped).float() * step8[..., None]
             return Grid(8, codes8, step8, None, grid_error(back8.view(n, k), source, step8))
         raise ValueError(f"grids have 4 or 8 bits, not {bits}")
+
+    @staticmethod
+    def from_blocks(qm: QuantMatrix) -> Grid:
+        """The grid a GGUF matrix's blocks are on, read from the blocks (no float32 weight is made):
+        exact by construction (``error`` 0). 4-bit codes come as uint8."""
+        codes, step, low = qm.codes()
+        return Grid(qm.bits, torch.from_numpy(codes), torch.from_numpy(step),
+                    None if low is None else torch.from_numpy(low), 0.0)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
 
     def fits(self, source: torch.Tensor, bits: int) -> bool:
         """This grid was made of a weight of ``source``'s shape at ``bits`` bits."""

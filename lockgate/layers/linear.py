@@ -8,9 +8,10 @@ Without a measured table a projection follows ``FormChoice.static`` (quantized f
 of up to ``STATIC_SMALL_ROWS`` rows, dense above), which is what models built outside the
 runner (tests) get.
 
-Invariants: ``weight`` (run dtype) stays the source of truth for shapes; every projection has
-the ``dense`` form; a choice only ever names forms the projection has (``choose`` replaces a
-missing one by ``dense``); a call's form depends only on its row count, never on the values, so
+Invariants: ``shape`` is [N, K]; every projection with a ``weight`` (run dtype) has the ``dense``
+form, and one without (kept in its GGUF blocks: issue 49) has at least one quantized form; a choice
+only ever names forms the projection has (``choose`` replaces a missing one by
+``kernel_choice.fallback_form``: dense where there is one); a call's form depends only on its row count, never on the values, so
 a row's result does not depend on what the other rows are for a given row count. Each form equals
 ``F.linear`` with its weight (dequantized, the float32 source, ``weight``) up to accumulation
 order and the rounding the form documents.
@@ -51,13 +52,22 @@ class PromptForm:
 
 class Linear:
     """One projection: weight [N, K] (run dtype), optional bias [N], its forms (``dense`` always)
-    and the choice between them; call with x [..., K] -> [..., N] in x's dtype."""
+    and the choice between them; call with x [..., K] -> [..., N] in x's dtype. A projection kept
+    in its file's quantized blocks (``weight`` None, ``shape`` given) has only its quantized forms."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 forms: Mapping[str, Form] | None = None, choice: FormChoice | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+                 forms: Mapping[str, Form] | None = None, choice: FormChoice | None = None,
+                 shape: tuple[int, int] | None = None) -> None:
         self.weight = weight
         self.bias = bias
-        self.forms: dict[str, Form] = {"dense": DenseWeight(weight), **(forms or {})}
+        if weight is not None:
+            self.shape: tuple[int, int] = (int(weight.shape[0]), int(weight.shape[1]))
+            self.forms: dict[str, Form] = {"dense": DenseWeight(weight), **(forms or {})}
+        else:
+            if shape is None or not forms:
+                raise ValueError("a projection without a dense weight needs its shape and at least one form")
+            self.shape = (int(shape[0]), int(shape[1]))
+            self.forms = dict(forms)
         self.choice = FormChoice.static(self.forms)
         self.prompt: PromptForm | None = None  # the prompt rows' form (None: prompt rows go by count too)
         if choice is not None:
@@ -78,7 +88,7 @@ class Linear:
         itself; where nothing calls it, its oneDNN-packed copy goes and it would run as F.linear)."""
         called = self.choice.names() | ({self.prompt.name} if self.prompt else set())
         self.forms = {n: f for n, f in self.forms.items() if n in called | {"dense"}}
-        dense = self.forms["dense"]
+        dense = self.forms.get("dense")
         if "dense" not in called and isinstance(dense, DenseWeight):
             dense.packed = None
 

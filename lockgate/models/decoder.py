@@ -49,10 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockgate.checkpoint.gguf_blocks import QuantMatrix
 from lockgate.kernel_choice import FORM_NAMES, FormChoice
 from lockgate.layers.attention import paged_attention, windowed_attention
 from lockgate.layers.attention_meta import AttentionMetadata
-from lockgate.layers.forms import make_forms
+from lockgate.layers.embedding import PackedEmbedding
+from lockgate.layers.forms import make_forms, packed_forms
 from lockgate.layers.grid import INT4_MODES
 from lockgate.layers.linear import Linear
 from lockgate.layers.lora import LoraStep
@@ -84,9 +86,9 @@ class DecoderLayer(nn.Module):
     """Weights of one transformer block (fused QKV and gate/up, or a MoE block) and their projections."""
 
     attn_norm: nn.Parameter
-    qkv_weight: nn.Parameter
+    qkv_weight: nn.Parameter | None  # None: kept in the GGUF's blocks (its Linear has only packed forms)
     qkv_bias: nn.Parameter | None
-    o_weight: nn.Parameter
+    o_weight: nn.Parameter | None
     o_bias: nn.Parameter | None
     mlp_norm: nn.Parameter
     gate_up_weight: nn.Parameter | None
@@ -119,15 +121,19 @@ class DecoderLayer(nn.Module):
             t = w.get(name)
             return None if t is None else _frozen(t.to(dtype))
 
+        def matrix(name: str) -> nn.Parameter | None:  # a GGUF's blocks stay out of the parameters
+            t = w.get(name)
+            return None if t is None or isinstance(t, QuantMatrix) else _frozen(t.to(dtype))
+
         self.attn_norm = need("attn_norm")  # [hidden]
-        self.qkv_weight = need("qkv_weight")  # [(H + 2 Hkv) D, hidden]
+        self.qkv_weight = matrix("qkv_weight")  # [(H + 2 Hkv) D, hidden]
         self.qkv_bias = opt("qkv_bias")  # [(H + 2 Hkv) D] or None
-        self.o_weight = need("o_weight")  # [hidden, H D]
+        self.o_weight = matrix("o_weight")  # [hidden, H D]
         self.o_bias = opt("o_bias")  # [hidden] or None
         self.mlp_norm = need("mlp_norm")  # [hidden]
-        self.gate_up_weight = opt("gate_up_weight")  # [2 F, hidden] (None in a MoE block)
+        self.gate_up_weight = matrix("gate_up_weight")  # [2 F, hidden] (None in a MoE block)
         self.gate_up_bias = opt("gate_up_bias")  # [2 F] or None
-        self.down_weight = opt("down_weight")  # [hidden, F]
+        self.down_weight = matrix("down_weight")  # [hidden, F]
         self.down_bias = opt("down_bias")  # [hidden] or None
         self.q_norm = opt("q_norm")  # [D] or None
         self.k_norm = opt("k_norm")  # [D] or None
@@ -142,21 +148,34 @@ class DecoderLayer(nn.Module):
             return make_forms(source, dtype, quantization, cpu_kernels, fp32=fp32, source_bias=bias,
                               want=None if want is None and not expert else wanted)
 
+        def project(source: torch.Tensor | QuantMatrix, name: str, bias: nn.Parameter | None,
+                    source_bias: torch.Tensor | None, expert: bool = False) -> Linear:
+            """A projection of ``source``: kept in its GGUF blocks where a kernel reads them (no
+            dense weight), else dense with its forms."""
+            if isinstance(source, QuantMatrix):
+                wanted = None if want is None else want.get(name, set())
+                packed = packed_forms(source, cpu_kernels, wanted) if quantization != "none" else {}
+                if packed and (wanted is None or "dense" not in wanted):
+                    return Linear(None, bias, packed, shape=source.shape)
+                dense = torch.from_numpy(source.dequantize())  # dense asked for, or no kernel reads the blocks here
+                return Linear(dense.to(dtype), bias, packed or forms(dense, name, source_bias, expert))
+            return Linear(source.to(dtype), bias, forms(source, name, source_bias, expert))
+
         def linear(name: str) -> Linear:
-            weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
-            return Linear(weight, bias, forms(w[f"{name}_weight"], name, w.get(f"{name}_bias")))
+            lin = project(w[f"{name}_weight"], name, getattr(self, f"{name}_bias"), w.get(f"{name}_bias"))
+            if lin.weight is not None:
+                setattr(self, f"{name}_weight", _frozen(lin.weight))
+            return lin
 
         self.qkv = linear("qkv")
         self.o = linear("o")
-        self.gate_up: Linear | None = linear("gate_up") if self.gate_up_weight is not None else None
-        self.down: Linear | None = linear("down") if self.down_weight is not None else None
+        has_mlp = w.get("gate_up_weight") is not None and w.get("down_weight") is not None
+        self.gate_up: Linear | None = linear("gate_up") if has_mlp else None
+        self.down: Linear | None = linear("down") if has_mlp else None
         self.moe: MoeBlock | None = None
         if w.get("experts") is not None:
-            experts = []
-            for gu, dn in w["experts"]:
-                gu_w, dn_w = gu.to(dtype), dn.to(dtype)
-                experts.append((Linear(gu_w, None, forms(gu, "gate_up", expert=True)),
-                                Linear(dn_w, None, forms(dn, "down", expert=True))))
+            experts = [(project(gu, "gate_up", None, None, expert=True), project(dn, "down", None, None, expert=True))
+                       for gu, dn in w["experts"]]
             self.moe = MoeBlock(w["router"].to(dtype), experts, int(w["top_k"]), bool(w["norm_topk"]))
 
     def projections(self) -> dict[str, Linear]:
@@ -170,28 +189,47 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """A decoder-only model of any supported family over the slot-indexed KV pool."""
 
-    def __init__(self, args: ModelArgs, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: torch.Tensor | None, dtype: torch.dtype | None = None,
+    def __init__(self, args: ModelArgs, embed: torch.Tensor | PackedEmbedding, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: torch.Tensor | QuantMatrix | None, dtype: torch.dtype | None = None,
                  fp32: bool = False, quantization: str = "none", cpu_kernels: bool = False,
-                 head_want: set[str] | None = None):
+                 head_want: set[str] | None = None, head_blocks: QuantMatrix | None = None):
         """embed/norm/lm_head at full precision, cast to ``dtype`` (default: embed's). The LM head
         gets quantized forms only where they lose nothing (``quantization`` other than none): a
-        head is a poor place to lose precision. ``head_want``: the head's forms to make (None: all)."""
+        head is a poor place to lose precision. ``head_want``: the head's forms to make (None: all).
+        A GGUF's tables may stay in their blocks: ``embed`` a ``PackedEmbedding`` (rows
+        de-quantized per lookup), the head ``lm_head`` (or, tied, ``head_blocks``: the embedding's
+        blocks) a ``QuantMatrix`` the integer kernel reads as it is."""
         super().__init__()
-        dtype = dtype or embed.dtype
+        dtype = dtype or (embed.dtype if isinstance(embed, torch.Tensor) else torch.float32)
+        device = embed.device if isinstance(embed, torch.Tensor) else torch.device("cpu")
         self.args = args
-        self.embed = _frozen(embed.to(dtype))  # [V, hidden]
+        self.packed_embed = embed if isinstance(embed, PackedEmbedding) else None
+        self.embed: nn.Parameter | None = _frozen(embed.to(dtype)) if isinstance(embed, torch.Tensor) else None  # [V, hidden]
         self.layers = nn.ModuleList(layers)
         self.norm = _frozen(norm.to(dtype))  # [hidden]
-        self.lm_head = self.embed if lm_head is None else _frozen(lm_head.to(dtype))  # [V, hidden] (tied: same)
-        head_source = embed if lm_head is None else lm_head
-        head_forms = make_forms(head_source, dtype, "none" if quantization == "none" else "auto", cpu_kernels,
-                                fp32=fp32, want=head_want)
-        self.head = Linear(self.lm_head, None, head_forms)
-        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, embed.device)
+        source: torch.Tensor | QuantMatrix | None = lm_head if lm_head is not None else head_blocks
+        packed = packed_forms(source, cpu_kernels, head_want) if isinstance(source, QuantMatrix) and \
+            quantization != "none" else {}
+        if isinstance(source, QuantMatrix) and packed and (head_want is None or "dense" not in head_want):
+            self.lm_head: nn.Parameter | None = None
+            self.head = Linear(None, None, packed, shape=source.shape)
+        else:
+            if isinstance(source, QuantMatrix):
+                source = torch.from_numpy(source.dequantize())
+            if source is None and self.packed_embed is not None:  # tied to a table no kernel reads as it is
+                source = self.packed_embed.dense()
+            if source is None:  # tied to the dense table
+                assert isinstance(embed, torch.Tensor)
+                self.lm_head, full = self.embed, embed
+            else:
+                self.lm_head, full = _frozen(source.to(dtype)), source  # [V, hidden]
+            head_forms = packed or make_forms(full, dtype, "none" if quantization == "none" else "auto", cpu_kernels,
+                                              fp32=fp32, want=head_want)
+            self.head = Linear(self.lm_head, None, head_forms)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, device)
         # Gemma 3: the sliding layers rotate with their own table
         self.local_rope = None if args.local_rope is None else \
-            RotaryEmbedding(args.head_dim, args.local_rope[0], args.local_rope[1], embed.device)
+            RotaryEmbedding(args.head_dim, args.local_rope[0], args.local_rope[1], device)
         self.scale = args.scale
         # The layers' ops backend: lockgate's fused CPU ops when ``lockgate.kernels`` is loaded
         # (with a one-call fast path for steps whose attention is one kernel group), else plain torch.
@@ -236,11 +274,18 @@ class DecoderModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden] in the run dtype (from the packed table when it is one)."""
+        if self.packed_embed is not None:
+            return self.packed_embed(input_ids)
+        assert self.embed is not None
+        return F.embedding(input_ids, self.embed)
 
     def kv_shape(self, capacity: int) -> tuple[int, int, int, int]:
         """Shape of each KV pool tensor: [num_layers, capacity, Hkv, D]."""
@@ -266,7 +311,7 @@ class DecoderModel(nn.Module):
         steps: no float32 [S, V] is written or read); needs lockgate's kernels and no final softcap.
         """
         a = self.args
-        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
         if a.embed_scale is not None:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)  # Gemma: the normaliser rounded to the run dtype
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
@@ -391,26 +436,36 @@ class DecoderModel(nn.Module):
         cfg = json.loads(cfg_path.read_text())
         family = family_for(cfg)
         args = family.parse(cfg)
-        with CheckpointReader(model_dir, dtype, torch.device(device)) as w:
+        table_shape = (args.vocab_size, args.hidden_size)
+        with CheckpointReader(model_dir, dtype, torch.device(device), packed=quantization != "none") as w:
             layers = [DecoderLayer(family.read_layer(w, args, i, source), dtype, quantization, fp32, cpu_kernels, want)
                       for i in range(args.num_layers)]
-            embed = w.get("model.embed_tokens.weight", source, shape=(args.vocab_size, args.hidden_size))
-            lm_head = None
+            embed: torch.Tensor | PackedEmbedding | None = None
+            head_blocks: QuantMatrix | None = None
+            table = w.gguf.table("model.embed_tokens.weight") if w.gguf is not None and w.packed else None
+            if table is not None and w.gguf is not None and w.gguf.shape("model.embed_tokens.weight") == table_shape:
+                w.skip("model.embed_tokens.weight")  # rows de-quantized per lookup, never the whole table
+                embed = PackedEmbedding(w.gguf.path, table[1], table[0], table_shape, table[2], dtype)
+                if args.tie_word_embeddings:
+                    head_blocks = w.blocks("model.embed_tokens.weight", table_shape)
+            else:
+                embed = w.get("model.embed_tokens.weight", source, shape=table_shape)
+            lm_head: torch.Tensor | QuantMatrix | None = None
             if args.tie_word_embeddings:
                 w.skip("lm_head.weight")  # some checkpoints store the tied copy too
             else:
                 if not w.has("lm_head.weight"):
                     raise ValueError(f"{model_dir}: tie_word_embeddings is false but lm_head.weight is missing")
-                lm_head = w.get("lm_head.weight", source, shape=(args.vocab_size, args.hidden_size))
+                lm_head = w.matrix(["lm_head.weight"], source, [table_shape])
             norm = w.get("model.norm.weight", torch.float32, shape=(args.hidden_size,))
             if args.norm_offset:
                 norm = norm + 1.0
+            model = DecoderModel(args, embed, layers, norm, lm_head, dtype, fp32, quantization, cpu_kernels,
+                                 None if want is None else want.get("head", set()), head_blocks)
             unused = w.unused()
         if unused:
             log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])
-        model = DecoderModel(args, embed, layers, norm, lm_head, dtype, fp32, quantization, cpu_kernels,
-                             None if want is None else want.get("head", set()))
-        del embed, lm_head  # the float32 copies (if any) live on only in the Linear forms
+        del embed, lm_head, head_blocks  # the float32 copies (if any) live on only in the Linear forms
         if quantization != "none":
             log_quantization([lin for lin in model.all_linears() if lin is not model.head], model.head, quantization)
         return model

@@ -8,7 +8,8 @@ Gemma's four norms stored as ``w - 1``, and mixture-of-experts blocks (Qwen3-MoE
 
 Invariants: every tensor is read with the shape config.json implies (``CheckpointReader.get``
 raises naming the tensor and that shape); norm weights are returned in float32 with Gemma's
-offset already added; projection weights in ``source`` (the caller's full-precision dtype).
+offset already added; projection weights in ``source`` (the caller's full-precision dtype), or as
+a GGUF's blocks (``CheckpointReader.matrix``: a ``QuantMatrix``) where the reader keeps them packed.
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ def read_standard_layer(w: CheckpointReader, a: ModelArgs, i: int, source: torch
 
     out: LayerTensors = {"attn_norm": norm("input_layernorm.weight")}
     if fused:
-        out["qkv_weight"] = w.get(attn + "qkv_proj.weight", source, shape=(qkv_rows, hid))
+        out["qkv_weight"] = w.matrix([attn + "qkv_proj.weight"], source, [(qkv_rows, hid)])
         out["qkv_bias"] = w.get(attn + "qkv_proj.bias", shape=(qkv_rows,)) if a.qkv_bias else None
     else:
         qkv = [attn + f"{n}_proj" for n in "qkv"]
         shapes = [(h * d, hid), (hkv * d, hid), (hkv * d, hid)]
-        out["qkv_weight"] = w.cat([n + ".weight" for n in qkv], source, shapes)
+        out["qkv_weight"] = w.matrix([n + ".weight" for n in qkv], source, shapes)
         out["qkv_bias"] = w.cat([n + ".bias" for n in qkv], None, [s[:1] for s in shapes]) if a.qkv_bias else None
-    out["o_weight"] = w.get(attn + "o_proj.weight", source, shape=(hid, h * d))
+    out["o_weight"] = w.matrix([attn + "o_proj.weight"], source, [(hid, h * d)])
     out["o_bias"] = w.get(attn + "o_proj.bias", shape=(hid,)) if a.o_bias else None
     if a.qk_norm:
         out["q_norm"] = norm("self_attn.q_norm.weight", d)
@@ -76,20 +77,20 @@ def read_standard_layer(w: CheckpointReader, a: ModelArgs, i: int, source: torch
             (p + "block_sparse_moe.", ("w1", "w3", "w2"))
         out["router"] = w.get(block + "gate.weight", source, shape=(e, hid))
         out["experts"] = [
-            (w.cat([block + f"experts.{x}.{names[0]}.weight", block + f"experts.{x}.{names[1]}.weight"], source,
-                   [(fe, hid), (fe, hid)]),
-             w.get(block + f"experts.{x}.{names[2]}.weight", source, shape=(hid, fe)))
+            (w.matrix([block + f"experts.{x}.{names[0]}.weight", block + f"experts.{x}.{names[1]}.weight"], source,
+                      [(fe, hid), (fe, hid)]),
+             w.matrix([block + f"experts.{x}.{names[2]}.weight"], source, [(hid, fe)]))
             for x in range(e)]
         out["top_k"], out["norm_topk"] = a.moe.top_k, a.moe.norm_topk
         return out
     mlp = p + "mlp."
     if fused:
-        out["gate_up_weight"] = w.get(mlp + "gate_up_proj.weight", source, shape=(2 * f, hid))
+        out["gate_up_weight"] = w.matrix([mlp + "gate_up_proj.weight"], source, [(2 * f, hid)])
         out["gate_up_bias"] = None
     else:
         gu = [mlp + "gate_proj", mlp + "up_proj"]
-        out["gate_up_weight"] = w.cat([n + ".weight" for n in gu], source, [(f, hid), (f, hid)])
+        out["gate_up_weight"] = w.matrix([n + ".weight" for n in gu], source, [(f, hid), (f, hid)])
         out["gate_up_bias"] = w.cat([n + ".bias" for n in gu], None, [(f,), (f,)]) if a.mlp_bias else None
-    out["down_weight"] = w.get(mlp + "down_proj.weight", source, shape=(hid, f))
+    out["down_weight"] = w.matrix([mlp + "down_proj.weight"], source, [(hid, f)])
     out["down_bias"] = w.get(mlp + "down_proj.bias", shape=(hid,)) if a.mlp_bias else None
     return out

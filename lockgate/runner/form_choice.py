@@ -37,7 +37,7 @@ import torch
 
 from lockgate import kernels
 from lockgate.config import ModelConfig
-from lockgate.kernel_choice import FORM_NAMES, QUANTIZED_FORMS, FormChoice
+from lockgate.kernel_choice import FORM_NAMES, QUANTIZED_FORMS, FormChoice, fallback_form
 from lockgate.layers.forms import int_gemm_available, int_gemm_isa, weight_copies_fit
 from lockgate.layers.linear import PromptForm
 from lockgate.models.args import ModelArgs
@@ -262,7 +262,8 @@ class FormPlan:
             lookahead = (tuning_attention.measure_attention_lookahead(*heads, args.num_layers)
                          if self.cpu_kernels else {})
             choices = tuning.decide(samples)
-            return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single("dense"))) for r in roles},
+            return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single(fallback_form(forms[r]))))
+                                                    for r in roles},
                     "attention_ms": attention, "attention": tuning_attention.decide_attention(attention),
                     "prefill_attention_ms": prefill,
                     "prefill_attention": tuning_attention.decide_prefill_attention(prefill),

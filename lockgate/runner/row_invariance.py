@@ -106,10 +106,10 @@ def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates
     for role, lins in projections.items():
         lin = lins[0]
         limit = min(max_rows, HEAD_MAX_ROWS) if role == "head" else max_rows
-        covered = covered_rows(lin.weight.shape[0])
+        covered = covered_rows(lin.shape[0])
         out[role] = {}
         for name in (n for n in candidates.get(role, []) if all(n in other.forms for other in lins)):
-            out[role][name] = min_rows_for(lin.forms[name], lin.bias, lin.weight.shape[1], dtype, limit, covered=covered)
+            out[role][name] = min_rows_for(lin.forms[name], lin.bias, lin.shape[1], dtype, limit, covered=covered)
             if first_only and out[role][name] is not None:
                 break
     return out

@@ -136,7 +136,7 @@ def _layers_for(rows: int, n_layers: int) -> int:
 
 
 def _in_features(role: str, projections: dict[str, list[Any]]) -> int:
-    return int(projections[role][0].weight.shape[1])
+    return int(projections[role][0].shape[1])
 
 
 def measure_forms(projections: dict[str, list[Any]], dtype: torch.dtype, points: tuple[int, ...] = POINTS,
