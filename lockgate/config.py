@@ -422,6 +422,10 @@ class ServerConfig:
     http_header_timeout: float = option(10.0, "seconds a client has to send a request's headers, from connecting "
                                         "or from its previous response; a slower connection is closed")
     http_keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection stays open")
+    http_body_timeout: float = option(60.0, "seconds a client has to send a request's body once its headers "
+                                      "arrived; a slower connection is closed")
+    http_max_connections: int = option(0, "connections (or requests) served at once; more get a 503 at once "
+                                       "(0: half the open-file limit, which is raised to its hard limit)")
     allow_runtime_lora_updating: bool = option(False, "let clients load and unload LoRA adapters at run time "
                                                "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter) without "
                                                "--api-key; with a key they may (vLLM's "
@@ -447,9 +451,12 @@ class ServerConfig:
         if not (math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0):
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         for flag, v in (("--http-header-timeout", self.http_header_timeout),
-                        ("--http-keep-alive-timeout", self.http_keep_alive_timeout)):
+                        ("--http-keep-alive-timeout", self.http_keep_alive_timeout),
+                        ("--http-body-timeout", self.http_body_timeout)):
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{flag} must be > 0 seconds, got {v}")
+        if self.http_max_connections < 0:
+            raise ValueError(f"--http-max-connections must be >= 0, got {self.http_max_connections}")
         if self.grammar_workers < 1:
             raise ValueError(f"--grammar-workers must be >= 1, got {self.grammar_workers}")
         if self.grammar_queue_size < 1:

@@ -5,8 +5,9 @@ ValueError naming the field and the limit. The file is untrusted (a client names
 run time), so every field lockgate uses is checked for its type and range here, and nothing else in
 the file is kept:
 
-* the file: at most ``MAX_CONFIG_BYTES``, a regular file inside the adapter directory (a symlink
-  that leads out of it is refused), JSON within ``jsonsafe``'s limits, an object;
+* the file: at most ``MAX_CONFIG_BYTES``, a regular file inside the adapter directory, checked on
+  the opened file (``open_inside``: a symlink that leads out, a FIFO, a file swapped after a check
+  are refused), JSON within ``jsonsafe``'s limits, an object;
 * ``peft_type`` LORA only; ``r`` an integer in [1, ``MAX_RANK``]; ``lora_alpha`` a finite number;
   ``use_rslora`` a boolean; ``target_modules`` a list of at most ``MAX_MODULES`` module names
   (letters, digits, ``_ . -``) or one such name; ``alpha_pattern`` / ``rank_pattern`` at most
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,18 +77,40 @@ def inside(path: Path, root: Path) -> bool:
         return False
 
 
+def open_inside(directory: Path, name: str) -> int:
+    """A read-only descriptor of ``directory / name``, which must be a regular file inside
+    ``directory`` (symlinks followed): checked on the opened file itself, so a file swapped
+    between a check and the open (for a FIFO that would block a reader, a link leading out) is
+    refused. Opened non-blocking, so a FIFO never stalls the open. ValueError saying what is wrong."""
+    where = directory / name
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"LoRA adapter {directory}: cannot open {name} ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"LoRA adapter {directory}: {name} is not a regular file")
+        opened = os.readlink(f"/proc/self/fd/{fd}") if os.path.isdir("/proc/self/fd") else os.path.realpath(where)
+        base = os.path.realpath(directory)
+        if os.path.commonpath([opened, base]) != base:
+            raise ValueError(f"LoRA adapter {directory}: {name} is a link to a file outside the adapter directory")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_adapter_config(path: Path | str) -> AdapterConfig:
     """The adapter's config, read and checked (see the module docstring)."""
     path = Path(path).expanduser()
     cfg_path = path / CONFIG
     if not path.is_dir():
         raise ValueError(f"LoRA adapter {path}: not a directory")
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise ValueError(f"LoRA adapter {path}: no {CONFIG} (a PEFT adapter directory is expected)")
-    if not inside(cfg_path, path):
-        raise ValueError(f"LoRA adapter {path}: {CONFIG} is a link to a file outside the adapter directory")
+    fd = open_inside(path, CONFIG)
     try:
-        with cfg_path.open("rb") as f:
+        with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ValueError(f"LoRA adapter {path}: cannot read {CONFIG} ({e.strerror})") from None

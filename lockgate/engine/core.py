@@ -46,6 +46,7 @@ from lockgate.tokenizer.tokenizer import load_tokenizer
 log = logging.getLogger("lockgate.engine")
 
 FORECAST_EVERY = 0.05  # seconds a forecast is reused while no request arrives or leaves
+GRAMMAR_CACHE = 32  # compiled grammars kept (a large schema's matcher holds tens of MB)
 
 
 @dataclass
@@ -239,7 +240,7 @@ class EngineCore:
             runner = self.runner
             model, model_dir = self.cfg.model.model, getattr(runner, "model_dir", None)
             self._grammars = GrammarCompiler(lambda: load_tokenizer(model, model_dir), runner.vocab_size,
-                                             runner.eos_token_ids)
+                                             runner.eos_token_ids, cache_size=GRAMMAR_CACHE)
         return self._grammars
 
     def validate(self, prompt_ids: list[int] | np.ndarray, max_tokens: int) -> None:

@@ -336,6 +336,8 @@ class SchedulerProcess:
     def _token_out(self, rid: str, ev: StepOutput | None, reason: FinishReason | None) -> TokenOut:
         req, api_delay = self.requests.get(rid, (None, 0.0))
         out = TokenOut(rid, ev.new_token_ids if ev else [], finish_reason=reason.value if reason else None)
+        if ev is not None and ev.error is not None:  # the request's own failure (its constraint): a 400
+            out.error, out.status = ev.error, 400
         if req is not None:
             out.num_prompt_tokens, out.num_output_tokens = req.num_prompt, req.num_output
             out.cached_tokens = req.cached_tokens

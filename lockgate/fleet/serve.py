@@ -100,7 +100,8 @@ def serve_ray(engine: EngineConfig, server: ServerConfig, routing: Any, log_leve
                  server.ray_address or "a local Ray cluster")
         return run_gateway(gw, server.host, server.port, log_level, grace=server.shutdown_timeout + 5.0,
                            on_app=lambda app: add_admin_routes(app, fleet), header_timeout=server.http_header_timeout,
-                           keep_alive_timeout=server.http_keep_alive_timeout)
+                           keep_alive_timeout=server.http_keep_alive_timeout, body_timeout=server.http_body_timeout,
+                           max_connections=server.http_max_connections)
     finally:
         fleet.shutdown()
         import ray

@@ -117,6 +117,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    "request's headers, from connecting or from its previous response; a slower connection is closed")
     g.add_argument("--http-keep-alive-timeout", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--http-body-timeout", type=float, default=60.0,
+                   help="seconds a client has to send a request's body once its headers arrived")
+    g.add_argument("--http-max-connections", type=int, default=0, help="connections (or requests) served at "
+                   "once; more get a 503 at once (0: half the open-file limit, raised to its hard limit)")
     add_config_args(p, RoutingFlags)
 
 
@@ -169,7 +173,8 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
 
 def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float = 10.0,
                 on_stop: Callable[[], None] | None = None, on_app: Callable[[FastAPI], None] | None = None,
-                header_timeout: float = 10.0, keep_alive_timeout: float = 5.0) -> int:
+                header_timeout: float = 10.0, keep_alive_timeout: float = 5.0, body_timeout: float = 60.0,
+                max_connections: int = 0) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if uvicorn could not start. On the signal,
     ``on_stop`` runs at once (``serve --dp`` stops its replicas then, so their own shutdown grace and
     its final events reach the clients through the gateway), and open responses get ``grace``
@@ -179,7 +184,8 @@ def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float 
     if on_app is not None:  # e.g. serve --ray's admin routes
         on_app(app)
     config = uvicorn_config(app, host, port, log_level, header_timeout=header_timeout,
-                            keep_alive_timeout=keep_alive_timeout, graceful_timeout=grace)
+                            keep_alive_timeout=keep_alive_timeout, graceful_timeout=grace, body_timeout=body_timeout,
+                            max_connections=max_connections)
     server = uvicorn.Server(config)
     log.info("gateway on http://%s:%d, policy %s, %d replicas", host, port, gw.router.policy,
              len(gw.fleet.replicas))
@@ -209,15 +215,19 @@ def gateway_main(ns: argparse.Namespace) -> int:
         if not 0 <= ns.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
         for flag, v in (("--http-header-timeout", ns.http_header_timeout),
-                        ("--http-keep-alive-timeout", ns.http_keep_alive_timeout)):
+                        ("--http-keep-alive-timeout", ns.http_keep_alive_timeout),
+                        ("--http-body-timeout", ns.http_body_timeout)):
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{flag} must be > 0 seconds, got {v}")
+        if ns.http_max_connections < 0:
+            raise ValueError(f"--http-max-connections must be >= 0, got {ns.http_max_connections}")
         gw = build_gateway(ns.replica, ns.replicas_file, routing, ns.model, ns.api_key, ns.max_request_bytes)
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
     return run_gateway(gw, ns.host, ns.port, ns.log_level, header_timeout=ns.http_header_timeout,
-                       keep_alive_timeout=ns.http_keep_alive_timeout)
+                       keep_alive_timeout=ns.http_keep_alive_timeout, body_timeout=ns.http_body_timeout,
+                       max_connections=ns.http_max_connections)
 
 
 # ---- serve --dp N ------------------------------------------------------------------------
@@ -272,7 +282,8 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
         # The gateway waits for the replicas' grace (their streams end with their own final events) and a bit.
         code = run_gateway(gw, server.host, server.port, log_level, grace=server.shutdown_timeout + 5.0,
                            on_stop=stop_replicas_now, header_timeout=server.http_header_timeout,
-                           keep_alive_timeout=server.http_keep_alive_timeout)
+                           keep_alive_timeout=server.http_keep_alive_timeout, body_timeout=server.http_body_timeout,
+                           max_connections=server.http_max_connections)
     finally:
         stopping.set()
         _stop_replicas(replicas, server.shutdown_timeout + 10.0)

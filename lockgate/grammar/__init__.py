@@ -253,7 +253,8 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(text)
                 return text, hit
-        matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0,
+                                       limits=llguidance.LLParserLimits(verbose_errors=False))
         if matcher.is_error():
             raise GrammarError(f"invalid {so.kind} constraint: {matcher.get_error()}")
         # Compute the first mask now: the lexer's start state is built lazily, and a grammar too

@@ -19,9 +19,11 @@ streams go on whatever the workers do.
 ``compile(so)`` returns the constraint as an ``llguidance`` ``StructuredOutput`` (the text the
 worker compiled), which is what the scheduler is sent: it builds the matcher from that text
 (off its loop) and never parses client text itself. Results are cached by the constraint (LRU,
-failures too, so a hostile grammar sent again costs nothing; a timeout only for ``TIMEOUT_MEMORY``
-seconds, since a busy machine can slow a good grammar), and requests for a constraint being compiled
-share that compile.
+failures too, so a hostile grammar sent again costs nothing; a timeout or a crash only for
+``TIMEOUT_MEMORY`` seconds, since a busy machine can slow a good grammar), and requests for a
+constraint being compiled share that compile. A request waits at most ``WAIT_FACTOR`` timeouts for
+its compile (then a 429), and a queued compile nobody waits for any more is dropped unstarted, so
+constraints abandoned by their clients cannot keep the workers busy for later ones.
 
 Workers start on demand (the first with ``prepare()``, once the model is ready), up to
 ``workers`` of them, each ~100 MB (the tokenizer and llguidance's view of it) and ~0.7 s to start.
@@ -56,17 +58,21 @@ HEADER = struct.Struct(">I")  # the worker's framing (grammar.worker): a 4-byte 
 START_TIMEOUT = 120.0  # seconds a worker may take to load the tokenizer
 STACK_BYTES = 8 * 1024 * 1024  # a worker's compile stack (the scheduler's is larger: engine.grammar_wait)
 MEMORY_BYTES = 2 * 1024**3  # address space a compile may add to a worker
-TIMEOUT_MEMORY = 60.0  # seconds a timed-out constraint is refused without being tried again
+TIMEOUT_MEMORY = 60.0  # seconds a timed-out or crashing constraint is refused without being tried again
+WAIT_FACTOR = 2.0  # a request waits at most this many compile timeouts for its compile, then gets a 429
 
 
 class _TimedOut(GrammarError):
-    """A compile that ran out of time (remembered for ``TIMEOUT_MEMORY`` seconds only)."""
+    """A compile that ran out of time or crashed its worker (remembered for ``TIMEOUT_MEMORY``
+    seconds only: a busy machine can slow a good grammar, and a worker can die of something else)."""
 
 
 @dataclass
 class _Job:
     so: StructuredOutput
     done: asyncio.Future[str]  # the llguidance text, or GrammarError
+    waiters: int = 0  # requests awaiting it now
+    started: bool = False  # a worker took it
 
 
 @dataclass(eq=False)
@@ -87,7 +93,7 @@ class GrammarSandbox:
     def __post_init__(self) -> None:
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._cache: OrderedDict[tuple[str, str], tuple[str | GrammarError, float]] = OrderedDict()  # (result, until)
-        self._inflight: dict[tuple[str, str], asyncio.Future[str]] = {}
+        self._inflight: dict[tuple[str, str], _Job] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._live: set[_Worker] = set()
         self._closed = False
@@ -114,22 +120,33 @@ class GrammarSandbox:
             if isinstance(hit, GrammarError):
                 raise GrammarError(str(hit))
             return StructuredOutput("llguidance", hit)
-        shared = self._inflight.get(key)
-        if shared is None:
+        job = self._inflight.get(key)
+        if job is None:
             if self._queue.qsize() >= self.queue_limit:
                 self.on_outcome("busy")
                 raise GrammarBusy(f"{self._queue.qsize()} constraints are waiting to be compiled (the limit); "
                                   "retry shortly", retry_after=max(1, round(self.timeout)))
-            shared = asyncio.get_running_loop().create_future()
-            self._inflight[key] = shared
-            shared.add_done_callback(functools.partial(self._settle, key))
-            self._queue.put_nowait(_Job(so, shared))
+            job = _Job(so, asyncio.get_running_loop().create_future())
+            self._inflight[key] = job
+            job.done.add_done_callback(functools.partial(self._settle, key))
+            self._queue.put_nowait(job)
             self._grow()
-        text = await asyncio.shield(shared)  # a client that leaves does not cancel the shared compile
+        job.waiters += 1
+        try:  # shielded: one client leaving does not cancel a compile others share
+            text = await asyncio.wait_for(asyncio.shield(job.done), WAIT_FACTOR * self.timeout)
+        except TimeoutError:
+            self.on_outcome("busy")
+            raise GrammarBusy(f"the grammar compilers stayed busy for {WAIT_FACTOR * self.timeout:g} s; retry shortly",
+                              retry_after=max(1, round(self.timeout))) from None
+        finally:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.started and not job.done.done():
+                job.done.cancel()  # nobody waits for it any more: a worker skips it
         return StructuredOutput("llguidance", text)
 
     def _settle(self, key: tuple[str, str], f: asyncio.Future[str]) -> None:
-        self._inflight.pop(key, None)
+        if (job := self._inflight.get(key)) is not None and job.done is f:
+            del self._inflight[key]
         if f.cancelled():
             return
         err = f.exception()
@@ -219,8 +236,9 @@ class GrammarSandbox:
     async def _serve_one(self, w: _Worker) -> bool:
         """Answer one job on ``w``; False if ``w`` is broken (crashed, killed for time) and must go."""
         job = await self._queue.get()
-        if job.done.done():
+        if job.done.done():  # cancelled: every request waiting for it left
             return True
+        job.started = True
         w.busy = True
         self._grow()
         try:
@@ -251,8 +269,8 @@ class GrammarSandbox:
             self.on_outcome("crash")
             log.warning("a %s crashed the grammar compiler (worker pid %d, %s); the worker is replaced", what,
                         w.proc.pid, code)
-            _settle(job, GrammarError(f"the {what} cannot be compiled: it crashed the grammar compiler ({code}); "
-                                      "it is too large or too deeply nested"))
+            _settle(job, _TimedOut(f"the {what} cannot be compiled: it crashed the grammar compiler ({code}); "
+                                   "it is too large or too deeply nested"))
             return False
         if reply.error is not None:
             self.on_outcome("invalid")

@@ -19,6 +19,7 @@ Called by the model runner (at start-up for ``--lora-modules`` and on each run-t
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lockgate.checkpoint.peft import WEIGHTS, AdapterInfo, inside, read_adapter_config
+from lockgate.checkpoint.peft import WEIGHTS, AdapterInfo, open_inside, read_adapter_config
 from lockgate.layers.lora import LORA_ROLES, AdapterWeights, LoraUpdate
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -82,19 +83,20 @@ def load_adapter(name: str, path: str | Path, targets: LoraTargets, max_rank: in
         other = sorted(p.name for p in path.glob("adapter_model.*"))
         raise ValueError(f"LoRA adapter {path}: no {WEIGHTS}" + (f" (found {', '.join(other)}: only safetensors "
                                                                   f"are read)" if other else ""))
-    if not inside(weights_path, path):
-        raise ValueError(f"LoRA adapter {path}: {WEIGHTS} is a link to a file outside the adapter directory")
-    size, limit = weights_path.stat().st_size, max_weights_bytes(targets, max_rank)
-    if size > limit:
-        raise ValueError(f"LoRA adapter {path}: {WEIGHTS} is {size} bytes, more than an adapter of this model "
-                         f"within --max-lora-rank {max_rank} can need ({limit} bytes)")
+    fd = open_inside(path, WEIGHTS)  # the file checked is the file read (/proc/self/fd names it)
     tensors: dict[str, torch.Tensor] = {}
     try:
-        with safe_open(str(weights_path), framework="pt", device="cpu") as f:
+        size, limit = os.fstat(fd).st_size, max_weights_bytes(targets, max_rank)
+        if size > limit:
+            raise ValueError(f"LoRA adapter {path}: {WEIGHTS} is {size} bytes, more than an adapter of this model "
+                             f"within --max-lora-rank {max_rank} can need ({limit} bytes)")
+        with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 tensors[key] = f.get_tensor(key)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+    except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"LoRA adapter {path}: cannot read {WEIGHTS} ({e})") from None
+    finally:
+        os.close(fd)
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)

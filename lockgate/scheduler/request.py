@@ -31,6 +31,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens (or the context limit) reached
     ABORT = "abort"  # cancelled by the client or the server
+    ERROR = "error"  # the request cannot go on (its output constraint broke: StepOutput.error says how)
 
 
 class Grammar(Protocol):
@@ -47,6 +48,9 @@ class Grammar(Protocol):
 
     @property
     def done(self) -> bool: ...
+
+    @property
+    def error(self) -> str: ...
 
 
 @dataclass(eq=False)

@@ -106,6 +106,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     cached_tokens: int = 0
+    error: str | None = None  # with FinishReason.ERROR: what went wrong
 
     @property
     def finished(self) -> bool:
@@ -285,7 +286,7 @@ class Scheduler:
             new_lps: list[float] = []
             new_top: list[list[tuple[int, float]]] = []
             n_top = min(r.params.logprobs or 0, k)
-            reason = None
+            reason, error = None, None
             # Row first + j sampled after guess j - 1: its token counts while the guesses before it were right.
             for j in range(1 + len(guesses)):
                 i = first + j
@@ -298,8 +299,13 @@ class Scheduler:
                 new.append(tok)
                 new_lps.append(lps[i])
                 new_top.append(top)
-                if r.grammar is not None and (not r.grammar.accept(tok) or r.grammar.done):
-                    reason = FinishReason.STOP  # the output is complete (or, never expected, broke the grammar)
+                if r.grammar is not None and not r.grammar.accept(tok):
+                    # the grammar engine gave up on its own mask (a limit it reached past the first token):
+                    # the output no longer follows the constraint, so it is not a normal end
+                    reason, error = FinishReason.ERROR, (f"the output constraint failed after {r.num_output} tokens "
+                                                         f"({r.grammar.error or 'the grammar refused its own token'})")
+                elif r.grammar is not None and r.grammar.done:
+                    reason = FinishReason.STOP  # the output is complete
                 elif tok in r.stop_token_ids and r.num_output >= r.params.min_tokens:
                     reason = FinishReason.STOP
                 elif r.num_output >= r.params.max_tokens:
@@ -315,7 +321,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(r, reason)
             outs.append(StepOutput(r.rid, new, new_lps, new_top, reason, r.num_prompt, r.num_output,
-                                   r.cached_tokens))
+                                   r.cached_tokens, error))
         return outs
 
     # ---- decode stall ----------------------------------------------------------------

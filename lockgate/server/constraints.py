@@ -12,7 +12,8 @@ Invariants:
 * A constraint lockgate cannot honour is a ``ValueError`` (a 400 naming the field), never ignored;
   engine hints that do not change a valid output (vLLM's backend choice and the like) are ignored.
 * Only parsing here: whether a grammar compiles is the grammar layer's business, at admission.
-* Imports only the stdlib and ``lockgate.sampling`` (no pydantic models, no torch).
+* JSON given as text is read with ``jsonsafe``'s limits (depth, Unicode, finite numbers).
+* Imports only the stdlib, ``lockgate.jsonsafe`` and ``lockgate.sampling`` (no pydantic models, no torch).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from lockgate import jsonsafe
 from lockgate.sampling import StructuredOutput
 
 
@@ -65,13 +67,16 @@ def _json_whitespace(so: StructuredOutput, where: str, pattern: Any = None, none
         raise ValueError(f"{where} applies to a JSON constraint only")
     if pattern is not None and not isinstance(pattern, str):
         raise ValueError(f"{where} must be a regex string")
-    schema = json.loads(so.value) if so.value.lstrip().startswith("{") else None
+    schema = jsonsafe.loads(so.value, "the JSON schema") if so.value.lstrip().startswith("{") else None
     if not isinstance(schema, dict):
         raise ValueError(f"{where} needs the JSON schema to be an object")
+    given = schema.get("x-guidance") or {}
+    if not isinstance(given, dict):
+        raise ValueError(f"the JSON schema's x-guidance must be an object, got {type(given).__name__}")
     opts: dict[str, Any] = {"item_separator": ",", "key_separator": ":"}
     opts |= {"whitespace_flexible": True, "whitespace_pattern": pattern} if pattern is not None else \
         {"whitespace_flexible": False}
-    schema["x-guidance"] = {**(schema.get("x-guidance") or {}), **opts}
+    schema["x-guidance"] = {**given, **opts}
     return StructuredOutput("json", json.dumps(schema))
 
 
@@ -139,7 +144,10 @@ def read_constraints(data: dict[str, Any]) -> dict[str, Any]:
     found: dict[str, StructuredOutput] = {}
     for name, read in _CONSTRAINTS.items():
         if data.get(name) is not None:
-            so = read(data[name])
+            try:
+                so = read(data[name])
+            except ValueError as e:  # every message opens with the field (the 400's param)
+                raise ValueError(str(e) if str(e).startswith(name) else f"{name}: {e}") from None
             if so is not None:
                 found[name] = so
     if len(found) > 1:
@@ -148,7 +156,10 @@ def read_constraints(data: dict[str, Any]) -> dict[str, Any]:
     data = {k: v for k, v in data.items() if k not in CONSTRAINT_FIELDS and k not in ("structured", "structured_field")}
     if found:
         (name, so), = found.items()
-        data["structured"] = _json_whitespace(so, "guided_whitespace_pattern", pattern)
+        try:
+            data["structured"] = _json_whitespace(so, "guided_whitespace_pattern", pattern)
+        except ValueError as e:
+            raise ValueError(str(e) if str(e).startswith("guided_") else f"{name}: {e}") from None
         data["structured_field"] = name
     elif pattern is not None:
         raise ValueError("guided_whitespace_pattern applies to a JSON constraint only")

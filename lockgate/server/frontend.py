@@ -138,6 +138,7 @@ class EngineClient:
         self.adapters: dict[str, AdapterCard] = {}  # LoRA adapters loaded in the engine, by name
         self.unloaded: set[str] = set()  # names of adapters unloaded since (a request naming one is a 404)
         self._adapter_replies: dict[str, asyncio.Future[AdapterReply]] = {}
+        self._unloading: dict[str, str] = {}  # adapter name -> ticket of its unload, sent and not yet answered
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -205,10 +206,12 @@ class EngineClient:
         a 404, and every one sent before keeps it (the scheduler unloads after them)."""
         if self.failed is not None or self.info is None:
             raise EngineUnavailable(self.failed or "the model is still loading")
-        if isinstance(msg, UnloadAdapter) and msg.name in self.adapters:
-            del self.adapters[msg.name]
-            self.unloaded.add(msg.name)
         msg.ticket = self.new_id("lora")
+        if isinstance(msg, UnloadAdapter):
+            self._unloading[msg.name] = msg.ticket
+            if msg.name in self.adapters:
+                del self.adapters[msg.name]
+                self.unloaded.add(msg.name)
         reply: asyncio.Future[AdapterReply] = asyncio.get_running_loop().create_future()
         self._adapter_replies[msg.ticket] = reply
         try:
@@ -281,7 +284,11 @@ class EngineClient:
             elif isinstance(msg, DetokenizerReady):
                 await self._on_ready(msg)
             elif isinstance(msg, AdapterReply):
-                now = {a.name: a for a in msg.adapters}
+                for name, ticket in list(self._unloading.items()):
+                    if ticket == msg.ticket:
+                        del self._unloading[name]
+                # a reply made before an unload the API already sent must not bring that adapter back
+                now = {a.name: a for a in msg.adapters if a.name not in self._unloading}
                 self.unloaded = (self.unloaded | (set(self.adapters) - set(now))) - set(now)
                 self.adapters = now
                 self.metrics.keep_adapters(set(self.adapters))

@@ -222,7 +222,8 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             config = uvicorn_config(app, server.host, server.port, log_level,
                                     header_timeout=server.http_header_timeout,
                                     keep_alive_timeout=server.http_keep_alive_timeout,
-                                    graceful_timeout=server.shutdown_timeout)
+                                    graceful_timeout=server.shutdown_timeout, body_timeout=server.http_body_timeout,
+                                    max_connections=server.http_max_connections)
             uv_server = uvicorn.Server(config)
             cutter = asyncio.create_task(cut_at_grace_end(uv_server, client, server.shutdown_timeout))
             sup.watch(on_death)

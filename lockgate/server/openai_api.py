@@ -16,6 +16,7 @@ attribution.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -28,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lockgate.ipc.messages import TextOut
-from lockgate.sampling import SamplingParams
+from lockgate.sampling import SamplingParams, StructuredOutput
 from lockgate.server.context import APIError, ServerContext, usage_comment, usage_headers, wants_usage_comment
 from lockgate.server.context import parse_body as parse
 from lockgate.server.errors import openai_error
@@ -234,15 +235,30 @@ async def chat_completions(request: Request) -> Response:
     tok = ctx.tokenizer
     ctx.check_batch(1, body.n)
     mode = body.tool_mode  # none, auto, required, named
-    tools = body.tool_dicts() if mode != "none" else None
+    choice = "required" if mode == "required" else \
+        {"function": {"name": body.tool_choice.name}} if mode == "named" else mode  # type: ignore[union-attr]
+
+    def prepare() -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]] | None,
+                           StructuredOutput | None]:
+        tools = body.tool_dicts() if mode != "none" else None
+        conversation, template_tools = render_conversation(body.conversation(), tools, tok.supports_tools)
+        forced = tool_grammar(tools, choice) if tools and mode in ("required", "named") else None
+        return tools, conversation, template_tools, forced
+
+    # tool definitions can be megabytes: rendered off the event loop
+    tools, conversation, template_tools, forced = await asyncio.to_thread(prepare) if body.tools else prepare()
     names = {t["function"]["name"] for t in tools or []}
-    conversation, template_tools = render_conversation(body.conversation(), tools, tok.supports_tools)
     ids = await ctx.chat_ids(conversation, body.add_generation_prompt, template_tools)
     max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
     params, constraint_field = dataclasses.replace(body.sampling_params(max_tokens), lora=lora), body.structured_field
-    if tools and mode in ("required", "named"):  # one call, its arguments following the function's schema
-        choice = "required" if mode == "required" else {"function": {"name": body.tool_choice.name}}  # type: ignore[union-attr]
-        params = dataclasses.replace(params, structured=tool_grammar(tools, choice))
+    if forced is not None and tools:  # one call, its arguments following the function's schema
+        # each schema compiled alone first: the call grammar reaches it only after its first tokens,
+        # so a schema the engine cannot compile would otherwise surface mid-answer
+        for t in tools:
+            if mode == "required" or t["function"]["name"] == choice["function"]["name"]:  # type: ignore[index]
+                schema = t["function"].get("parameters") or {"type": "object"}
+                await ctx.compiled(StructuredOutput("json", json.dumps(schema)), "tools")
+        params = dataclasses.replace(params, structured=forced)
         constraint_field = "tool_choice"
     params = dataclasses.replace(params, structured=await ctx.compiled(params.structured, constraint_field))
     streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])

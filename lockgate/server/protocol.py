@@ -18,6 +18,7 @@ request into ``SamplingParams``, and which top-level fields a request model know
 from __future__ import annotations
 
 import dataclasses
+import unicodedata
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, cast
 
@@ -456,10 +457,11 @@ class UnloadLoraAdapterRequest(_Model):
 
 
 def printable(v: str, name: str) -> str:
-    """``v`` if it has no control character (NUL, newlines, escapes) and is not only spaces."""
-    bad = next((c for c in v if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    """``v`` if it has no control or format character (NUL, newlines, escapes, bidirectional
+    overrides such as U+202E, zero-width ones) and is not only spaces."""
+    bad = next((c for c in v if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")), None)
     if bad is not None:
-        raise ValueError(f"{name} must not contain control characters (found {bad!r})")
+        raise ValueError(f"{name} must not contain control or format characters (found U+{ord(bad):04X})")
     if not v.strip():
         raise ValueError(f"{name} must not be blank")
     return v
