@@ -182,12 +182,14 @@ def _check_model_spec(spec: str) -> None:
     """Fail fast (before any process starts) on a --model that cannot exist."""
     from pathlib import Path
 
+    from lockgate.checkpoint.hub import split_id
     from lockgate.checkpoint.loader import DEFAULT_NAMES, PACKAGED_MODELS
 
-    if spec == "sim" or spec in DEFAULT_NAMES or spec in PACKAGED_MODELS or Path(spec).expanduser().exists():
+    if spec == "sim" or spec in DEFAULT_NAMES or spec in PACKAGED_MODELS or Path(spec).expanduser().exists() \
+            or split_id(spec) is not None:  # a hub id is resolved (and its errors said) by the engine
         return
     raise ValueError(f"--model {spec!r}: not 'default', 'sim', {', '.join(map(repr, PACKAGED_MODELS))}, "
-                     "an existing .gguf file or a model directory")
+                     "an existing .gguf file, a model directory or a Hugging Face id (org/name)")
 
 
 def _serve(ns: argparse.Namespace) -> int:

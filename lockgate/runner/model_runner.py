@@ -90,7 +90,7 @@ class ModelRunner:
         self.cfg = model_cfg
         if model_cfg.num_threads is not None:
             torch.set_num_threads(model_cfg.num_threads)
-        self.model_dir: Path = prepare_model_dir(model_cfg.model)
+        self.model_dir: Path = prepare_model_dir(model_cfg.model, model_cfg.revision, model_cfg.gguf_file)
         self.device = torch.device(model_cfg.device)
         torch.manual_seed(model_cfg.seed)
         self.generator = torch.Generator(device=self.device)
