@@ -74,6 +74,10 @@ class GgufWeights:
                 self._entries[hf_name] = _Entry(t, expert, permute, shift)
         self._reader: Any = reader
 
+    def table_of_contents(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(Hugging Face name, GGUF type, shape) of every tensor: what a memory plan needs."""
+        return [(name, self.qtype(name), self.shape(name)) for name in self._entries]
+
     def names(self) -> set[str]:
         return set(self._entries)
 

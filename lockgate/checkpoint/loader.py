@@ -111,6 +111,34 @@ def prepare_model_dir(spec: str, revision: str | None = None, gguf_file: str | N
                      "an existing .gguf file, a model directory or a Hugging Face id (org/name)")
 
 
+def prepare_model_dir_apart(spec: str, revision: str | None = None, gguf_file: str | None = None) -> Path:
+    """``prepare_model_dir`` in a child process (``python -m lockgate.checkpoint.loader``): a first
+    conversion loads transformers' GGUF tokenizer reader and the file's whole metadata, ~130 MB the
+    engine process would otherwise keep for its life; the child exits with them. Errors come back as
+    the same ValueError."""
+    cmd = [sys.executable, "-m", "lockgate.checkpoint.loader", json.dumps([spec, revision, gguf_file])]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its log lines go to our stderr
+    lines = r.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if r.returncode != 0 or "dir" not in answer:
+        raise ValueError(answer.get("error") or f"preparing model {spec!r} failed (exit code {r.returncode})")
+    return Path(answer["dir"])
+
+
+def _child_main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec, revision, gguf_file = json.loads(argv[0])
+    try:
+        print(json.dumps({"dir": str(prepare_model_dir(spec, revision, gguf_file))}))
+    except (ValueError, OSError) as e:
+        print(json.dumps({"error": str(e)}))
+        return 1
+    return 0
+
+
 FINGERPRINT_CHUNK = 1 << 16  # bytes read at each of a weights file's sampled points
 
 
@@ -333,3 +361,7 @@ def _fix_modes(d: Path) -> None:
     d.chmod(0o777 & ~umask)
     for f in d.iterdir():
         f.chmod(0o666 & ~umask)
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

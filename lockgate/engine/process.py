@@ -157,7 +157,6 @@ class SchedulerProcess:
             self._wake_out = Sender(self.ctx, args.in_endpoint)  # side threads -> this loop (Wake)
             self.engine = EngineCore(args.engine, wake=self._wake)
             self.engine.runner.warmup()
-            self.engine.grammars.prepare_in_background()  # the first constrained request then does not wait
         except Exception as e:
             if isinstance(e, ValueError | OSError):  # bad model, flags or files: the message says it all
                 log.error("failed to start the engine: %s", e)

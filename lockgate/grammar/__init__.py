@@ -221,15 +221,6 @@ class GrammarCompiler:
         constrained request; safe to call from another thread."""
         self._tokenizer()
 
-    def prepare_in_background(self) -> None:
-        def run() -> None:
-            try:
-                self.prepare()
-            except GrammarError as e:  # said again to each constrained request
-                log.warning("%s", e)
-
-        threading.Thread(target=run, name="grammar-tokenizer", daemon=True).start()
-
     def compile(self, so: StructuredOutput) -> llguidance.LLMatcher:
         """The pristine compiled matcher for ``so`` (cached); ``GrammarError`` if it cannot be built."""
         return self._compile(so)[1]

@@ -21,12 +21,13 @@ worker compiled), which is what the scheduler is sent: it builds the matcher fro
 (off its loop) and never parses client text itself. Results are cached by the constraint (LRU,
 failures too, so a hostile grammar sent again costs nothing; a timeout or a crash only for
 ``TIMEOUT_MEMORY`` seconds, since a busy machine can slow a good grammar), and requests for a
-constraint being compiled share that compile. A request waits at most ``WAIT_FACTOR`` timeouts for
-its compile (then a 429), and a queued compile nobody waits for any more is dropped unstarted, so
+constraint being compiled share that compile. A request waits at most ``max_wait`` for its compile
+(two timeouts and a worker's start; then a 429), and a queued compile nobody waits for any more is dropped unstarted, so
 constraints abandoned by their clients cannot keep the workers busy for later ones.
 
-Workers start on demand (the first with ``prepare()``, once the model is ready), up to
-``workers`` of them, each ~100 MB (the tokenizer and llguidance's view of it) and ~0.7 s to start.
+Workers start on demand, with the first constrained request (~0.7 s, once), up to ``workers`` of
+them while compiles wait, each ~100 MB (the tokenizer and llguidance's view of it): a server that
+never sees a constraint never holds one.
 Invariant: each worker runs one job at a time and is owned by one task (``_run``), which alone
 reads and writes its pipes; ``close()`` kills every worker.
 """
@@ -59,7 +60,8 @@ START_TIMEOUT = 120.0  # seconds a worker may take to load the tokenizer
 STACK_BYTES = 8 * 1024 * 1024  # a worker's compile stack (the scheduler's is larger: engine.grammar_wait)
 MEMORY_BYTES = 2 * 1024**3  # address space a compile may add to a worker
 TIMEOUT_MEMORY = 60.0  # seconds a timed-out or crashing constraint is refused without being tried again
-WAIT_FACTOR = 2.0  # a request waits at most this many compile timeouts for its compile, then gets a 429
+WAIT_FACTOR = 2.0  # a request waits at most this many compile timeouts for its compile, then gets a 429,
+WORKER_START_ALLOWANCE = 5.0  # and this many seconds more (a worker may have to start first)
 
 
 class _TimedOut(GrammarError):
@@ -99,11 +101,6 @@ class GrammarSandbox:
         self._closed = False
 
     # ---- the API's side ----------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Start one worker now (the first constrained request then does not wait for its start)."""
-        if not self._tasks:
-            self._spawn()
-
     async def compile(self, so: StructuredOutput) -> StructuredOutput:
         """``so`` checked and compiled by a worker, as the ``llguidance`` constraint to send on.
         ``GrammarError`` (what is wrong, or that it crashed or timed out the compiler);
@@ -133,16 +130,21 @@ class GrammarSandbox:
             self._grow()
         job.waiters += 1
         try:  # shielded: one client leaving does not cancel a compile others share
-            text = await asyncio.wait_for(asyncio.shield(job.done), WAIT_FACTOR * self.timeout)
+            text = await asyncio.wait_for(asyncio.shield(job.done), self.max_wait)
         except TimeoutError:
             self.on_outcome("busy")
-            raise GrammarBusy(f"the grammar compilers stayed busy for {WAIT_FACTOR * self.timeout:g} s; retry shortly",
+            raise GrammarBusy(f"the grammar compilers stayed busy for {self.max_wait:g} s; retry shortly",
                               retry_after=max(1, round(self.timeout))) from None
         finally:
             job.waiters -= 1
             if job.waiters == 0 and not job.started and not job.done.done():
                 job.done.cancel()  # nobody waits for it any more: a worker skips it
         return StructuredOutput("llguidance", text)
+
+    @property
+    def max_wait(self) -> float:
+        """How long a request waits for its compile: two timeouts, and a worker's start."""
+        return WAIT_FACTOR * self.timeout + WORKER_START_ALLOWANCE
 
     def _settle(self, key: tuple[str, str], f: asyncio.Future[str]) -> None:
         if (job := self._inflight.get(key)) is not None and job.done is f:

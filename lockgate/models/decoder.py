@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockgate.checkpoint.gguf_blocks import QuantMatrix
+from lockgate.checkpoint.gguf_tensors import GgufWeights
 from lockgate.kernel_choice import FORM_NAMES, FormChoice
 from lockgate.layers.attention import paged_attention, windowed_attention
 from lockgate.layers.attention_meta import AttentionMetadata
@@ -411,7 +412,7 @@ class DecoderModel(nn.Module):
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu", quantization: str = "none",
                         fp32: bool = False, cpu_kernels: bool = False,
-                        want: dict[str, set[str]] | None = None) -> DecoderModel:
+                        want: dict[str, set[str]] | None = None, gguf: GgufWeights | None = None) -> DecoderModel:
         """Load config.json + safetensors (all shards) from a Hugging Face model directory of any
         supported family (``models/registry.py``).
 
@@ -423,7 +424,8 @@ class DecoderModel(nn.Module):
         runs its fused ops and may have lockgate's quantized forms (``make_forms``).
         ``want``: per role (qkv, o, gate_up, down, head) the forms to make; None: every form a
         projection can have (what a measurement needs). Projections follow their static choice
-        (``FormChoice.static``) until ``choose_forms``.
+        (``FormChoice.static``) until ``choose_forms``. ``gguf``: the directory's GGUF, already
+        opened (a converted GGUF's weights are read from it; else opened here).
         """
         if quantization not in INT4_MODES:
             raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
@@ -437,7 +439,7 @@ class DecoderModel(nn.Module):
         family = family_for(cfg)
         args = family.parse(cfg)
         table_shape = (args.vocab_size, args.hidden_size)
-        with CheckpointReader(model_dir, dtype, torch.device(device), packed=quantization != "none") as w:
+        with CheckpointReader(model_dir, dtype, torch.device(device), packed=quantization != "none", gguf=gguf) as w:
             layers = [DecoderLayer(family.read_layer(w, args, i, source), dtype, quantization, fp32, cpu_kernels, want)
                       for i in range(args.num_layers)]
             embed: torch.Tensor | PackedEmbedding | None = None

@@ -35,14 +35,16 @@ class CheckpointReader:
     ``packed``: projection matrices may come back as a GGUF file's blocks (``matrix``), unde-quantized;
     False (``--quantization none``) de-quantizes everything."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, packed: bool = False):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, packed: bool = False,
+                 gguf: GgufWeights | None = None):
+        """``gguf``: the directory's GGUF, already opened by the caller (closed here at exit)."""
         self.dtype, self.device, self.packed = dtype, device, packed
         self._used: set[str] = set()
         self._gguf: GgufWeights | None = None
         self._handles: list[typing.Any] = []
-        gguf_path = gguf_weights_of(model_dir)
+        gguf_path = gguf_weights_of(model_dir) if gguf is None else gguf.path
         if gguf_path is not None:
-            self._gguf = GgufWeights(gguf_path)
+            self._gguf = gguf if gguf is not None else GgufWeights(gguf_path)
             self._where: dict[str, typing.Any] = dict.fromkeys(self._gguf.names())
             return
         files = sorted(model_dir.glob("*.safetensors"))

@@ -28,7 +28,9 @@ through ``lockgate.runner.make_runner``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -39,7 +41,8 @@ import numpy as np
 import torch
 
 from lockgate import kernels
-from lockgate.checkpoint.loader import checkpoint_fingerprint, prepare_model_dir
+from lockgate.checkpoint.gguf_tensors import GgufWeights
+from lockgate.checkpoint.loader import checkpoint_fingerprint, gguf_weights_of, prepare_model_dir_apart
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
 from lockgate.layers.attention_meta import AttentionMetadata
@@ -50,10 +53,23 @@ from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import form_choice
+from lockgate.runner.memory_plan import plan_memory
 from lockgate.runner.pool_memory import allocate_pool
 from lockgate.runner.sampler import argmax_kernel, greedy_output, plain_greedy, sample
 
 log = logging.getLogger("lockgate.runner")
+
+PLANNED_PREFILL_TOKENS = 1024  # the activations the memory plan counts (the default prefill budget)
+
+
+def return_freed_memory() -> None:
+    """Give the heap's freed pages back to the system (glibc's ``malloc_trim``): loading a model
+    frees hundreds of MB of scratch that glibc would otherwise keep mapped (270 MB for a 1B GGUF)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
@@ -90,7 +106,7 @@ class ModelRunner:
         self.cfg = model_cfg
         if model_cfg.num_threads is not None:
             torch.set_num_threads(model_cfg.num_threads)
-        self.model_dir: Path = prepare_model_dir(model_cfg.model, model_cfg.revision, model_cfg.gguf_file)
+        self.model_dir: Path = prepare_model_dir_apart(model_cfg.model, model_cfg.revision, model_cfg.gguf_file)
         self.device = torch.device(model_cfg.device)
         torch.manual_seed(model_cfg.seed)
         self.generator = torch.Generator(device=self.device)
@@ -116,10 +132,27 @@ class ModelRunner:
                      "measured fastest), or --quantization int4 with it, keeps the checkpoint's 4/8-bit forms")
         fp32 = (self.dtype != torch.float32 and model_cfg.fp32_matmul_rows != "off"
                 and (model_cfg.fp32_matmul_rows != "auto" or weight_copies_fit(4 * args.matmul_parameters)))
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * elem
+        if cache_cfg.max_total_tokens is not None:
+            self.capacity: int = cache_cfg.max_total_tokens
+        else:
+            self.capacity = cache_cfg.kv_cache_bytes // bytes_per_token
+            if self.capacity < 1:
+                raise ValueError(f"--kv-cache-memory {cache_cfg.kv_cache_memory} holds no token "
+                                 f"({bytes_per_token} bytes per token)")
+        gguf_path = gguf_weights_of(self.model_dir)
+        gguf = GgufWeights(gguf_path) if gguf_path is not None else None  # read once: planned, then loaded
+        memory = plan_memory(args, elem, self.capacity * bytes_per_token, PLANNED_PREFILL_TOKENS,
+                             gguf_tensors=None if gguf is None else gguf.table_of_contents(),
+                             packed=self.quantization != "none", fp32_copies=fp32)
+        log.info("%s", memory.describe())
+        if self.device.type == "cpu":
+            memory.check()
         plan = form_choice.FormPlan(model_cfg, args, self.dtype, self.cpu_kernels, self.quantization, fp32,
                                     checkpoint_fingerprint(self.model_dir))
         self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
-                                                fp32, self.cpu_kernels, plan.wanted_forms()).eval()
+                                                fp32, self.cpu_kernels, plan.wanted_forms(), gguf=gguf).eval()
         # plain greedy steps take the argmax on the LM head's own output (lockgate::argmax_rows,
         # vectorised); a final softcap could merge the largest logits, so those models keep the logits
         self._greedy_argmax = (self.cpu_kernels and self.device.type == "cpu" and self.model.args.final_softcap is None
@@ -131,22 +164,13 @@ class ModelRunner:
         self._logits = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)  # _logits_buffer
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
         self.max_model_len: int = self._context_length(model_cfg)
-
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * elem
-        if cache_cfg.max_total_tokens is not None:
-            self.capacity: int = cache_cfg.max_total_tokens
-        else:
-            self.capacity = cache_cfg.kv_cache_bytes // bytes_per_token
-            if self.capacity < 1:
-                raise ValueError(f"--kv-cache-memory {cache_cfg.kv_cache_memory} holds no token "
-                                 f"({bytes_per_token} bytes per token)")
         shape = self.model.kv_shape(self.capacity)  # [layers, capacity, Hkv, D]
         t_pool = time.perf_counter()
         sized_by = (f"--max-total-tokens {cache_cfg.max_total_tokens}" if cache_cfg.max_total_tokens is not None
                     else f"--kv-cache-memory {cache_cfg.kv_cache_memory}")
         self.k_cache, self.v_cache = allocate_pool(shape, self.dtype, self.device, sized_by)
         t_pool = time.perf_counter() - t_pool
+        return_freed_memory()  # loading's scratch (blocks, codes) goes back to the system
         log.info("model %s (%s, %d layers) on %s in %s, loaded in %.2fs; max_model_len %d",
                  self.model_dir, args.model_type, args.num_layers, self.device, self.dtype,
                  time.perf_counter() - t0, self.max_model_len)

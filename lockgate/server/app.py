@@ -24,7 +24,6 @@ Invariant: no route answers 500 for bad input. Every outside input is parsed by
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -73,9 +72,7 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
-        warm = asyncio.create_task(_warm_grammar_sandbox(app.state.ctx), name="grammar-sandbox-warm-up")
         yield
-        warm.cancel()
         await app.state.ctx.close()
         if on_stopping is not None:
             on_stopping()
@@ -139,14 +136,6 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
         return _render(request, APIError(400, error_message(exc), param=error_param(exc, _OPENAI_FIELDS)))
 
     return app
-
-
-async def _warm_grammar_sandbox(ctx: ServerContext) -> None:
-    """Once the model is ready, start the first grammar worker (the first constrained request then
-    does not wait for it)."""
-    await ctx.client.ready.wait()
-    if ctx.client.failed is None:
-        ctx.grammar_sandbox().prepare()
 
 
 # ---- the OpenAPI document --------------------------------------------------------------------

@@ -124,7 +124,7 @@ class ServerContext:
     metrics: Metrics
     model_name: str
     api_key: str | None
-    _sandbox: GrammarSandbox | None = field(default=None, init=False)  # made once the model is ready
+    _sandbox: GrammarSandbox | None = field(default=None, init=False)  # made on the first constrained request
 
     # ---- readiness and limits ------------------------------------------------------------
     @property
@@ -182,7 +182,7 @@ class ServerContext:
 
     # ---- output constraints ----------------------------------------------------------------
     def grammar_sandbox(self) -> GrammarSandbox:
-        """The worker processes that compile clients' constraints (made once the model is ready)."""
+        """The worker processes that compile clients' constraints (made on the first constrained request)."""
         if self._sandbox is None:
             info, cfg = self.info, self.cfg
             spec = GrammarWorkerArgs(model=self.client.model_spec, model_dir=info.model_dir,
