@@ -278,17 +278,20 @@ class ModelRunner:
         return self._logits
 
     # Tokens of the warm-up prefill: the default --max-prefill-tokens, the largest step the
-    # scheduler makes by default.
+    # scheduler makes by default, unless that many cost more than WARMUP_FLOPS of matmuls.
     WARMUP_PREFILL_TOKENS = 1024
+    WARMUP_FLOPS = 4e11  # ~3 s on 2 AVX2 cores: a 1B model's warm-up prefill is 190 tokens, not 1,024 (13 s)
 
     def warmup(self) -> None:
-        """A prefill of up to ``WARMUP_PREFILL_TOKENS`` and one decode step on slots 0..n (their
-        contents are garbage after). The prefill's activations take their memory from the OS now:
+        """A prefill of up to ``WARMUP_PREFILL_TOKENS`` (fewer for a large model: ``WARMUP_FLOPS``,
+        where a long prompt's own compute dwarfs its page faults) and one decode step on slots 0..n
+        (their contents are garbage after). The prefill's activations take their memory from the OS now:
         glibc maps a large block afresh (and the kernel faults its pages in) until a free of that
         size has raised its mmap threshold, so without it the first long prompt a user sent paid
         that inside its first token (the first 256-token request after a short one: 8-15 ms slower
         than the next, on the Zen 5 class CPU of docs/performance.md round 16)."""
-        n = min(self.WARMUP_PREFILL_TOKENS, self.capacity - 1, self.max_model_len - 1)
+        affordable = int(self.WARMUP_FLOPS // (2 * max(self.model.args.matmul_parameters, 1)))
+        n = min(self.WARMUP_PREFILL_TOKENS, max(32, affordable), self.capacity - 1, self.max_model_len - 1)
         if n < 1:
             return
         t0 = time.perf_counter()
