@@ -305,9 +305,10 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
         assert all(set(lin.forms) <= lin.choice.names() | {"dense"} | prompt for lin in lins)
         assert all((lin.prompt.name if lin.prompt else None) == next(iter(prompt), None) for lin in lins)
         called |= FormChoice.parse(data["choices"][role]).names() | prompt
-    # the stored table was read before the weights: no form it never calls was even built
+    # the stored table was read before the weights: no form it never calls was even built (a GGUF's
+    # blocks get their one default form, want None, which is the table's: one form, nothing to choose)
     assert len(built) == 4 * runner.model.args.num_layers + 1
-    assert all(want is not None and made <= want for want, made in built)
+    assert all((want is not None and made <= want) or (want is None and len(made) == 1) for want, made in built)
     assert set().union(*(made for _, made in built)) <= called
 
 

@@ -102,7 +102,8 @@ class DecoderLayer(nn.Module):
     post_mlp_norm: nn.Parameter | None
 
     def __init__(self, w: LayerTensors, dtype: torch.dtype, quantization: str = "none",
-                 fp32: bool = False, cpu_kernels: bool = False, want: dict[str, set[str]] | None = None):
+                 fp32: bool = False, cpu_kernels: bool = False, want: dict[str, set[str]] | None = None,
+                 packed_want: dict[str, set[str]] | None = None):
         """``w``: this layer's tensors at full precision (any float dtype), cast here to ``dtype``:
         attn_norm, qkv_weight, qkv_bias, o_weight, o_bias, mlp_norm (the norm before the MLP),
         gate_up_weight/bias and down_weight/bias (a dense MLP), optional q_norm/k_norm ([D], per
@@ -110,7 +111,9 @@ class DecoderLayer(nn.Module):
         experts (per expert (gate_up [2 F, hidden], down [hidden, F])) with top_k / norm_topk.
         ``quantization``, ``fp32`` (make float32 copies) and ``cpu_kernels`` (lockgate's kernels
         are loaded) decide the projections' forms (``make_forms``); ``want``: per projection
-        (qkv, o, gate_up, down) the forms to make, None for every one it can have."""
+        (qkv, o, gate_up, down) the forms to make, None for every one it can have. A matrix given as
+        a GGUF's blocks gets ``packed_want``'s forms (a forced ``--matmul-forms``), None: its one
+        default form (``packed_forms``), never a dense copy unless named there."""
         super().__init__()
 
         def need(name: str) -> nn.Parameter:
@@ -154,7 +157,7 @@ class DecoderLayer(nn.Module):
             """A projection of ``source``: kept in its GGUF blocks where a kernel reads them (no
             dense weight), else dense with its forms."""
             if isinstance(source, QuantMatrix):
-                wanted = None if want is None else want.get(name, set())
+                wanted = None if packed_want is None else packed_want.get(name, set())
                 packed = packed_forms(source, cpu_kernels, wanted) if quantization != "none" else {}
                 if packed and (wanted is None or "dense" not in wanted):
                     return Linear(None, bias, packed, shape=source.shape)
@@ -193,7 +196,8 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, embed: torch.Tensor | PackedEmbedding, layers: list[DecoderLayer],
                  norm: torch.Tensor, lm_head: torch.Tensor | QuantMatrix | None, dtype: torch.dtype | None = None,
                  fp32: bool = False, quantization: str = "none", cpu_kernels: bool = False,
-                 head_want: set[str] | None = None, head_blocks: QuantMatrix | None = None):
+                 head_want: set[str] | None = None, head_blocks: QuantMatrix | None = None,
+                 head_packed_want: set[str] | None = None):
         """embed/norm/lm_head at full precision, cast to ``dtype`` (default: embed's). The LM head
         gets quantized forms only where they lose nothing (``quantization`` other than none): a
         head is a poor place to lose precision. ``head_want``: the head's forms to make (None: all).
@@ -209,9 +213,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = _frozen(norm.to(dtype))  # [hidden]
         source: torch.Tensor | QuantMatrix | None = lm_head if lm_head is not None else head_blocks
-        packed = packed_forms(source, cpu_kernels, head_want) if isinstance(source, QuantMatrix) and \
+        packed = packed_forms(source, cpu_kernels, head_packed_want) if isinstance(source, QuantMatrix) and \
             quantization != "none" else {}
-        if isinstance(source, QuantMatrix) and packed and (head_want is None or "dense" not in head_want):
+        if isinstance(source, QuantMatrix) and packed and (head_packed_want is None or "dense" not in head_packed_want):
             self.lm_head: nn.Parameter | None = None
             self.head = Linear(None, None, packed, shape=source.shape)
         else:
@@ -412,7 +416,8 @@ class DecoderModel(nn.Module):
     def from_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu", quantization: str = "none",
                         fp32: bool = False, cpu_kernels: bool = False,
-                        want: dict[str, set[str]] | None = None, gguf: GgufWeights | None = None) -> DecoderModel:
+                        want: dict[str, set[str]] | None = None, gguf: GgufWeights | None = None,
+                        packed_want: dict[str, set[str]] | None = None) -> DecoderModel:
         """Load config.json + safetensors (all shards) from a Hugging Face model directory of any
         supported family (``models/registry.py``).
 
@@ -425,7 +430,8 @@ class DecoderModel(nn.Module):
         ``want``: per role (qkv, o, gate_up, down, head) the forms to make; None: every form a
         projection can have (what a measurement needs). Projections follow their static choice
         (``FormChoice.static``) until ``choose_forms``. ``gguf``: the directory's GGUF, already
-        opened (a converted GGUF's weights are read from it; else opened here).
+        opened (a converted GGUF's weights are read from it; else opened here). ``packed_want``: per
+        role the forms a GGUF's blocks get (a forced ``--matmul-forms``); None: one default form each.
         """
         if quantization not in INT4_MODES:
             raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
@@ -440,8 +446,8 @@ class DecoderModel(nn.Module):
         args = family.parse(cfg)
         table_shape = (args.vocab_size, args.hidden_size)
         with CheckpointReader(model_dir, dtype, torch.device(device), packed=quantization != "none", gguf=gguf) as w:
-            layers = [DecoderLayer(family.read_layer(w, args, i, source), dtype, quantization, fp32, cpu_kernels, want)
-                      for i in range(args.num_layers)]
+            layers = [DecoderLayer(family.read_layer(w, args, i, source), dtype, quantization, fp32, cpu_kernels, want,
+                                   packed_want) for i in range(args.num_layers)]
             embed: torch.Tensor | PackedEmbedding | None = None
             head_blocks: QuantMatrix | None = None
             table = w.gguf.table("model.embed_tokens.weight") if w.gguf is not None and w.packed else None
@@ -463,7 +469,8 @@ class DecoderModel(nn.Module):
             if args.norm_offset:
                 norm = norm + 1.0
             model = DecoderModel(args, embed, layers, norm, lm_head, dtype, fp32, quantization, cpu_kernels,
-                                 None if want is None else want.get("head", set()), head_blocks)
+                                 None if want is None else want.get("head", set()), head_blocks,
+                                 None if packed_want is None else packed_want.get("head", set()))
             unused = w.unused()
         if unused:
             log.warning("%s: ignoring %d unexpected tensors, e.g. %s", model_dir, len(unused), sorted(unused)[:3])

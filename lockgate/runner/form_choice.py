@@ -154,6 +154,13 @@ class FormPlan:
             return {role: set(FORM_NAMES) - {"bf16-gemm"} for role in PROJECTION_ROLES}
         return {role: names - {"bf16-gemm"} for role, names in want.items()}
 
+    def forced_forms(self) -> dict[str, set[str]] | None:
+        """Per role the forms ``--matmul-forms`` forces (what a GGUF's blocks are then made into,
+        a dense copy included if named); None: not forced (blocks get their one default form)."""
+        if self.cfg.matmul_forms == "auto":
+            return None
+        return {role: FormChoice.parse(self.cfg.matmul_forms).names() for role in PROJECTION_ROLES}
+
     def _table_forms(self) -> dict[str, set[str]] | None:
         """Per role the forms worth building (dense is always built): those a forced
         ``--matmul-forms`` names, those a stored table calls, the quantized ones for the static

@@ -152,7 +152,8 @@ class ModelRunner:
         plan = form_choice.FormPlan(model_cfg, args, self.dtype, self.cpu_kernels, self.quantization, fp32,
                                     checkpoint_fingerprint(self.model_dir))
         self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
-                                                fp32, self.cpu_kernels, plan.wanted_forms(), gguf=gguf).eval()
+                                                fp32, self.cpu_kernels, plan.wanted_forms(), gguf=gguf,
+                                                packed_want=plan.forced_forms()).eval()
         # plain greedy steps take the argmax on the LM head's own output (lockgate::argmax_rows,
         # vectorised); a final softcap could merge the largest logits, so those models keep the logits
         self._greedy_argmax = (self.cpu_kernels and self.device.type == "cpu" and self.model.args.final_softcap is None
