@@ -18,7 +18,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from lockgate.server.protocol import request_fields
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 # ---- cached-token attribution (the gateway joins it with its own prediction) ---------------------
@@ -194,16 +195,17 @@ class ServerContext:
                                            on_outcome=lambda o: counter.labels(self.model_name, o).inc())
         return self._sandbox
 
-    async def compiled(self, so: StructuredOutput | None, param: str | None,
+    async def compiled(self, request: Request, so: StructuredOutput | None, param: str | None,
                        status: int = 400) -> StructuredOutput | None:
         """``so`` compiled in the grammar sandbox, as the constraint to submit; before anything is
         queued. An invalid schema, regex or grammar, one that crashes the compiler or does not compile
         within ``--grammar-compile-timeout``, is a ``status`` naming ``param``; a full sandbox queue a
-        429 with Retry-After. Nothing but this request waits for the compile."""
+        429 with Retry-After. Nothing but this request waits for the compile, and it stops waiting when
+        its client leaves (``ClientGone``): a compile nobody waits for is dropped before it starts."""
         if so is None:
             return None
         try:
-            return await self.grammar_sandbox().compile(so)
+            return await until_gone(request, self.grammar_sandbox().compile(so))
         except GrammarBusy as e:
             raise APIError(429, str(e), param=param, headers={"Retry-After": str(e.retry_after)}) from None
         except GrammarError as e:
@@ -363,6 +365,25 @@ class ServerContext:
         finally:
             for t in tasks:
                 t.cancel()
+
+
+async def until_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled and ``ClientGone``
+    raised (the body has been read already)."""
+    task = asyncio.ensure_future(work)
+    gone: asyncio.Future[None] = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        waiting: list[asyncio.Future[Any]] = [task, gone]
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task not in done:
+        raise ClientGone
+    return task.result()
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -167,7 +167,7 @@ async def completions(request: Request) -> Response:
     texts_in = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await ctx.encode_all(texts_in)) if texts_in else iter([])
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
-    structured = await ctx.compiled(body.structured, body.structured_field)
+    structured = await ctx.compiled(request, body.structured, body.structured_field)
     jobs: list[tuple[list[int], SamplingParams]] = []
     for p_ids in ids:  # every prompt checked (ids against the vocabulary too) before any is decoded or sent
         max_tokens = ctx.check_prompt(p_ids, body.max_tokens if body.max_tokens is not None else 16)
@@ -257,10 +257,10 @@ async def chat_completions(request: Request) -> Response:
         for t in tools:
             if mode == "required" or t["function"]["name"] == choice["function"]["name"]:  # type: ignore[index]
                 schema = t["function"].get("parameters") or {"type": "object"}
-                await ctx.compiled(StructuredOutput("json", json.dumps(schema)), "tools")
+                await ctx.compiled(request, StructuredOutput("json", json.dumps(schema)), "tools")
         params = dataclasses.replace(params, structured=forced)
         constraint_field = "tool_choice"
-    params = dataclasses.replace(params, structured=await ctx.compiled(params.structured, constraint_field))
+    params = dataclasses.replace(params, structured=await ctx.compiled(request, params.structured, constraint_field))
     streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])
     rid, created = streams[0].rid, int(time.time())
 

@@ -75,7 +75,8 @@ async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, A
         params = body.sampling_params()
     except ValueError as e:
         raise APIError(422, str(e)) from None
-    params = dataclasses.replace(params, structured=await ctx.compiled(params.structured, "grammar", status=422))
+    structured = await ctx.compiled(request, params.structured, "grammar", status=422)
+    params = dataclasses.replace(params, structured=structured)
     return ctx, body, ctx.submit("tgi", [(ids, params)])
 
 
