@@ -9,7 +9,7 @@ interleaved, round by round, so a noisy machine hits them alike.
 
 ``--compare NAME=PATH`` adds another build of the same operators: a shared library made from an
 edited or older copy of ``decode_attention.cpp`` whose ``TORCH_LIBRARY`` namespace was renamed to
-NAME (how round 14's before/after in docs/performance.md was measured: the old kernel's source from
+NAME (how the kernel's before/after figures in docs/performance.md are measured: the old kernel's source from
 git with ``lockgate`` replaced by ``lgold``, built with ``torch.utils.cpp_extension.load``).
 
 Usage:  .venv/bin/python benchmarks/attention_kernel.py [--heads 9 --kv-heads 3 --head-dim 64]

@@ -320,7 +320,7 @@ def native_bf16() -> bool:
 def vllm_dtype(a: argparse.Namespace) -> str:
     """vLLM's dtype: --vllm-dtype, else --dtype, else bf16 where its CPU backend has native bf16
     kernels (AVX512-BF16 or AMX), float32 elsewhere (its bf16 is emulated there: 2.7x slower at
-    c = 32 on a CPU without native bf16, docs/performance.md round 3). A rule for the peer, whose
+    c = 32 on an Emerald Rapids CPU without native bf16). A rule for the peer, whose
     own kernels are picked that way; lockgate measures instead."""
     return a.vllm_dtype or a.dtype or ("bfloat16" if native_bf16() else "float32")
 

@@ -20,7 +20,7 @@ scheduler, no server) and prices the workload's rows with them:
   Shared-prefix's 32 rows are 2 to a prefix, as shuffled requests spread over 16 groups.
 
 ``steps_s`` is that sum: an **estimate** of the engine's work, not a bound. The server runs prompt
-chunks and decode rows in one step where priced here apart. It lands near the sum (round 32's run:
+chunks and decode rows in one step where priced here apart. It lands near the sum (on the Zen 4 class CPU:
 0.94-0.95 of its output tok/s, 1.07 on mixed). It comes out above where n-gram speculation's guesses are taken: a
 guess row shares its request's key reads and fills the step's matmuls. It comes out below where
 batches run partly empty, the scheduler and the server's processes take their share, or the host has

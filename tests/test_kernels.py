@@ -210,7 +210,7 @@ def test_silu_edges_match_torch(ops) -> None:
 
 
 def test_bf16_rounding_keeps_denormals_and_nans(ops) -> None:
-    # Where the CPU has AVX512-BF16 the kernels round 16 floats to bf16 in one instruction, which
+    # Where the CPU has AVX512-BF16 the kernels convert 16 floats to bf16 in one instruction, which
     # would flush denormals to zero; vectors holding a denormal or a NaN must round as torch does.
     # silu(32) is 32 in float32, so each lane is 32 * up rounded once: here 2^-128 (a denormal),
     # 1.5 * 32 in a vector of denormals, a NaN in one vector and plain values in another.

@@ -31,7 +31,7 @@ def test_winner_takes_the_fastest_unless_a_more_exact_form_is_within_noise() -> 
     assert tuning.winner({"dense": [1.0, 1.1, 0.9], "int-gemm": [0.7, 0.77, 0.63]}) == "int-gemm"
     # 3% faster (paired): within the 5% margin, the more exact (earlier in FORM_NAMES) form stays
     assert tuning.winner({"dense": [1.0, 1.2, 0.8], "int-gemm": [0.97, 1.164, 0.776]}) == "dense"
-    # a host that slowed down in round 2 for everyone: pairing by round keeps the verdict
+    # a host that slowed down in the second timing round for everyone: pairing by round keeps the verdict
     assert tuning.winner({"dense": [1.0, 3.0, 1.0], "int-gemm": [0.5, 1.5, 0.5]}) == "int-gemm"
     # one lucky round does not make a winner: the median paired ratio decides
     assert tuning.winner({"dense": [1.0, 1.0, 1.0], "torch-int4": [0.5, 1.02, 1.01]}) == "dense"
@@ -166,7 +166,7 @@ def test_measure_forms_times_every_form_and_prunes_hopeless_ones() -> None:
 
 def test_cpu_description_names_family_and_model_so_look_alike_cpus_do_not_share_a_cache() -> None:
     """A hypervisor shows Zen 4 and Zen 5 parts both as "AMD EPYC" with nearly the same flags;
-    the family and model numbers tell them apart (round 23)."""
+    the family and model numbers tell them apart."""
     def info(family: int, model: int) -> str:
         return (f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
                 f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu avx512f avx512_bf16\n\n"

@@ -7,7 +7,7 @@ chunk that carried text (``StreamReader``: the parsing, apart from the transport
 package: its iterator hides when bytes arrived. Not httpx either: the client shares the machine
 with the server it measures, and at c = 128 (16k streamed chunks) httpx's async streaming took
 0.77 s of CPU against aiohttp's 0.25 s, time taken from the server's cores (the server's run was
-~3% longer; docs/performance.md, round 20).
+~3% longer on the Zen 5 class CPU).
 
 Timing (``time.perf_counter``, seconds since the first dispatch):
 

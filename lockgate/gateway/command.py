@@ -51,7 +51,7 @@ DEFAULT_BLOCK_SIZE = {"character": 128, "model": 16}
 class RoutingConfig:
     """Routing knobs shared by ``lockgate gateway`` and ``lockgate serve --dp``."""
 
-    # forecast is the default: on the sim fleet (docs/performance.md round 12) it matched or beat
+    # forecast is the default: on the sim fleet (docs/performance.md, "What features cost") it matched or beat
     # prefix-cache on every workload and fleet size, and it falls back to prefix-cache's affinity and
     # least-request's balance where the replicas report no forecast
     policy: str = option("forecast", "routing policy", choices=list(POLICIES))

@@ -43,8 +43,8 @@ proxy reports in ``x-lockgate-route``.
    replica holds its prefix; the placement that decides where the requests sharing it will go) is
    balanced unless some replica's queue is clearly longer, and a cached request leaves its
    replica only when the time saved elsewhere is clear (measured: with 10% + 10 ms, multi-turn
-   conversations moved on sub-second queue differences and lost 15% of prefix-cache's throughput,
-   docs/performance.md round 12).
+   conversations moved on sub-second queue differences and lost 15% of prefix-cache's throughput on
+   the sim fleet of docs/performance.md, "What features cost").
 
 Prefixes homed (``Router.homed``): each cold request the forecast places starts a prefix there that
 the requests sharing it (a group's, a conversation's later turns) will follow, so the load it brings
@@ -52,7 +52,7 @@ is not in the open-request count when it is placed. The router counts, per repli
 placements it made, decayed with a half-life of ``HOMED_HALF_LIFE`` seconds, and balances cold traffic
 on that count first: new groups and conversations alternate instead of following the momentary
 request counts (measured: least-request placement split 8 groups 5 / 3 over 2 replicas in about half
-the runs, each such run 20% slower, docs/performance.md round 12).
+the runs, each such run 20% slower, on the same sim fleet).
 
 Reasons: ``match`` (the winner holds the longest prefix any replica holds), ``forecast`` (a less
 cached replica won on time), ``overloaded`` (the best-cached replicas were above the load limit),

@@ -14,7 +14,7 @@ give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and
 * ``bf16-gemm`` (``Bf16GemmWeight``, bf16 runs on a CPU with AVX512-BF16): the same bf16 weight
   packed for ``lockgate::bf16_linear`` (VDPBF16PS, float32 sums, one rounding): without AMX it
   measured 1.2-1.7x oneDNN's bf16 matmul at 8-64 rows, 1.1-1.2x at 128-256, 1.03-1.07x at
-  1,024-2,048 (Zen 5 class, docs/performance.md round 18); row-invariant by construction.
+  1,024-2,048 (Zen 5 class, docs/performance.md); row-invariant by construction.
 * ``fp32`` (``Fp32Weight``, 16-bit runs only): a float32 copy made from the checkpoint's
   unrounded values, for CPUs whose bf16 matmul is slower than sgemm (AVX512-BF16 without AMX,
   measured 1.15-1.5x at 64-1,024 rows); activations cast up and the result back. +4 bytes per

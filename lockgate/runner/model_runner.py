@@ -290,7 +290,7 @@ class ModelRunner:
         glibc maps a large block afresh (and the kernel faults its pages in) until a free of that
         size has raised its mmap threshold, so without it the first long prompt a user sent paid
         that inside its first token (the first 256-token request after a short one: 8-15 ms slower
-        than the next, on the Zen 5 class CPU of docs/performance.md round 16)."""
+        than the next, on the Zen 5 class CPU)."""
         affordable = int(self.WARMUP_FLOPS // (2 * max(self.model.args.matmul_parameters, 1)))
         n = min(self.WARMUP_PREFILL_TOKENS, max(32, affordable), self.capacity - 1, self.max_model_len - 1)
         if n < 1:

@@ -13,10 +13,10 @@ Owns ``allocate_pool``. Invariants:
 
 The pool takes whatever pages the process's malloc gives large allocations: under ``lockgate
 serve`` transparent huge pages where the kernel allows them (``lockgate.server.launch``). They cost
-more to fault in (on the AMD EPYC Zen 5 class VM of round 14, 1.9 GiB took 2.4 s on 2 MB pages,
+more to fault in (on an AMD EPYC Zen 5 class VM, 1.9 GiB took 2.4 s on 2 MB pages,
 0.33 s on 4 KB ones), once at start, and decode attention over long contexts reads the scattered
-slots faster from them (a pool advised off huge pages lost 12-16% of shared-prefix throughput:
-docs/performance.md, round 14).
+slots faster from them (a pool advised off huge pages lost 12-16% of shared-prefix throughput on
+that CPU).
 """
 
 from __future__ import annotations

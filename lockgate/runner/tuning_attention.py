@@ -20,8 +20,8 @@ CPU flags to decide.
   rows while one computes, ``lockgate::set_attention_lookahead``): on when a decode step of
   ``LOOKAHEAD_BATCH`` sequences at ``LOOKAHEAD_CONTEXT`` keys, every layer of a pool too large
   for the caches, is at least ``LOOKAHEAD_MARGIN`` faster with it (paired rounds): 9-12% faster
-  at 32 and 128 sequences on the Zen 4 class CPU of round 24; round 22's forms of it were slower
-  on the Zen 5 class. It changes which cache level a row is read from, never a result.
+  at 32 and 128 sequences on the Zen 4 class CPU; three earlier forms of it were slower on the
+  Zen 5 class. It changes which cache level a row is read from, never a result.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ The scheduler process starts with glibc's malloc asked to put its large allocati
 transparent huge pages (``scheduler_env``): the packed weights and a step's activations are
 hundreds of MB read every step, and on 4 KB pages their TLB misses cost a decode step of 32 rows
 about 3%; the KV pool on them (faulted in at start, ``lockgate.runner.pool_memory``) makes decode
-attention over long contexts faster (docs/performance.md, round 14).
+attention over long contexts faster (docs/performance.md, "What features cost").
 """
 
 from __future__ import annotations
