@@ -49,7 +49,7 @@ TUNING_VERSION = 7  # bump when what is measured or how it is decided changes (e
 
 
 # torch's, oneDNN's and MKL's own instruction-set switches: what is measured under one setting does
-# not hold under another (README, "Another CPU's paths on this one")
+# not hold under another (docs/serving.md, "Another CPU's paths on this one")
 ISA_SWITCHES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
