@@ -150,15 +150,20 @@ def test_default_engine_cache_state_and_chunking_give_the_lone_answer(alone_defa
         assert answer(llm.generate([PROMPTS[p]], params(k, n))[0]) == alone_default(p, k, n), (PROMPTS[p], k, n)
 
 
-def test_without_exact_prefill_a_cache_hit_can_change_the_answer(alone_default) -> None:
-    """The property is not vacuous: with --no-exact-prefill (prompt rows by row count, as before
-    issue 19) some request answered from the prefix cache or in small chunks differs in its
-    logprobs from the cold whole-prompt run."""
-    llm = LLM("default", max_total_tokens=8192, max_prefill_tokens=3, exact_prefill=False)
+def test_without_exact_prefill_a_cache_hit_can_change_the_answer() -> None:
+    """The property is not vacuous: with --no-exact-prefill (prompt rows take their form by row
+    count) and forms that differ by row count (forced here: the integer GEMM up to 4 rows, dense
+    float32 sgemm above; the default model alone serves every row on the integer GEMM), some
+    request answered from the prefix cache or in chunks of 3 differs in its logprobs from the cold
+    whole-prompt run on the same forms."""
+    forms = "int-gemm:4,dense"
+    whole = lone_answers(LLM("default", max_total_tokens=8192, disable_prefix_cache=True, max_prefill_tokens=4096,
+                             exact_prefill=False, matmul_forms=forms))
+    llm = LLM("default", max_total_tokens=8192, max_prefill_tokens=3, exact_prefill=False, matmul_forms=forms)
     differ = []
     for p in range(len(PROMPTS)):
         for _ in range(2):  # cold (chunked), then a prefix-cache hit
-            differ.append(answer(llm.generate([PROMPTS[p]], params(0, 6))[0]) != alone_default(p, 0, 6))
+            differ.append(answer(llm.generate([PROMPTS[p]], params(0, 6))[0]) != whole(p, 0, 6))
     assert any(differ)
 
 

@@ -10,11 +10,22 @@ through float32 weights:
 * Q4_1 (20 bytes): ``d``, ``m`` (float16), the same nibbles: ``w = q * d + m``;
 * Q8_0 (34 bytes): ``d``, 32 int8: ``w = q * d`` -> 8-bit codes, step ``d``;
 * Q5_0 (22 bytes): ``d``, 4 bytes of fifth bits (bit j of value j), the nibbles: ``w = (q - 16) * d``
-  -> 8-bit codes ``q - 16`` (in -16..15), step ``d``.
+  -> 8-bit codes ``q - 16`` (in -16..15), step ``d``;
+* Q4_K (144 bytes per 256 values): ``d``, ``dmin`` (float16), 12 bytes of eight 6-bit scales ``sc``
+  and mins ``m`` (one per 32 values), 128 bytes of nibbles (32-byte chunk c: value i of sub-block
+  2c in the low nibble of byte i, of sub-block 2c + 1 in the high one): ``w = q * (d sc) - dmin m``
+  -> 4-bit codes, step ``d sc``, low ``-(dmin m)``;
+* Q5_K (176 bytes per 256): as Q4_K with 32 bytes of fifth bits before the nibbles (bit j of byte
+  i: value i of sub-block j) -> 8-bit codes ``q`` (0..31), step ``d sc``, low ``-(dmin m)``;
+* Q6_K (210 bytes per 256): 128 bytes of low nibbles, 64 of high bit pairs, sixteen int8 scales
+  ``sc`` (one per 16 values), ``d`` (float16): ``w = (q - 32) * (d sc)`` -> 8-bit codes ``q - 32``
+  (in -32..31) with a step per 16 values (``STEP_VALUES``), no low.
 
-Every step and low is a float16 value or 8 times one, so it is exact in float16 and float32: the
-codes and steps give back exactly the values ``gguf.quants.dequantize`` gives. Other types (the
-K-quants, Q5_1, F16, ...) are read as float32 (``dense``).
+The legacy types' steps and lows are float16 values or 8 times one, so they are exact in float16
+(``STEPS_FLOAT16``); a K-quant's are products of a float16 and a 6-bit integer, exact in float32
+only. Either way the codes and steps give back exactly the values ``gguf.quants.dequantize``
+gives (``q * step + low`` rounds as its ``d * q - dm`` does). Other types (Q5_1, Q2_K, Q3_K, F16,
+...) are read as float32 (``dense``).
 
 ``QuantMatrix`` holds an [N, K] matrix's rows of blocks (uint8 [N, K / 32 * block bytes], a view of
 the file's memory map until ``rows`` or ``vstack`` copy), row-selectable and stackable so that a
@@ -30,10 +41,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GROUP = 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}
+GROUP = 32  # values per step
+BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 DIRECT_TYPES = tuple(BLOCK_BYTES)
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8}  # the grid the codes are given on
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}  # the grid the codes are on
+STEP_VALUES = {"Q6_K": 16}  # values per step where not GROUP
+LOWS = {"Q4_0", "Q4_1", "Q4_K", "Q5_K"}  # types whose values have a low (an offset) per step
+STEPS_FLOAT16 = {"Q4_0", "Q4_1", "Q8_0", "Q5_0"}  # steps and lows exact in float16 (else float32)
+
+
+def resident_bytes(qtype: str, n: int, k: int) -> int:
+    """Bytes of an [n, k] matrix of a direct type held as codes (4 or 8 bits) with a step (and a
+    low) per 32 values, at float16 where that is exact, else float32 (``layers.forms``' layout)."""
+    groups = n * (k // STEP_VALUES.get(qtype, GROUP))
+    scalar = 2 if qtype in STEPS_FLOAT16 else 4
+    return n * k * BITS[qtype] // 8 + groups * scalar * (2 if qtype in LOWS else 1)
 
 
 @dataclass(frozen=True)
@@ -48,9 +71,10 @@ class QuantMatrix:
         n, k = self.shape
         if self.qtype not in BLOCK_BYTES:
             raise ValueError(f"{self.qtype} blocks are not read directly (direct: {', '.join(DIRECT_TYPES)})")
-        if k % GROUP or self.raw.shape != (n, k // GROUP * BLOCK_BYTES[self.qtype]) or self.raw.dtype != np.uint8:
+        per, size = BLOCK_VALUES[self.qtype], BLOCK_BYTES[self.qtype]
+        if k % per or self.raw.shape != (n, k // per * size) or self.raw.dtype != np.uint8:
             raise ValueError(f"{self.qtype} blocks of a [{n}, {k}] matrix must be uint8 "
-                             f"[{n}, {k // GROUP * BLOCK_BYTES[self.qtype]}], got {self.raw.dtype} {list(self.raw.shape)}")
+                             f"[{n}, {k // per * size}], got {self.raw.dtype} {list(self.raw.shape)}")
 
     @property
     def bits(self) -> int:
@@ -75,9 +99,14 @@ class QuantMatrix:
 
     def codes(self, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Rows [lo, hi) as (codes [n, K]: uint8 0..15 for 4 bits, int8 for 8; step float32
-        [n, K / 32]; low float32 [n, K / 32] for 4 bits, else None) with ``w = codes * step + low``."""
+        [n, K / 32] (Q6_K: [n, K / 16]); low float32 the same for the types in ``LOWS``, else None)
+        with ``w = codes * step + low``."""
         hi = self.shape[0] if hi is None else hi
         n, k = hi - lo, self.shape[1]
+        if self.qtype in ("Q4_K", "Q5_K"):
+            return _k_quant_codes(self.qtype, self.raw[lo:hi].reshape(n, k // 256, BLOCK_BYTES[self.qtype]))
+        if self.qtype == "Q6_K":
+            return _q6_k_codes(self.raw[lo:hi].reshape(n, k // 256, BLOCK_BYTES[self.qtype]))
         b = self.raw[lo:hi].reshape(n, k // GROUP, BLOCK_BYTES[self.qtype])
         d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n, G]
         if self.qtype == "Q8_0":
@@ -95,10 +124,50 @@ class QuantMatrix:
         """Rows [lo, hi) as float32 (the values ``gguf.quants.dequantize`` gives)."""
         codes, step, low = self.codes(lo, hi)
         n = codes.shape[0]
-        w = codes.reshape(n, -1, GROUP).astype(np.float32) * step[..., None]
+        w = codes.reshape(n, step.shape[1], -1).astype(np.float32) * step[..., None]
         if low is not None:
             w += low[..., None]
         return w.reshape(n, -1)
+
+
+def _k_quant_codes(qtype: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks b [n, B, bytes] as (codes [n, B * 256], step, low [n, B * 8])."""
+    n, nb, _ = b.shape
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n, B]
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc, m = _scales_mins(b[..., 4:16])  # [n, B, 8] each
+    step = d[..., None] * sc.astype(np.float32)
+    low = -(dmin[..., None] * m.astype(np.float32))
+    qs = b[..., -128:].reshape(n, nb, 4, 1, 32)  # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F).reshape(n, nb, 8, 32)
+    if qtype == "Q4_K":
+        return q.reshape(n, nb * 256), step.reshape(n, nb * 8), low.reshape(n, nb * 8)
+    qh = b[..., 16:48].reshape(n, nb, 1, 32)  # bit j of byte i: value i of sub-block j
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    codes = (q | (high << 4)).astype(np.int8)
+    return codes.reshape(n, nb * 256), step.reshape(n, nb * 8), low.reshape(n, nb * 8)
+
+
+def _q6_k_codes(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q6_K super-blocks b [n, B, 210] as (codes [n, B * 256] int8, step [n, B * 16], None)."""
+    n, nb, _ = b.shape
+    ql, qh = b[..., 0:128].reshape(n, nb, 2, 1, 64), b[..., 128:192].reshape(n, nb, 2, 1, 32)
+    low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F).reshape(n, nb, 8, 32)
+    high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03).reshape(n, nb, 8, 32)
+    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, B, 16]
+    d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    return codes.reshape(n, nb * 256), (d[..., None] * sc).reshape(n, nb * 16), None
+
+
+def _scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of K-quant super-blocks (12 bytes each, llama.cpp's packing:
+    bytes 0-3 hold scales 0-3 and the top bits of scales 4-7, 4-7 the mins likewise, 8-11 the low
+    nibbles of scales and mins 4-7)."""
+    a, mm, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (hi & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([mm & 0x3F, (hi >> 4) | ((mm >> 2) & 0x30)], axis=-1)
+    return sc, m
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

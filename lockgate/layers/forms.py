@@ -329,8 +329,9 @@ class IntGemmWeight:
     name: typing.ClassVar[str] = "int-gemm"
     bits: int
     packed: torch.Tensor  # bits 4: uint8 [N/16, K/4, 32]; bits 8: int8 [N/16, K/2, 32]
-    scales: torch.Tensor  # float16 [N/16, K/32, 16]
-    zeros: torch.Tensor | None  # float16 [N/16, K/32, 16] (bits 4) or None
+    scales: torch.Tensor  # float16 [N/16, K/32, 16] (float32 where float16 would round: GGUF K-quants;
+    #                       [N/16, K/16, 16] for 8 bits with a step per 16 columns: Q6_K)
+    zeros: torch.Tensor | None  # the same dtype and shape (bits 4; bits 8 with lows: Q5_K) or None
     error: float  # largest |weight - dequantized| in quantization steps, float16 scales included
 
     @staticmethod
@@ -353,21 +354,20 @@ class IntGemmWeight:
 
     @staticmethod
     def from_grid(g: Grid) -> IntGemmWeight:
-        """The form of a weight given by its grid alone (``Grid.from_blocks``: a GGUF Q4_0 / Q4_1 /
-        Q8_0 / Q5_0 matrix, whose steps and lows are float16 values, so nothing is lost: checked)."""
+        """The form of a weight given by its grid alone (``Grid.from_blocks``: a GGUF matrix of a
+        direct type): steps and lows in float16 where that holds them exactly (the legacy types),
+        else in float32 (the K-quants' products of a float16 and a 6-bit scale), so nothing is lost."""
         n, k = g.shape
         if not IntGemmWeight.fits((n, k)) or g.bits not in (4, 8):
             raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
                              f"got [{n}, {k}] at {g.bits} bits")
-        for t in (g.step, g.low):
-            if t is not None and not bool((t.to(torch.float16).float() == t).all()):
-                raise ValueError("the grid's steps are not float16 values: int_linear would round them")
-        return IntGemmWeight._pack(g, n, k, 0.0)
+        half = all(t is None or bool((t.to(torch.float16).float() == t).all()) for t in (g.step, g.low))
+        return IntGemmWeight._pack(g, n, k, 0.0, torch.float16 if half else torch.float32)
 
     @staticmethod
-    def _pack(g: Grid, n: int, k: int, error: float) -> IntGemmWeight:
-        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16] float16
-            return t.view(n // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
+    def _pack(g: Grid, n: int, k: int, error: float, scale_dtype: torch.dtype = torch.float16) -> IntGemmWeight:
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
+            return t.view(n // 16, 16, -1).permute(0, 2, 1).to(scale_dtype).contiguous()
 
         if g.bits == 4:
             # (nb, lane, chunk c, pair-in-chunk, column-in-pair) -> (nb, c, lane, column-in-pair, pair-in-chunk)
@@ -399,10 +399,11 @@ class IntGemmWeight:
             codes = torch.stack([lo, hi], dim=-2).permute(0, 2, 1, 3, 4).reshape(n, k).float()
         else:
             codes = self.packed.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).float()
-        scales = self.scales.permute(0, 2, 1).reshape(n, k // INT4_GROUP).float()
-        w = codes.view(n, k // INT4_GROUP, INT4_GROUP) * scales[..., None]
+        steps = self.scales.shape[1]  # K / 32, or K / 16 (8 bits: a scale per 16 columns)
+        scales = self.scales.permute(0, 2, 1).reshape(n, steps).float()
+        w = codes.view(n, steps, k // steps) * scales[..., None]
         if self.zeros is not None:
-            w = w + self.zeros.permute(0, 2, 1).reshape(n, k // INT4_GROUP).float()[..., None]
+            w = w + self.zeros.permute(0, 2, 1).reshape(n, steps).float()[..., None]
         return w.reshape(n, k)
 
 
@@ -472,9 +473,10 @@ def packed_forms(qm: QuantMatrix, kernels: bool, want: Collection[str] | None = 
     forms: dict[str, Form] = {}
     if "int-gemm" in names and vectorized:
         forms["int-gemm"] = IntGemmWeight.from_grid(grid)
-    if "group-quant" in names and kernels:
+    per_32 = grid.step.shape[1] * INT4_GROUP == k  # (Q6_K's steps are per 16: the integer GEMM's alone)
+    if "group-quant" in names and kernels and per_32 and (grid.bits == 4 or grid.low is None):  # (8 bits: no lows)
         forms["group-quant"] = GroupQuantWeight.from_grid(grid)
-    if "torch-int4" in names and grid.bits == 4 and not int4_unfit_reason((n, k), torch.bfloat16, torch.device("cpu")):
+    if "torch-int4" in names and grid.bits == 4 and per_32 and not int4_unfit_reason((n, k), torch.bfloat16, torch.device("cpu")):
         assert grid.low is not None
         forms["torch-int4"] = Int4Weight(torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid.codes.to(torch.int32), 1),
                                          torch.stack([grid.step, grid.low + 8 * grid.step], dim=-1).transpose(0, 1)

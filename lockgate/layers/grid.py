@@ -91,8 +91,8 @@ class Grid:
 
     bits: int
     codes: torch.Tensor
-    step: torch.Tensor  # float32 [N, K/32]
-    low: torch.Tensor | None  # float32 [N, K/32] (bits 4)
+    step: torch.Tensor  # float32 [N, K/32] ([N, K/16] from Q6_K blocks: only the integer GEMM takes those)
+    low: torch.Tensor | None  # float32, as step (bits 4; bits 8 from Q5_K blocks)
     error: float
 
     @staticmethod

@@ -8,9 +8,10 @@ the scheduler process will hold resident, against what the machine has available
 
 What is counted:
 
-* weights: a GGUF's projections and LM head kept in their blocks (Q4_0 / Q4_1 / Q8_0 / Q5_0) as the
-  integer GEMM packs them (4-bit: half a byte per weight plus a float16 step and low per 32; 8-bit:
-  a byte plus a step); every other matrix, and every tensor of a safetensors checkpoint, dense in
+* weights: a GGUF's projections and LM head kept in their blocks (the direct types of
+  ``checkpoint.gguf_blocks``: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K) as the integer GEMM packs
+  them (``resident_bytes``: half a byte or a byte per weight plus a step, and a low, per 32, float16
+  or float32); every other matrix, and every tensor of a safetensors checkpoint, dense in
   the run dtype; a GGUF's token embedding not at all (its rows are read from the file as steps use
   them: ``layers.embedding``);
 * the KV pool: tokens x (layers x 2 x KV heads x head size x the dtype's bytes);
@@ -31,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lockgate.checkpoint.gguf_blocks import BLOCK_VALUES, DIRECT_TYPES, resident_bytes
+
 log = logging.getLogger("lockgate.runner")
 
 RUNTIME_BYTES = 450 * 1024**2  # the scheduler process before weights: Python, torch, lockgate's kernels
-GROUP = 32
-DIRECT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8}
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,6 @@ def available_bytes() -> int | None:
     return None
 
 
-def packed_bytes(bits: int, n: int, k: int) -> int:
-    """The integer GEMM's form of an [n, k] matrix: codes plus float16 steps (and lows at 4 bits)."""
-    groups = n * (k // GROUP)
-    return (n * k // 2 + 4 * groups) if bits == 4 else (n * k + 2 * groups)
-
-
 def gguf_weights_bytes(tensors: list[tuple[str, str, tuple[int, ...]]], elem: int, packed: bool) -> int:
     """Resident bytes of a GGUF's weights: (Hugging Face name, GGUF type, shape) per tensor."""
     total = 0
@@ -88,10 +83,10 @@ def gguf_weights_bytes(tensors: list[tuple[str, str, tuple[int, ...]]], elem: in
             if not packed:  # de-quantized whole: the table, and the tied head's copy of it
                 total += n * k * elem * (2 if tied else 1)
             elif tied:  # rows read per lookup; the tied head is packed from the same blocks
-                total += packed_bytes(DIRECT[qtype], n, k) if qtype in DIRECT else n * k * elem
+                total += resident_bytes(qtype, n, k) if qtype in DIRECT_TYPES else n * k * elem
             continue
-        if packed and len(shape) == 2 and qtype in DIRECT and k % GROUP == 0:
-            total += packed_bytes(DIRECT[qtype], n, k)
+        if packed and len(shape) == 2 and qtype in DIRECT_TYPES and k % BLOCK_VALUES[qtype] == 0:
+            total += resident_bytes(qtype, n, k)
         else:
             total += n * k * elem
     return total

@@ -10,18 +10,23 @@
 //                   n = 16 nb + i / 2 and column k = 4 c + i % 2, code(n, k) in its low nibble and
 //                   code(n, k + 2) in its high nibble (codes 0..15, W = code * scale + zero)
 //           bits 8: int8 [N / 16, K / 2, 32]: byte i of chunk (nb, p) = code(16 nb + i / 2, 2 p + i % 2)
-//                   (codes -127..127, W = code * scale)
-//   scales, zeros  float16 [N / 16, K / 32, 16] (zeros only for bits 4): entry (nb, g, l) belongs
-//           to output row 16 nb + l and columns [32 g, 32 g + 32). GGUF keeps its Q4_1 / Q8_0
-//           block scales and offsets in float16, so they are exact; half the bytes of float32
-//           matter when one row streams the weights from memory (17% of a Q4_1 weight's bytes)
+//                   (codes -127..127, W = code * scale, or code * scale + zero with zeros)
+//   scales, zeros  float16 or float32 (both the same) [N / 16, K / 32, 16] (zeros required for bits
+//           4, optional for bits 8): entry (nb, g, l) belongs to output row 16 nb + l and columns
+//           [32 g, 32 g + 32). GGUF keeps its Q4_0 / Q4_1 / Q8_0 / Q5_0 block scales and offsets in
+//           float16, so they are exact there; half the bytes of float32 matter when one row streams
+//           the weights from memory (17% of a Q4_1 weight's bytes). A K-quant's scales are products
+//           of a float16 and a 6-bit integer, exact only in float32 (Q4_K: 4-bit codes; Q5_K: 8-bit
+//           codes 0..31 with zeros). Bits 8 without zeros may have a scale per 16 columns instead:
+//           scales [N / 16, K / 16, 16] (GGUF Q6_K: codes q - 32 in -32..31, scale d * its int8
+//           sub-block scale); each 16 columns' int32 sum is then scaled on its own, in column order
 //   bias    [N] float32, bfloat16 or float16, contiguous, or None: added (widened exactly) to the
 //           float32 result
 //   returns [M, N] in x's dtype: float32 as computed; for a 16-bit x the float32 result (plus
 //           bias) rounded once to x's dtype, to nearest even, as ``y.to(x.dtype)`` rounds (a NaN
 //           stays a NaN). So a 16-bit model's call takes no conversions of its own: at batch-1
 //           decode the ~240 small conversions of a step (each an allocation and a dispatch) were
-//           ~0.3-0.4 ms of a ~5.5 ms step (docs/performance.md, round 31)
+//           ~0.3-0.4 ms of a ~5.5 ms step on the Zen 4 class CPU
 //
 // Why: on a CPU without bf16 matrix units, float32 FMA is the fastest float arithmetic, and MKL's
 // sgemm already runs near its peak. AVX512-VNNI's VPDPWSSD multiplies 32 int16 pairs per
@@ -42,7 +47,7 @@
 // thread an even share of the 16-row blocks, codes widened in registers as they stream in,
 // software prefetch ahead of each stream and, spread over each tile, of the next tile's codes,
 // scales and offsets (prefetch.h: a tile's streams otherwise begin at memory latency; on the Zen 4
-// class CPU a batch-1 decode step took 7-8% less time, docs/performance.md, round 30).
+// class CPU a batch-1 decode step took 7-8% less time).
 //
 // Non-finite x: a block holding NaN or +-inf gets a NaN scale, so the rows it feeds come out NaN
 // (as F.linear's would); a block whose largest magnitude is below 1e-30 is taken as zeros.
@@ -122,12 +127,27 @@ struct Job {
   const float* xsum;   // [M, G] sum of x per row and group (bits 4), else nullptr
   int64_t m, k, g, nb; // rows, columns, groups, 16-row blocks of the output
   const uint8_t* packed;
-  const at::Half* scales; // [NB, G, 16]
-  const at::Half* zeros;  // [NB, G, 16] or nullptr
+  const void* scales;     // [NB, G, 16] float16, or float32 when f32
+  const void* zeros;      // the same, or nullptr
   int bits;
   float* out;          // [M, N]
   bool generic;        // the plain C++ path even where VNNI is there (int_linear_reference)
+  bool f32;            // scales and zeros are float32 (else float16)
+  int sub;             // scales per 32 columns: 1, or 2 (one per 16: bits 8 without zeros, GGUF Q6_K)
 };
+
+// Index of the scale (or zero) of 16-row block nb, 32-column group g, its part s (< job.sub), lane 0.
+inline int64_t scale_index(const Job& job, int64_t nb, int64_t g, int s) { return ((nb * job.g + g) * job.sub + s) * kLanes; }
+
+// Entry ``at`` of a scale or zero table, as float32 (a float16 entry widened exactly).
+inline float table_at(const Job& job, const void* t, int64_t at) {
+  return job.f32 ? static_cast<const float*>(t)[at] : static_cast<float>(static_cast<const at::Half*>(t)[at]);
+}
+
+// The address of entry ``at`` (for prefetching).
+inline const char* table_ptr(const Job& job, const void* t, int64_t at) {
+  return static_cast<const char*>(t) + at * (job.f32 ? 4 : 2);
+}
 
 // Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767. T: float, or a
 // 16-bit float widened exactly to float32 first.
@@ -215,6 +235,11 @@ inline __m512 load_half16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Entries [at, at + 16) of a scale or zero table as float32.
+inline __m512 load_table16(const Job& job, const void* t, int64_t at) {
+  return job.f32 ? _mm512_loadu_ps(static_cast<const float*>(t) + at) : load_half16(static_cast<const at::Half*>(t) + at);
+}
+
 // acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
 inline __m512i dot512(__m512i acc, __m512i x, __m512i w) {
 #if defined(__AVX512VNNI__)
@@ -225,34 +250,36 @@ inline __m512i dot512(__m512i acc, __m512i x, __m512i w) {
 }
 
 // out[m0 .. m0 + MR, 16 nb0 .. 16 (nb0 + NR)] += the products of columns [k0, k0 + kb).
-template <int MR, int NR>
-void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
+template <int MR, int NR, int SUB>
+void tile_vnni_sub(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
+  constexpr int64_t kPairs = kPairsPerGroup / SUB;  // column pairs per scale
   const int64_t pairs = kb / 2, n = job.nb * kLanes;
   __m512 f[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j)
       f[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(job.out + (m0 + i) * n + (nb0 + j) * kLanes);
-  for (int64_t gi = 0; gi < kb / kGroup; ++gi) {
+  for (int64_t gi = 0; gi < kb / kGroup; ++gi)
+   for (int s = 0; s < SUB; ++s) {
     const int64_t g = k0 / kGroup + gi;
     __m512i a[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) a[i][j] = _mm512_setzero_si512();
-    const int16_t* w = buf + gi * kPairsPerGroup * 32;
+    const int16_t* w = buf + (gi * kPairsPerGroup + s * kPairs) * 32;
 #pragma GCC unroll 16
-    for (int64_t p = 0; p < kPairsPerGroup; ++p) {
+    for (int64_t p = 0; p < kPairs; ++p) {
       __m512i wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w + (j * pairs + p) * 32);
       for (int i = 0; i < MR; ++i) {
         int32_t pair;
-        std::memcpy(&pair, job.xq + (m0 + i) * job.k + g * kGroup + 2 * p, sizeof pair);
+        std::memcpy(&pair, job.xq + (m0 + i) * job.k + g * kGroup + 2 * (s * kPairs + p), sizeof pair);
         const __m512i xv = _mm512_set1_epi32(pair);
         for (int j = 0; j < NR; ++j) a[i][j] = dot512(a[i][j], xv, wv[j]);
       }
     }
     __m512 d[NR], z[NR];
     for (int j = 0; j < NR; ++j) {
-      d[j] = load_half16(job.scales + ((nb0 + j) * job.g + g) * kLanes);
-      if (job.zeros) z[j] = load_half16(job.zeros + ((nb0 + j) * job.g + g) * kLanes);
+      d[j] = load_table16(job, job.scales, scale_index(job, nb0 + j, g, s));
+      if (job.zeros) z[j] = load_table16(job, job.zeros, scale_index(job, nb0 + j, g, s));
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 s = _mm512_set1_ps(job.xs[(m0 + i) * job.g + g]);
@@ -266,6 +293,12 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) _mm512_storeu_ps(job.out + (m0 + i) * n + (nb0 + j) * kLanes, f[i][j]);
 }
+
+template <int MR, int NR>
+void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
+  if (job.sub == 2) return tile_vnni_sub<MR, NR, 2>(job, m0, nb0, k0, kb, buf, first);
+  tile_vnni_sub<MR, NR, 1>(job, m0, nb0, k0, kb, buf, first);
+}
 #endif
 
 #if defined(LOCKGATE_IG_VECTOR)
@@ -273,7 +306,7 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
 // their codes, scales and offsets, spread over the steps of a tile (one per 4 columns of 4-bit
 // codes, per column pair of 8-bit ones, as gemv_tile and gemv_tile_avx2 call next.step()).
 lockgate::TilePrefetch next_tile(const Job& job, int64_t n0, int64_t n1) {
-  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = job.g * kLanes * 2;
+  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = job.g * job.sub * kLanes * (job.f32 ? 4 : 2);
   lockgate::TilePrefetch next;
   next.add(job.packed + n0 * code_bytes, (n1 - n0) * code_bytes);
   next.add(reinterpret_cast<const char*>(job.scales) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
@@ -288,18 +321,20 @@ lockgate::TilePrefetch next_tile(const Job& job, int64_t n0, int64_t n1) {
 // registers straight from their packed bytes (no buffer: each byte is used by MR <= 6 rows only,
 // so the step is bound by reading the weights and the widening's stores and reloads would cost
 // more than they save). Same arithmetic, in the same order, as tile_vnni.
-template <int MR, int NR>
-void gemv_tile(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
+template <int MR, int NR, int SUB>
+void gemv_tile_sub(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
+  constexpr int64_t kPairs = kPairsPerGroup / SUB;  // column pairs per scale (8-bit codes)
   const int64_t n = job.nb * kLanes;
   __m512 f[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) f[i][j] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi16(0xF);
-  for (int64_t g = 0; g < job.g; ++g) {
+  for (int64_t g = 0; g < job.g; ++g)
+   for (int s = 0; s < SUB; ++s) {
     __m512i a[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) a[i][j] = _mm512_setzero_si512();
-    if (job.bits == 4) {
+    if (SUB == 1 && job.bits == 4) {
       // the group's 8 chunks: chunk c holds columns 4c, 4c + 1 (low nibbles) and 4c + 2, 4c + 3 (high)
 #pragma GCC unroll 8
       for (int64_t cg = 0; cg < kGroup / 4; ++cg) {
@@ -326,8 +361,8 @@ void gemv_tile(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
     } else {
       const int8_t* codes = reinterpret_cast<const int8_t*>(job.packed);
 #pragma GCC unroll 16
-      for (int64_t pg = 0; pg < kPairsPerGroup; ++pg) {
-        const int64_t p = g * kPairsPerGroup + pg;
+      for (int64_t pg = 0; pg < kPairs; ++pg) {
+        const int64_t p = g * kPairsPerGroup + s * kPairs + pg;
         next.step();
         __m512i xv[MR];
         for (int i = 0; i < MR; ++i) {
@@ -344,22 +379,28 @@ void gemv_tile(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const int64_t ahead = ((nb0 + j) * job.g + g + kGemvPrefetchGroups) * kLanes;
-      _mm_prefetch(reinterpret_cast<const char*>(job.scales + ahead), _MM_HINT_T0);
-      if (job.zeros) _mm_prefetch(reinterpret_cast<const char*>(job.zeros + ahead), _MM_HINT_T0);
-      const __m512 d = load_half16(job.scales + ((nb0 + j) * job.g + g) * kLanes);
+      const int64_t ahead = scale_index(job, nb0 + j, g + kGemvPrefetchGroups, s);
+      _mm_prefetch(table_ptr(job, job.scales, ahead), _MM_HINT_T0);
+      if (job.zeros) _mm_prefetch(table_ptr(job, job.zeros, ahead), _MM_HINT_T0);
+      const __m512 d = load_table16(job, job.scales, scale_index(job, nb0 + j, g, s));
       for (int i = 0; i < MR; ++i) {
         const __m512 s = _mm512_set1_ps(job.xs[i * job.g + g]);
         f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][j]), _mm512_mul_ps(d, s), f[i][j]);
       }
       if (job.zeros) {
-        const __m512 z = load_half16(job.zeros + ((nb0 + j) * job.g + g) * kLanes);
+        const __m512 z = load_table16(job, job.zeros, scale_index(job, nb0 + j, g, s));
         for (int i = 0; i < MR; ++i) f[i][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(job.xsum[i * job.g + g]), f[i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) _mm512_storeu_ps(job.out + i * n + (nb0 + j) * kLanes, f[i][j]);
+}
+
+template <int MR, int NR>
+void gemv_tile(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
+  if (job.sub == 2) return gemv_tile_sub<MR, NR, 2>(job, nb0, next);
+  gemv_tile_sub<MR, NR, 1>(job, nb0, next);
 }
 
 // Output-row blocks [b0, b1) for all MR rows, in tiles of gemv_tile_n<MR>() blocks; while a
@@ -403,6 +444,11 @@ void run_gemv(const Job& job) {
 // 8 float16 scales or offsets as float32 (exact).
 inline __m256 load_half8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// Entries [at, at + 8) of a scale or zero table as float32.
+inline __m256 load_table8(const Job& job, const void* t, int64_t at) {
+  return job.f32 ? _mm256_loadu_ps(static_cast<const float*>(t) + at) : load_half8(static_cast<const at::Half*>(t) + at);
+}
+
 // acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
 inline __m256i dot256(__m256i acc, __m256i x, __m256i w) {
 #if defined(__AVXVNNI__)
@@ -427,10 +473,13 @@ inline __m256 scale_group(__m256 f, __m256i a, __m256 d, float s, const __m256* 
 // out[m0 .. m0 + MR, the rows of halves h0 .. h0 + NH of the tile at block nb0] += the products of
 // columns [k0, k0 + kb), from the widened codes in buf. The float32 totals live in out between groups
 // (16 ymm registers hold the MR x NH int32 sums, the NH code vectors and one broadcast x pair).
-template <int MR, int NH>
-void tile_avx2(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
+template <int MR, int NH, int SUB>
+void tile_avx2_sub(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int64_t kb, const int16_t* buf,
+                   bool first) {
+  constexpr int64_t kPairs = kPairsPerGroup / SUB;  // column pairs per scale
   const int64_t pairs = kb / 2, n = job.nb * kLanes;
-  for (int64_t gi = 0; gi < kb / kGroup; ++gi) {
+  for (int64_t gi = 0; gi < kb / kGroup; ++gi)
+   for (int s = 0; s < SUB; ++s) {
     const int64_t g = k0 / kGroup + gi;
     __m256i a[MR][NH];
     for (int i = 0; i < MR; ++i)
@@ -440,12 +489,12 @@ void tile_avx2(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int6
     const int16_t* wp[NH];
     for (int j = 0; j < NH; ++j) {
       const int h = h0 + j;
-      wp[j] = buf + ((h / 2) * pairs + gi * kPairsPerGroup) * 32 + 16 * (h % 2);
+      wp[j] = buf + ((h / 2) * pairs + gi * kPairsPerGroup + s * kPairs) * 32 + 16 * (h % 2);
     }
     const int16_t* xr[MR];
-    for (int i = 0; i < MR; ++i) xr[i] = job.xq + (m0 + i) * job.k + g * kGroup;
+    for (int i = 0; i < MR; ++i) xr[i] = job.xq + (m0 + i) * job.k + g * kGroup + 2 * s * kPairs;
 #pragma GCC unroll 4
-    for (int64_t p = 0; p < kPairsPerGroup; ++p) {
+    for (int64_t p = 0; p < kPairs; ++p) {
       __m256i wv[NH];
       for (int j = 0; j < NH; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[j] + p * 32));
       for (int i = 0; i < MR; ++i) {
@@ -455,13 +504,13 @@ void tile_avx2(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int6
     }
     for (int j = 0; j < NH; ++j) {
       const int h = h0 + j;
-      const int64_t at = ((nb0 + h / 2) * job.g + g) * kLanes + 8 * (h % 2);
-      const __m256 d = load_half8(job.scales + at);
+      const int64_t at = scale_index(job, nb0 + h / 2, g, s) + 8 * (h % 2);
+      const __m256 d = load_table8(job, job.scales, at);
       __m256 z;
-      if (job.zeros) z = load_half8(job.zeros + at);
+      if (job.zeros) z = load_table8(job, job.zeros, at);
       for (int i = 0; i < MR; ++i) {
         float* o = job.out + (m0 + i) * n + (nb0 + h / 2) * kLanes + 8 * (h % 2);
-        const __m256 f = first && gi == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+        const __m256 f = first && gi == 0 && s == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
         const int64_t xg = (m0 + i) * job.g + g;
         _mm256_storeu_ps(o, scale_group(f, a[i][j], d, job.xs[xg], job.zeros ? &z : nullptr,
                                         job.zeros ? job.xsum[xg] : 0.f));
@@ -470,21 +519,29 @@ void tile_avx2(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int6
   }
 }
 
+template <int MR, int NH>
+void tile_avx2(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int64_t kb, const int16_t* buf, bool first) {
+  if (job.sub == 2) return tile_avx2_sub<MR, NH, 2>(job, m0, nb0, h0, k0, kb, buf, first);
+  tile_avx2_sub<MR, NH, 1>(job, m0, nb0, h0, k0, kb, buf, first);
+}
+
 // Few rows: out[m0 .. m0 + MR, blocks nb0 .. nb0 + NB] over all of K, codes widened in registers
 // as they stream in (as gemv_tile), float32 totals in registers.
-template <int MR, int NB>
-void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefetch& next) {
+template <int MR, int NB, int SUB>
+void gemv_tile_avx2_sub(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefetch& next) {
   constexpr int NH = 2 * NB;
+  constexpr int64_t kPairs = kPairsPerGroup / SUB;  // column pairs per scale (8-bit codes)
   const int64_t n = job.nb * kLanes;
   __m256 f[MR][NH];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NH; ++j) f[i][j] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi16(0xF);
-  for (int64_t g = 0; g < job.g; ++g) {
+  for (int64_t g = 0; g < job.g; ++g)
+   for (int s = 0; s < SUB; ++s) {
     __m256i a[MR][NH];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NH; ++j) a[i][j] = _mm256_setzero_si256();
-    if (job.bits == 4) {
+    if (SUB == 1 && job.bits == 4) {
 #pragma GCC unroll 8
       for (int64_t cg = 0; cg < kGroup / 4; ++cg) {
         const int64_t c = g * kGroup / 4 + cg;
@@ -510,8 +567,8 @@ void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefe
     } else {
       const int8_t* codes = reinterpret_cast<const int8_t*>(job.packed);
 #pragma GCC unroll 16
-      for (int64_t pg = 0; pg < kPairsPerGroup; ++pg) {
-        const int64_t p = g * kPairsPerGroup + pg;
+      for (int64_t pg = 0; pg < kPairs; ++pg) {
+        const int64_t p = g * kPairsPerGroup + s * kPairs + pg;
         next.step();
         __m256i xv[MR];
         for (int i = 0; i < MR; ++i) xv[i] = broadcast_pair(job.xq + (m0 + i) * job.k + 2 * p);
@@ -526,14 +583,14 @@ void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefe
       }
     }
     for (int b = 0; b < NB; ++b) {
-      const int64_t ahead = ((nb0 + b) * job.g + g + kGemvPrefetchGroups) * kLanes;
-      _mm_prefetch(reinterpret_cast<const char*>(job.scales + ahead), _MM_HINT_T0);
-      if (job.zeros) _mm_prefetch(reinterpret_cast<const char*>(job.zeros + ahead), _MM_HINT_T0);
+      const int64_t ahead = scale_index(job, nb0 + b, g + kGemvPrefetchGroups, s);
+      _mm_prefetch(table_ptr(job, job.scales, ahead), _MM_HINT_T0);
+      if (job.zeros) _mm_prefetch(table_ptr(job, job.zeros, ahead), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
-        const int64_t at = ((nb0 + b) * job.g + g) * kLanes + 8 * h;
-        const __m256 d = load_half8(job.scales + at);
+        const int64_t at = scale_index(job, nb0 + b, g, s) + 8 * h;
+        const __m256 d = load_table8(job, job.scales, at);
         __m256 z;
-        if (job.zeros) z = load_half8(job.zeros + at);
+        if (job.zeros) z = load_table8(job, job.zeros, at);
         for (int i = 0; i < MR; ++i) {
           const int64_t xg = (m0 + i) * job.g + g;
           f[i][2 * b + h] = scale_group(f[i][2 * b + h], a[i][2 * b + h], d, job.xs[xg], job.zeros ? &z : nullptr,
@@ -546,11 +603,17 @@ void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefe
     for (int j = 0; j < NH; ++j) _mm256_storeu_ps(job.out + (m0 + i) * n + nb0 * kLanes + 8 * j, f[i][j]);
 }
 
+template <int MR, int NB>
+void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefetch& next) {
+  if (job.sub == 2) return gemv_tile_avx2_sub<MR, NB, 2>(job, m0, nb0, next);
+  gemv_tile_avx2_sub<MR, NB, 1>(job, m0, nb0, next);
+}
+
 // Output-row blocks [b0, b1) for x rows [m0, m0 + MR): tiles of 2 blocks for one row, with the
 // next tile's codes, scales and offsets prefetched during each (as gemv_blocks), else tiles of
 // 1 block, where each stream's own prefetch already runs into the next block (measured under
 // LOCKGATE_KERNEL_MARCH=haswell on the Zen 4 class CPU: the next-tile prefetch took ~10% off
-// one row's calls and added ~10% to three rows' LM head; docs/performance.md, round 30).
+// one row's calls and added ~10% to three rows' LM head).
 template <int MR>
 void gemv_rows_avx2(const Job& job, int64_t m0, int64_t b0, int64_t b1) {
   constexpr int64_t tn = MR == 1 ? 2 : 1;
@@ -597,15 +660,18 @@ void tile_generic(const Job& job, int64_t m0, int mr, int64_t nb0, int nr, int64
       for (int64_t l = 0; l < kLanes; ++l) {
         float* o = job.out + (m0 + i) * n + (nb0 + j) * kLanes + l;
         float f = first ? 0.f : *o;
+        const int64_t per = kPairsPerGroup / job.sub;  // column pairs per scale
         for (int64_t gi = 0; gi < kb / kGroup; ++gi) {
           const int64_t g = k0 / kGroup + gi;
-          int32_t acc = 0;
-          for (int64_t p = gi * kPairsPerGroup; p < (gi + 1) * kPairsPerGroup; ++p)
-            for (int e = 0; e < 2; ++e)
-              acc += static_cast<int32_t>(job.xq[(m0 + i) * job.k + k0 + 2 * p + e]) * buf[(j * pairs + p) * 32 + 2 * l + e];
-          const int64_t at = ((nb0 + j) * job.g + g) * kLanes + l;
-          f = std::fma(static_cast<float>(acc), static_cast<float>(job.scales[at]) * job.xs[(m0 + i) * job.g + g], f);
-          if (job.zeros) f = std::fma(static_cast<float>(job.zeros[at]), job.xsum[(m0 + i) * job.g + g], f);
+          for (int s = 0; s < job.sub; ++s) {
+            int32_t acc = 0;
+            for (int64_t p = gi * kPairsPerGroup + s * per; p < gi * kPairsPerGroup + (s + 1) * per; ++p)
+              for (int e = 0; e < 2; ++e)
+                acc += static_cast<int32_t>(job.xq[(m0 + i) * job.k + k0 + 2 * p + e]) * buf[(j * pairs + p) * 32 + 2 * l + e];
+            const int64_t at = scale_index(job, nb0 + j, g, s) + l;
+            f = std::fma(static_cast<float>(acc), table_at(job, job.scales, at) * job.xs[(m0 + i) * job.g + g], f);
+            if (job.zeros) f = std::fma(table_at(job, job.zeros, at), job.xsum[(m0 + i) * job.g + g], f);
+          }
         }
         *o = f;
       }
@@ -728,13 +794,16 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
                   packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "int_linear: packed must be contiguous ", bits == 8 ? "int8 [N / 16, K / 2, 32]" : "uint8 [N / 16, K / 4, 32]");
   const int64_t nb = packed.size(0);
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups, kLanes}) && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kHalf,
-              "int_linear: scales must be contiguous float16 [N / 16, K / 32, 16]");
-  TORCH_CHECK((bits == 4) == zeros.has_value(), "int_linear: zeros are required for bits 4 and not allowed for bits 8");
+  const bool f32 = scales.scalar_type() == at::kFloat;
+  const int64_t sub = scales.dim() == 3 && scales.size(1) == 2 * groups && bits == 8 && !zeros ? 2 : 1;
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups * sub, kLanes}) && scales.is_contiguous() &&
+                  (f32 || scales.scalar_type() == at::kHalf),
+              "int_linear: scales must be contiguous float16 or float32 [N / 16, K / 32, 16] (or [N / 16, K / 16, 16] "
+              "for bits 8 without zeros)");
+  TORCH_CHECK(bits == 8 || zeros.has_value(), "int_linear: zeros are required for bits 4");
   if (zeros) {
-    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->is_contiguous() && zeros->scalar_type() == at::kHalf,
-                "int_linear: zeros must be contiguous float16 [N / 16, K / 32, 16]");
+    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->is_contiguous() && zeros->scalar_type() == scales.scalar_type(),
+                "int_linear: zeros must be contiguous [N / 16, K / 32, 16] in the scales' dtype");
   }
   const int64_t n = nb * kLanes;
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() && bias->device().is_cpu() &&
@@ -757,8 +826,9 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
   const at::Tensor wide = dtype == at::kFloat ? out : at::empty({m, n}, x.options().dtype(at::kFloat));
   float* y = wide.data_ptr<float>();
   const Job job{xq.data(), xs.data(), sums ? xsum.data() : nullptr, m, k, groups, nb,
-                reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr<at::Half>(),
-                sums ? zeros->data_ptr<at::Half>() : nullptr, static_cast<int>(bits), y, generic};
+                reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr(),
+                sums ? zeros->data_ptr() : nullptr, static_cast<int>(bits), y, generic, f32,
+                static_cast<int>(sub)};
   run(job);
   if (dtype == at::kFloat) {
     finish_out(y, bias, m, n, y);  // the bias added in place (nothing to do without one)

@@ -1,0 +1,84 @@
+"""GGUF matrices kept in their blocks (``checkpoint.gguf_blocks``) and the integer GEMM form made of
+them (``layers.forms.packed_forms``): for every type read directly, the codes and steps give back
+bitwise what the ``gguf`` package's own de-quantizer gives (the independent reference), the form
+multiplies by exactly those values, and the memory plan counts the bytes the form holds."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lockgate.checkpoint.gguf_blocks import DIRECT_TYPES, STEPS_FLOAT16, QuantMatrix, resident_bytes
+
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                "Q6_K": (208,)}
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> QuantMatrix:
+    """Random codes (and 6-bit scales and mins for the K-quants), sane float16 scales."""
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        d = rng.uniform(0.002, 0.02, raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return QuantMatrix(qtype, (rows, cols), raw.reshape(rows, -1))
+
+
+def gguf_values(qm: QuantMatrix) -> np.ndarray:
+    t = gguf.GGMLQuantizationType[qm.qtype]
+    return gguf.quants.dequantize(qm.raw, t).astype(np.float32).reshape(qm.shape)
+
+
+@pytest.mark.parametrize("qtype", DIRECT_TYPES)
+def test_codes_and_steps_give_back_the_gguf_packages_values_bitwise(qtype: str) -> None:
+    qm = random_blocks(qtype, 24, 512, seed=1)
+    want = gguf_values(qm)
+    assert np.array_equal(qm.dequantize(), want)
+    assert np.array_equal(qm.dequantize(8, 16), want[8:16])  # a row range alone
+    codes, step, low = qm.codes()
+    assert codes.shape == (24, 512) and step.dtype == np.float32
+    assert step.shape == (24, 32 if qtype == "Q6_K" else 16)  # Q6_K: a step per 16 values
+    assert (low is not None) == (qtype in ("Q4_0", "Q4_1", "Q4_K", "Q5_K"))
+    assert int(codes.min()) >= (0 if qm.bits == 4 else -128) and int(codes.max()) <= (15 if qm.bits == 4 else 127)
+    picked = qm.rows(np.array([5, 0, 23]))
+    assert np.array_equal(picked.dequantize(), want[[5, 0, 23]])
+
+
+def test_a_k_quant_matrix_must_be_whole_super_blocks() -> None:
+    with pytest.raises(ValueError, match=r"Q4_K blocks of a \[4, 96\] matrix"):
+        QuantMatrix("Q4_K", (4, 96), np.zeros((4, 54), np.uint8))
+
+
+@pytest.mark.parametrize("qtype", DIRECT_TYPES)
+def test_the_integer_gemm_form_multiplies_by_the_files_values(qtype: str) -> None:
+    from lockgate import kernels
+    from lockgate.layers.forms import int_gemm_available, int_gemm_isa, packed_forms
+
+    assert kernels.load(), f"lockgate CPU kernels did not build: {kernels.error()}"
+    if not int_gemm_available():
+        pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
+    n, k = 48, 512
+    qm = random_blocks(qtype, n, k, seed=2)
+    forms = packed_forms(qm, kernels=True)
+    assert list(forms) == ["int-gemm"]
+    other = packed_forms(qm, kernels=True, want={"group-quant"})  # few-row kernel: steps per 32, lows at 4 bits
+    assert list(other) == ([] if qtype in ("Q6_K", "Q5_K") else ["group-quant"])
+    form = forms["int-gemm"]
+    want = torch.from_numpy(gguf_values(qm))
+    assert torch.equal(form.dequantize(n, k), want)  # no value re-rounded, float16 or float32 steps
+    assert form.scales.dtype == (torch.float16 if qtype in STEPS_FLOAT16 else torch.float32)
+    held = sum(t.numel() * t.element_size() for t in (form.packed, form.scales, form.zeros) if t is not None)
+    assert held == resident_bytes(qtype, n, k)  # what the memory plan counts
+    torch.manual_seed(0)
+    for rows in (1, 3, 40):  # the few-row (decode) and the tiled (prompt) paths
+        x = torch.randn(rows, k)
+        y = form(x, None)
+        ref = torch.ops.lockgate.int_linear_reference(x, form.packed, form.scales, form.zeros, form.bits)
+        assert torch.equal(y, ref)  # the vector path and the plain C++ one agree bitwise
+        exact = (x.double() @ want.double().T).float()
+        assert (y - exact).abs().max() <= 1e-4 * exact.abs().max() + 1e-5
+    assert torch.equal(form(x[:1], None), y[:1])  # a row's result does not depend on the call's other rows
