@@ -18,13 +18,12 @@
 //   lane arithmetic), without writing the [M, N] product and reading it back: a unit of work is up
 //   to two gate blocks together with their up blocks, so a row's gate and up sums meet in
 //   registers. At the default model's gate/up (N = 3072, K = 576) on the Zen 5 class CPU:
-//   3-7% less time than the two calls at 1-166 rows, 2-3% at 256-1,046 (docs/performance.md,
-//   round 22).
+//   3-7% less time than the two calls at 1-166 rows, 2-3% at 256-1,046.
 //
 // Why: on a CPU with AVX512-BF16 and no AMX, oneDNN's bf16 matmul (what the dense form runs)
 // reached 420-600 GFLOP/s on the default model's projections at 32 rows and 510-750 at 64, on a
 // Zen 5 class part whose VDPBF16PS peak is ~960 on 2 cores; this kernel runs the same products at
-// 730-850 and 800-920 (docs/performance.md, round 18). A decode step's matmuls are small (tens of
+// 730-850 and 800-920. A decode step's matmuls are small (tens of
 // rows against a 0.3-3.5 MB weight): what decides them is keeping the dot-product units busy from
 // the first row block on, not cache blocking for large M.
 //

@@ -50,7 +50,7 @@
 //   * bf16 q and pool on a CPU with AVX512-BF16: VDPBF16PS (two exact bf16 products added to a
 //     float32 lane): scores over dimension pairs in order, then * scale; probabilities rounded to
 //     bf16 for P V (as torch's CPU flash attention does), float32 sums; see item_avx512_bf16.
-//     3.1x faster than one token per item at 1,024 tokens (docs/performance.md, round 14).
+//     3.1x faster than one token per item at 1,024 tokens (Zen 5 class CPU).
 //   * otherwise on AVX-512: float32 math whatever the storage (bf16 widened by a shift); scores
 //     summed over d in order (one FMA per d), probabilities float32; 2.1x at 256 and 1,024 tokens.
 //   * AVX2 + FMA (no AVX-512): one token at a time, float32, lane partial sums; plain loops for
@@ -216,7 +216,7 @@ std::vector<Item> plan_items(const Tokens& tk, const int64_t* slots) {
 // to alternating threads. Stripes shrink as the work left does (each about the work left over
 // 2 x threads, by cost: token rows x keys read, plus a fixed share per item for its preparation;
 // at least one item), so the first are long and the last short enough to end the threads together.
-// Zen 5 class, kernel alone: see docs/performance.md, round 17.
+// Zen 5 class, kernel alone: decode b = 128 at 321 keys 1.21-1.25x against one item at a time.
 constexpr int64_t kItemOverheadKeys = 32;
 
 std::vector<int64_t> stripes(const std::vector<Item>& items, const Tokens& tk, int64_t workers) {
@@ -565,10 +565,10 @@ constexpr int kPrefetch = 8;  // keys ahead: slots are scattered, hardware prefe
 // per key pair of its value pass for each group of rows, for each kv head, a few lines each)
 // lets the next item skip touch_rows, its rows arriving while this one works. On the AMD EPYC Zen 4 class CPU (2 threads,
 // pool on huge pages) decode at 321 keys took 9% less time at b = 32 and 12% at b = 128; on the
-// Zen 5 class, round 22's forms of it (one thread) were slower: hence measured, per CPU
-// (docs/performance.md, round 24). Spread over both passes, not the value pass alone: once step()
-// cost little (round 28), asking for the lines in the value pass alone came in bursts that made a
-// memory-bound item slower (docs/performance.md, round 28). Which cache level a row comes from is
+// Zen 5 class, three other forms of it (one thread) were slower: hence measured, per CPU
+// (docs/performance.md, "Tried and did not work"). Spread over both passes, not the value pass alone:
+// with step() as cheap as it is, asking for the lines in the value pass alone came in bursts that made
+// a memory-bound item slower (Zen 4 class). Which cache level a row comes from is
 // all it changes: never what is computed. An item's start() with no next item leaves it inactive, so the
 // first item of a stripe (its thread's previous item ended another stripe) reads its own rows.
 std::atomic<bool> g_lookahead{false};
@@ -632,7 +632,7 @@ struct Scratch {
 // ahead, help but do not close the gap); a loop of nothing but loads keeps the memory system busy
 // (the hardware prefetchers follow the runs of slots the allocator hands out) and leaves the rows
 // in L2 for the passes. Decode, b = 128 at 321 keys (Zen 5 class): 1.27 -> 1.13 ms per layer, a
-// plain read of the same rows being 0.73 ms; prefill runs unchanged (docs/performance.md, round 16).
+// plain read of the same rows being 0.73 ms; prefill runs unchanged.
 inline void touch_rows(const void* kc, const void* vc, const int64_t* sl, int64_t n, int64_t row_bytes) {
   const char* k = static_cast<const char*>(kc);
   const char* v = static_cast<const char*>(vc);

@@ -12,7 +12,7 @@
 // recently run ("cache hot") task at once. Traced on the Zen 5 class CPU (2 vCPUs, sched_switch):
 // the scheduler process's two threads time-sliced CPU 0 in 4 ms turns for ~70 ms of a 256-token
 // prompt step while CPU 1 ran its idle task, and the step took 92.6 ms instead of 67-70; that was
-// c = 1's slow first token (docs/performance.md, round 22). A thread pinned to its own CPU can be
+// c = 1's slow first token. A thread pinned to its own CPU can be
 // preempted by another process on it (the kernels' work stealing covers that, steal.h), but two
 // of them never share one. vLLM's CPU backend pins its OpenMP threads the same way
 // (VLLM_CPU_OMP_THREADS_BIND).
