@@ -70,11 +70,12 @@ def test_the_integer_gemm_form_multiplies_by_the_files_values(qtype: str) -> Non
     form = forms["int-gemm"]
     want = torch.from_numpy(gguf_values(qm))
     assert torch.equal(form.dequantize(n, k), want)  # no value re-rounded, float16 or float32 steps
-    assert form.scales.dtype == (torch.float16 if qtype in STEPS_FLOAT16 else torch.float32)
+    # the legacy types' steps in float16; a K-quant's as the file factors them (int8 x float16 super)
+    assert form.scales.dtype == (torch.float16 if qtype in STEPS_FLOAT16 else torch.uint8)
     held = sum(t.numel() * t.element_size() for t in (form.packed, form.scales, form.zeros) if t is not None)
     assert held == resident_bytes(qtype, n, k)  # what the memory plan counts
     torch.manual_seed(0)
-    for rows in (1, 3, 40):  # the few-row (decode) and the tiled (prompt) paths
+    for rows in (1, 2, 3, 5, 7, 40):  # the few-row (decode) paths and the tiled (prompt) one
         x = torch.randn(rows, k)
         y = form(x, None)
         ref = torch.ops.lockgate.int_linear_reference(x, form.packed, form.scales, form.zeros, form.bits)

@@ -22,8 +22,8 @@ through float32 weights:
   (in -32..31) with a step per 16 values (``STEP_VALUES``), no low.
 
 The legacy types' steps and lows are float16 values or 8 times one, so they are exact in float16
-(``STEPS_FLOAT16``); a K-quant's are products of a float16 and a 6-bit integer, exact in float32
-only. Either way the codes and steps give back exactly the values ``gguf.quants.dequantize``
+(``STEPS_FLOAT16``); a K-quant's are products of a float16 super-scale and a 6- or 8-bit integer,
+exact in float32 only, and kept factored as the file has them (``factors``). Either way the codes and steps give back exactly the values ``gguf.quants.dequantize``
 gives (``q * step + low`` rounds as its ``d * q - dm`` does). Other types (Q5_1, Q2_K, Q3_K, F16,
 ...) are read as float32 (``dense``).
 
@@ -53,10 +53,13 @@ STEPS_FLOAT16 = {"Q4_0", "Q4_1", "Q8_0", "Q5_0"}  # steps and lows exact in floa
 
 def resident_bytes(qtype: str, n: int, k: int) -> int:
     """Bytes of an [n, k] matrix of a direct type held as codes (4 or 8 bits) with a step (and a
-    low) per 32 values, at float16 where that is exact, else float32 (``layers.forms``' layout)."""
-    groups = n * (k // STEP_VALUES.get(qtype, GROUP))
-    scalar = 2 if qtype in STEPS_FLOAT16 else 4
-    return n * k * BITS[qtype] // 8 + groups * scalar * (2 if qtype in LOWS else 1)
+    low) per 32 values (``layers.forms``' layout): in float16 for the legacy types, as int8 factors
+    with a float16 super-scale per 256 values for the K-quants (as they store them)."""
+    steps = n * (k // STEP_VALUES.get(qtype, GROUP))
+    tables = 2 if qtype in LOWS else 1
+    if qtype in STEPS_FLOAT16:
+        return n * k * BITS[qtype] // 8 + steps * 2 * tables
+    return n * k * BITS[qtype] // 8 + (steps + n * (k // 256) * 2) * tables
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,23 @@ class QuantMatrix:
         high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # [n, G, 32]: bit j of value j
         q = (_nibbles(b[..., 6:22]) | (high << 4)).astype(np.int16) - 16  # Q5_0
         return q.astype(np.int8).reshape(n, k), d, None
+
+    def factors(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None] | None:
+        """A K-quant's steps and lows as the file factors them: ((int8 factors [n, K / 32] (Q6_K:
+        [n, K / 16]), float16 supers [n, K / 256]) for the steps, the same for the lows or None),
+        with ``step = super * factor`` and ``low = -(super * factor)`` (exact in float32, as
+        ``codes`` gives them); None for the other types."""
+        n, k = self.shape
+        if self.qtype not in ("Q4_K", "Q5_K", "Q6_K"):
+            return None
+        b = self.raw.reshape(n, k // 256, BLOCK_BYTES[self.qtype])
+        if self.qtype == "Q6_K":
+            sc = b[..., 192:208].copy().view(np.int8).reshape(n, k // 16)
+            return (sc, b[..., 208:210].copy().view(np.float16).reshape(n, k // 256)), None
+        sc, m = _scales_mins(b[..., 4:16])
+        d = b[..., 0:2].copy().view(np.float16).reshape(n, k // 256)
+        dmin = b[..., 2:4].copy().view(np.float16).reshape(n, k // 256)
+        return ((sc.astype(np.int8).reshape(n, k // 32), d), (m.astype(np.int8).reshape(n, k // 32), dmin))
 
     def dequantize(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Rows [lo, hi) as float32 (the values ``gguf.quants.dequantize`` gives)."""

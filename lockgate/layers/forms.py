@@ -329,8 +329,9 @@ class IntGemmWeight:
     name: typing.ClassVar[str] = "int-gemm"
     bits: int
     packed: torch.Tensor  # bits 4: uint8 [N/16, K/4, 32]; bits 8: int8 [N/16, K/2, 32]
-    scales: torch.Tensor  # float16 [N/16, K/32, 16] (float32 where float16 would round: GGUF K-quants;
-    #                       [N/16, K/16, 16] for 8 bits with a step per 16 columns: Q6_K)
+    scales: torch.Tensor  # float16 [N/16, K/32, 16] ([N/16, K/16, 16] for 8 bits with a step per 16
+    #   columns), float32 where float16 would round, or a GGUF K-quant's factored table (uint8, see
+    #   ``_factored`` and int_gemm.cpp)
     zeros: torch.Tensor | None  # the same dtype and shape (bits 4; bits 8 with lows: Q5_K) or None
     error: float  # largest |weight - dequantized| in quantization steps, float16 scales included
 
@@ -361,8 +362,22 @@ class IntGemmWeight:
         if not IntGemmWeight.fits((n, k)) or g.bits not in (4, 8):
             raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
                              f"got [{n}, {k}] at {g.bits} bits")
+        if g.step_factors is not None and k % 256 == 0:
+            made = IntGemmWeight._pack(g, n, k, 0.0)
+            factored = IntGemmWeight._factored
+            return dataclasses.replace(made, scales=factored(g.step_factors, n),
+                                       zeros=None if g.low_factors is None else factored(g.low_factors, n))
         half = all(t is None or bool((t.to(torch.float16).float() == t).all()) for t in (g.step, g.low))
         return IntGemmWeight._pack(g, n, k, 0.0, torch.float16 if half else torch.float32)
+
+    @staticmethod
+    def _factored(factors: tuple[torch.Tensor, torch.Tensor], n: int) -> torch.Tensor:
+        """(int8 factors [N, E], float16 supers [N, K/256]) -> the kernel's factored table, uint8
+        [N/16, E * 16 + K/256 * 32]: per 16-row block its factors [E, 16], then its supers [K/256, 16]."""
+        f, d = factors
+        fb = f.view(n // 16, 16, -1).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(n // 16, -1)
+        db = d.view(n // 16, 16, -1).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(n // 16, -1)
+        return torch.cat([fb, db], dim=1).contiguous()
 
     @staticmethod
     def _pack(g: Grid, n: int, k: int, error: float, scale_dtype: torch.dtype = torch.float16) -> IntGemmWeight:
@@ -391,6 +406,17 @@ class IntGemmWeight:
         the operator widens a 16-bit x and rounds the result as here)."""
         return 100 + self.bits, [self.packed, self.scales, _NONE if self.zeros is None else self.zeros]
 
+    @staticmethod
+    def _table(t: torch.Tensor, n: int, k: int, negate: bool = False) -> torch.Tensor:
+        """A scale or zero table as float32 [N, entries] (a factored one multiplied out, a zero negated)."""
+        if t.dtype != torch.uint8:
+            return t.permute(0, 2, 1).reshape(n, -1).float()
+        supers = k // 256 * 32
+        f = t[:, :-supers].contiguous().view(torch.int8).view(n // 16, -1, 16).permute(0, 2, 1).reshape(n, -1)
+        d = t[:, -supers:].contiguous().view(torch.float16).view(n // 16, -1, 16).permute(0, 2, 1).reshape(n, -1)
+        v = d.float().repeat_interleave(f.shape[1] // d.shape[1], dim=1) * f.float()
+        return -v if negate else v
+
     def dequantize(self, n: int, k: int) -> torch.Tensor:
         """The weight [N, K] float32 the kernel multiplies by (for tests)."""
         if self.bits == 4:
@@ -399,11 +425,11 @@ class IntGemmWeight:
             codes = torch.stack([lo, hi], dim=-2).permute(0, 2, 1, 3, 4).reshape(n, k).float()
         else:
             codes = self.packed.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).float()
-        steps = self.scales.shape[1]  # K / 32, or K / 16 (8 bits: a scale per 16 columns)
-        scales = self.scales.permute(0, 2, 1).reshape(n, steps).float()
+        scales = self._table(self.scales, n, k)
+        steps = scales.shape[1]  # K / 32, or K / 16 (8 bits: a scale per 16 columns)
         w = codes.view(n, steps, k // steps) * scales[..., None]
         if self.zeros is not None:
-            w = w + self.zeros.permute(0, 2, 1).reshape(n, steps).float()[..., None]
+            w = w + self._table(self.zeros, n, k, negate=True)[..., None]
         return w.reshape(n, k)
 
 

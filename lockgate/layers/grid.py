@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lockgate.checkpoint.gguf_blocks import QuantMatrix
@@ -94,6 +95,10 @@ class Grid:
     step: torch.Tensor  # float32 [N, K/32] ([N, K/16] from Q6_K blocks: only the integer GEMM takes those)
     low: torch.Tensor | None  # float32, as step (bits 4; bits 8 from Q5_K blocks)
     error: float
+    # a K-quant's steps (and lows) as the file factors them: (int8 factors [N, K/32 or K/16], float16
+    # supers [N, K/256]) with step = super * factor (low = -(super * factor)): exact, a quarter of the bytes
+    step_factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    low_factors: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def of(source: torch.Tensor, bits: int) -> Grid:
@@ -114,8 +119,14 @@ class Grid:
         """The grid a GGUF matrix's blocks are on, read from the blocks (no float32 weight is made):
         exact by construction (``error`` 0). 4-bit codes come as uint8."""
         codes, step, low = qm.codes()
+        factored = qm.factors()
+
+        def pair(arrays: tuple[np.ndarray, np.ndarray] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+            return None if arrays is None else (torch.from_numpy(arrays[0]), torch.from_numpy(arrays[1]))
+
         return Grid(qm.bits, torch.from_numpy(codes), torch.from_numpy(step),
-                    None if low is None else torch.from_numpy(low), 0.0)
+                    None if low is None else torch.from_numpy(low), 0.0,
+                    None if factored is None else pair(factored[0]), None if factored is None else pair(factored[1]))
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -19,7 +19,10 @@
 //           of a float16 and a 6-bit integer, exact only in float32 (Q4_K: 4-bit codes; Q5_K: 8-bit
 //           codes 0..31 with zeros). Bits 8 without zeros may have a scale per 16 columns instead:
 //           scales [N / 16, K / 16, 16] (GGUF Q6_K: codes q - 32 in -32..31, scale d * its int8
-//           sub-block scale); each 16 columns' int32 sum is then scaled on its own, in column order
+//           sub-block scale); each 16 columns' int32 sum is then scaled on its own, in column order.
+//           Factored (uint8 tables, K % 256 == 0): a K-quant's scales as it stores them, an int8
+//           factor per entry and a float16 super-scale per 256 columns (see kTablesFactored):
+//           a byte per 32 weights instead of 4, multiplied out exactly as each group is scaled
 //   bias    [N] float32, bfloat16 or float16, contiguous, or None: added (widened exactly) to the
 //           float32 result
 //   returns [M, N] in x's dtype: float32 as computed; for a 16-bit x the float32 result (plus
@@ -127,26 +130,60 @@ struct Job {
   const float* xsum;   // [M, G] sum of x per row and group (bits 4), else nullptr
   int64_t m, k, g, nb; // rows, columns, groups, 16-row blocks of the output
   const uint8_t* packed;
-  const void* scales;     // [NB, G, 16] float16, or float32 when f32
-  const void* zeros;      // the same, or nullptr
+  const void* scales;     // the scale table (see Tables), zeros: the offsets' (or nullptr)
+  const void* zeros;
   int bits;
   float* out;          // [M, N]
   bool generic;        // the plain C++ path even where VNNI is there (int_linear_reference)
-  bool f32;            // scales and zeros are float32 (else float16)
+  int tables;          // kTablesHalf, kTablesFloat or kTablesFactored
   int sub;             // scales per 32 columns: 1, or 2 (one per 16: bits 8 without zeros, GGUF Q6_K)
+  int64_t factors;     // kTablesFactored: bytes of a 16-row block's int8 factors (its supers follow them)
 };
 
-// Index of the scale (or zero) of 16-row block nb, 32-column group g, its part s (< job.sub), lane 0.
+// How the scale and zero tables hold their values:
+//   kTablesHalf      float16 [NB, G * sub, 16]
+//   kTablesFloat     float32 [NB, G * sub, 16]
+//   kTablesFactored  uint8 [NB, G * sub * 16 + K / 256 * 32]: per 16-row block, int8 factors
+//                    [G * sub, 16] then float16 supers [K / 256, 16]; the value of (nb, g, s, lane) is
+//                    super(nb, g / 8, lane) * factor(nb, g, s, lane), a zero's its negation: a GGUF
+//                    K-quant's d * sc and -(dmin * m), exact in float32 (11 x 8 significant bits)
+constexpr int kTablesHalf = 0, kTablesFloat = 1, kTablesFactored = 2;
+
+// Index of entry (nb, g, s, lane 0) of a half or float table, or of the factors of a factored one.
 inline int64_t scale_index(const Job& job, int64_t nb, int64_t g, int s) { return ((nb * job.g + g) * job.sub + s) * kLanes; }
 
-// Entry ``at`` of a scale or zero table, as float32 (a float16 entry widened exactly).
-inline float table_at(const Job& job, const void* t, int64_t at) {
-  return job.f32 ? static_cast<const float*>(t)[at] : static_cast<float>(static_cast<const at::Half*>(t)[at]);
+// Bytes of a table per 16-row block.
+inline int64_t table_block_bytes(const Job& job) {
+  const int64_t entries = job.g * job.sub * kLanes;
+  return job.tables == kTablesFactored ? job.factors + job.k / 256 * kLanes * 2
+                                       : entries * (job.tables == kTablesFloat ? 4 : 2);
 }
 
-// The address of entry ``at`` (for prefetching).
-inline const char* table_ptr(const Job& job, const void* t, int64_t at) {
-  return static_cast<const char*>(t) + at * (job.f32 ? 4 : 2);
+// The factored table's int8 factors and float16 supers of entry (nb, g, s, lane 0).
+inline const int8_t* factor_ptr(const Job& job, const void* t, int64_t nb, int64_t g, int s) {
+  return static_cast<const int8_t*>(t) + nb * table_block_bytes(job) + (g * job.sub + s) * kLanes;
+}
+inline const at::Half* super_ptr(const Job& job, const void* t, int64_t nb, int64_t g) {
+  return reinterpret_cast<const at::Half*>(static_cast<const char*>(t) + nb * table_block_bytes(job) + job.factors) +
+         (g / 8) * kLanes;
+}
+
+// Entry (nb, g, s, lane) of the scales (zero false) or zeros (zero true), as float32.
+inline float table_at(const Job& job, bool zero, int64_t nb, int64_t g, int s, int lane) {
+  const void* t = zero ? job.zeros : job.scales;
+  if (job.tables == kTablesFactored) {
+    const float v = static_cast<float>(super_ptr(job, t, nb, g)[lane]) * static_cast<float>(factor_ptr(job, t, nb, g, s)[lane]);
+    return zero ? -v : v;
+  }
+  const int64_t at = scale_index(job, nb, g, s) + lane;
+  return job.tables == kTablesFloat ? static_cast<const float*>(t)[at] : static_cast<float>(static_cast<const at::Half*>(t)[at]);
+}
+
+// The address of entry (nb, g, s, lane 0) (for prefetching).
+inline const char* table_ptr(const Job& job, bool zero, int64_t nb, int64_t g, int s) {
+  const void* t = zero ? job.zeros : job.scales;
+  if (job.tables == kTablesFactored) return reinterpret_cast<const char*>(factor_ptr(job, t, nb, g, s));
+  return static_cast<const char*>(t) + scale_index(job, nb, g, s) * (job.tables == kTablesFloat ? 4 : 2);
 }
 
 // Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767. T: float, or a
@@ -235,9 +272,18 @@ inline __m512 load_half16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Entries [at, at + 16) of a scale or zero table as float32.
-inline __m512 load_table16(const Job& job, const void* t, int64_t at) {
-  return job.f32 ? _mm512_loadu_ps(static_cast<const float*>(t) + at) : load_half16(static_cast<const at::Half*>(t) + at);
+// Entries (nb, g, s, lanes 0..15) of the scales or zeros as float32.
+inline __m512 load_table16(const Job& job, bool zero, int64_t nb, int64_t g, int s) {
+  const void* t = zero ? job.zeros : job.scales;
+  if (job.tables == kTablesFactored) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        factor_ptr(job, t, nb, g, s)))));
+    const __m512 v = _mm512_mul_ps(load_half16(super_ptr(job, t, nb, g)), f);
+    return zero ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))) : v;
+  }
+  const int64_t at = scale_index(job, nb, g, s);
+  return job.tables == kTablesFloat ? _mm512_loadu_ps(static_cast<const float*>(t) + at)
+                                    : load_half16(static_cast<const at::Half*>(t) + at);
 }
 
 // acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
@@ -278,8 +324,8 @@ void tile_vnni_sub(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t 
     }
     __m512 d[NR], z[NR];
     for (int j = 0; j < NR; ++j) {
-      d[j] = load_table16(job, job.scales, scale_index(job, nb0 + j, g, s));
-      if (job.zeros) z[j] = load_table16(job, job.zeros, scale_index(job, nb0 + j, g, s));
+      d[j] = load_table16(job, false, nb0 + j, g, s);
+      if (job.zeros) z[j] = load_table16(job, true, nb0 + j, g, s);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 s = _mm512_set1_ps(job.xs[(m0 + i) * job.g + g]);
@@ -306,7 +352,7 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
 // their codes, scales and offsets, spread over the steps of a tile (one per 4 columns of 4-bit
 // codes, per column pair of 8-bit ones, as gemv_tile and gemv_tile_avx2 call next.step()).
 lockgate::TilePrefetch next_tile(const Job& job, int64_t n0, int64_t n1) {
-  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = job.g * job.sub * kLanes * (job.f32 ? 4 : 2);
+  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = table_block_bytes(job);
   lockgate::TilePrefetch next;
   next.add(job.packed + n0 * code_bytes, (n1 - n0) * code_bytes);
   next.add(reinterpret_cast<const char*>(job.scales) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
@@ -379,16 +425,15 @@ void gemv_tile_sub(const Job& job, int64_t nb0, lockgate::TilePrefetch& next) {
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const int64_t ahead = scale_index(job, nb0 + j, g + kGemvPrefetchGroups, s);
-      _mm_prefetch(table_ptr(job, job.scales, ahead), _MM_HINT_T0);
-      if (job.zeros) _mm_prefetch(table_ptr(job, job.zeros, ahead), _MM_HINT_T0);
-      const __m512 d = load_table16(job, job.scales, scale_index(job, nb0 + j, g, s));
+      _mm_prefetch(table_ptr(job, false, nb0 + j, g + kGemvPrefetchGroups, s), _MM_HINT_T0);
+      if (job.zeros) _mm_prefetch(table_ptr(job, true, nb0 + j, g + kGemvPrefetchGroups, s), _MM_HINT_T0);
+      const __m512 d = load_table16(job, false, nb0 + j, g, s);
       for (int i = 0; i < MR; ++i) {
         const __m512 s = _mm512_set1_ps(job.xs[i * job.g + g]);
         f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][j]), _mm512_mul_ps(d, s), f[i][j]);
       }
       if (job.zeros) {
-        const __m512 z = load_table16(job, job.zeros, scale_index(job, nb0 + j, g, s));
+        const __m512 z = load_table16(job, true, nb0 + j, g, s);
         for (int i = 0; i < MR; ++i) f[i][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(job.xsum[i * job.g + g]), f[i][j]);
       }
     }
@@ -444,9 +489,18 @@ void run_gemv(const Job& job) {
 // 8 float16 scales or offsets as float32 (exact).
 inline __m256 load_half8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// Entries [at, at + 8) of a scale or zero table as float32.
-inline __m256 load_table8(const Job& job, const void* t, int64_t at) {
-  return job.f32 ? _mm256_loadu_ps(static_cast<const float*>(t) + at) : load_half8(static_cast<const at::Half*>(t) + at);
+// Entries (nb, g, s, lanes lane0 .. lane0 + 7) of the scales or zeros as float32.
+inline __m256 load_table8(const Job& job, bool zero, int64_t nb, int64_t g, int s, int lane0) {
+  const void* t = zero ? job.zeros : job.scales;
+  if (job.tables == kTablesFactored) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+        factor_ptr(job, t, nb, g, s) + lane0))));
+    const __m256 v = _mm256_mul_ps(load_half8(super_ptr(job, t, nb, g) + lane0), f);
+    return zero ? _mm256_xor_ps(v, _mm256_set1_ps(-0.f)) : v;
+  }
+  const int64_t at = scale_index(job, nb, g, s) + lane0;
+  return job.tables == kTablesFloat ? _mm256_loadu_ps(static_cast<const float*>(t) + at)
+                                    : load_half8(static_cast<const at::Half*>(t) + at);
 }
 
 // acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
@@ -504,10 +558,9 @@ void tile_avx2_sub(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, 
     }
     for (int j = 0; j < NH; ++j) {
       const int h = h0 + j;
-      const int64_t at = scale_index(job, nb0 + h / 2, g, s) + 8 * (h % 2);
-      const __m256 d = load_table8(job, job.scales, at);
+      const __m256 d = load_table8(job, false, nb0 + h / 2, g, s, 8 * (h % 2));
       __m256 z;
-      if (job.zeros) z = load_table8(job, job.zeros, at);
+      if (job.zeros) z = load_table8(job, true, nb0 + h / 2, g, s, 8 * (h % 2));
       for (int i = 0; i < MR; ++i) {
         float* o = job.out + (m0 + i) * n + (nb0 + h / 2) * kLanes + 8 * (h % 2);
         const __m256 f = first && gi == 0 && s == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
@@ -583,14 +636,12 @@ void gemv_tile_avx2_sub(const Job& job, int64_t m0, int64_t nb0, lockgate::TileP
       }
     }
     for (int b = 0; b < NB; ++b) {
-      const int64_t ahead = scale_index(job, nb0 + b, g + kGemvPrefetchGroups, s);
-      _mm_prefetch(table_ptr(job, job.scales, ahead), _MM_HINT_T0);
-      if (job.zeros) _mm_prefetch(table_ptr(job, job.zeros, ahead), _MM_HINT_T0);
+      _mm_prefetch(table_ptr(job, false, nb0 + b, g + kGemvPrefetchGroups, s), _MM_HINT_T0);
+      if (job.zeros) _mm_prefetch(table_ptr(job, true, nb0 + b, g + kGemvPrefetchGroups, s), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
-        const int64_t at = scale_index(job, nb0 + b, g, s) + 8 * h;
-        const __m256 d = load_table8(job, job.scales, at);
+        const __m256 d = load_table8(job, false, nb0 + b, g, s, 8 * h);
         __m256 z;
-        if (job.zeros) z = load_table8(job, job.zeros, at);
+        if (job.zeros) z = load_table8(job, true, nb0 + b, g, s, 8 * h);
         for (int i = 0; i < MR; ++i) {
           const int64_t xg = (m0 + i) * job.g + g;
           f[i][2 * b + h] = scale_group(f[i][2 * b + h], a[i][2 * b + h], d, job.xs[xg], job.zeros ? &z : nullptr,
@@ -668,9 +719,9 @@ void tile_generic(const Job& job, int64_t m0, int mr, int64_t nb0, int nr, int64
             for (int64_t p = gi * kPairsPerGroup + s * per; p < gi * kPairsPerGroup + (s + 1) * per; ++p)
               for (int e = 0; e < 2; ++e)
                 acc += static_cast<int32_t>(job.xq[(m0 + i) * job.k + k0 + 2 * p + e]) * buf[(j * pairs + p) * 32 + 2 * l + e];
-            const int64_t at = scale_index(job, nb0 + j, g, s) + l;
-            f = std::fma(static_cast<float>(acc), table_at(job, job.scales, at) * job.xs[(m0 + i) * job.g + g], f);
-            if (job.zeros) f = std::fma(table_at(job, job.zeros, at), job.xsum[(m0 + i) * job.g + g], f);
+            const int lane = static_cast<int>(l);
+            f = std::fma(static_cast<float>(acc), table_at(job, false, nb0 + j, g, s, lane) * job.xs[(m0 + i) * job.g + g], f);
+            if (job.zeros) f = std::fma(table_at(job, true, nb0 + j, g, s, lane), job.xsum[(m0 + i) * job.g + g], f);
           }
         }
         *o = f;
@@ -794,16 +845,30 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
                   packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "int_linear: packed must be contiguous ", bits == 8 ? "int8 [N / 16, K / 2, 32]" : "uint8 [N / 16, K / 4, 32]");
   const int64_t nb = packed.size(0);
-  const bool f32 = scales.scalar_type() == at::kFloat;
-  const int64_t sub = scales.dim() == 3 && scales.size(1) == 2 * groups && bits == 8 && !zeros ? 2 : 1;
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups * sub, kLanes}) && scales.is_contiguous() &&
-                  (f32 || scales.scalar_type() == at::kHalf),
-              "int_linear: scales must be contiguous float16 or float32 [N / 16, K / 32, 16] (or [N / 16, K / 16, 16] "
-              "for bits 8 without zeros)");
+  // the tables: float16 or float32 [NB, G * sub, 16], or factored uint8 [NB, G * sub * 16 + K / 256 * 32]
+  const bool factored = scales.scalar_type() == at::kByte;
+  const int tables = factored ? kTablesFactored : scales.scalar_type() == at::kFloat ? kTablesFloat : kTablesHalf;
+  const bool may_split = bits == 8 && !zeros;  // a scale per 16 columns: 8 bits without zeros
+  int64_t sub = 1;
+  if (factored) {
+    TORCH_CHECK(k % 256 == 0, "int_linear: factored scales need K % 256 == 0, got K = ", k);
+    const int64_t supers = k / 256 * kLanes * 2;
+    if (may_split && scales.dim() == 2 && scales.size(1) == groups * 2 * kLanes + supers) sub = 2;
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == nb && scales.size(1) == groups * sub * kLanes + supers &&
+                    scales.is_contiguous(),
+                "int_linear: factored scales must be contiguous uint8 [N / 16, K / 32 * 16 + K / 256 * 32] (or "
+                "[N / 16, K / 16 * 16 + K / 256 * 32] for bits 8 without zeros)");
+  } else {
+    if (may_split && scales.dim() == 3 && scales.size(1) == 2 * groups) sub = 2;
+    TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups * sub, kLanes}) && scales.is_contiguous() &&
+                    (tables == kTablesFloat || scales.scalar_type() == at::kHalf),
+                "int_linear: scales must be contiguous float16 or float32 [N / 16, K / 32, 16] (or [N / 16, K / 16, "
+                "16] for bits 8 without zeros), or factored uint8");
+  }
   TORCH_CHECK(bits == 8 || zeros.has_value(), "int_linear: zeros are required for bits 4");
   if (zeros) {
     TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->is_contiguous() && zeros->scalar_type() == scales.scalar_type(),
-                "int_linear: zeros must be contiguous [N / 16, K / 32, 16] in the scales' dtype");
+                "int_linear: zeros must be contiguous, of the scales' shape and dtype");
   }
   const int64_t n = nb * kLanes;
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() && bias->device().is_cpu() &&
@@ -827,8 +892,8 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
   float* y = wide.data_ptr<float>();
   const Job job{xq.data(), xs.data(), sums ? xsum.data() : nullptr, m, k, groups, nb,
                 reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr(),
-                sums ? zeros->data_ptr() : nullptr, static_cast<int>(bits), y, generic, f32,
-                static_cast<int>(sub)};
+                sums ? zeros->data_ptr() : nullptr, static_cast<int>(bits), y, generic, tables,
+                static_cast<int>(sub), groups * sub * kLanes};
   run(job);
   if (dtype == at::kFloat) {
     finish_out(y, bias, m, n, y);  // the bias added in place (nothing to do without one)
