@@ -453,8 +453,10 @@ def test_int_linear_rejects_bad_input(ops) -> None:
     with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
         ops.int_linear(x, q.packed.view(torch.int8), q.scales, q.zeros, 4)  # right shape, wrong dtype
     q8, _ = _int_gemm_case(8, 48, 64, seed=6)
-    with pytest.raises(RuntimeError, match="not allowed for bits 8"):
-        ops.int_linear(x, q8.packed, q8.scales, q.zeros, 8)
+    with pytest.raises(RuntimeError, match="zeros must be contiguous, of the scales' shape and dtype"):
+        ops.int_linear(x, q8.packed, q8.scales, q.zeros.float(), 8)  # (zeros at 8 bits: Q5_K's lows)
+    with pytest.raises(RuntimeError, match="factored scales need K % 256 == 0"):
+        ops.int_linear(x, q8.packed, torch.zeros(3, 64, dtype=torch.uint8), None, 8)
     with pytest.raises(RuntimeError, match=r"packed must be contiguous uint8 \[N / 16, K / 4, 32\]"):
         ops.int_linear(torch.randn(2, 128), q.packed, q.scales, q.zeros, 4)
     with pytest.raises(RuntimeError, match="zeros are required"):
