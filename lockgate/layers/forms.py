@@ -330,8 +330,7 @@ class IntGemmWeight:
     bits: int
     packed: torch.Tensor  # bits 4: uint8 [N/16, K/4, 32]; bits 8: int8 [N/16, K/2, 32]
     scales: torch.Tensor  # float16 [N/16, K/32, 16] ([N/16, K/16, 16] for 8 bits with a step per 16
-    #   columns), float32 where float16 would round, or a GGUF K-quant's factored table (uint8, see
-    #   ``_factored`` and int_gemm.cpp)
+    #   columns), or a GGUF K-quant's factored table (uint8, see ``_factored`` and int_gemm.cpp)
     zeros: torch.Tensor | None  # the same dtype and shape (bits 4; bits 8 with lows: Q5_K) or None
     error: float  # largest |weight - dequantized| in quantization steps, float16 scales included
 
@@ -356,33 +355,42 @@ class IntGemmWeight:
     @staticmethod
     def from_grid(g: Grid) -> IntGemmWeight:
         """The form of a weight given by its grid alone (``Grid.from_blocks``: a GGUF matrix of a
-        direct type): steps and lows in float16 where that holds them exactly (the legacy types),
-        else in float32 (the K-quants' products of a float16 and a 6-bit scale), so nothing is lost."""
+        direct type), nothing lost: the legacy types' steps and lows are float16 values (checked), a
+        K-quant's are kept factored as the file stores them (int8 factors, float16 super-scales)."""
         n, k = g.shape
         if not IntGemmWeight.fits((n, k)) or g.bits not in (4, 8):
             raise ValueError(f"int_linear needs N % 16 == 0 and K % {INT4_GROUP} == 0 and 4 or 8 bits, "
                              f"got [{n}, {k}] at {g.bits} bits")
-        if g.step_factors is not None and k % 256 == 0:
-            made = IntGemmWeight._pack(g, n, k, 0.0)
-            factored = IntGemmWeight._factored
-            return dataclasses.replace(made, scales=factored(g.step_factors, n),
-                                       zeros=None if g.low_factors is None else factored(g.low_factors, n))
-        half = all(t is None or bool((t.to(torch.float16).float() == t).all()) for t in (g.step, g.low))
-        return IntGemmWeight._pack(g, n, k, 0.0, torch.float16 if half else torch.float32)
+        if g.step_factors is not None:
+            return IntGemmWeight._pack(g, n, k, 0.0, IntGemmWeight._factored)
+        for t in (g.step, g.low):
+            if t is not None and not bool((t.to(torch.float16).float() == t).all()):
+                raise ValueError("the grid's steps are not float16 values: int_linear would round them")
+        return IntGemmWeight._pack(g, n, k, 0.0)
 
     @staticmethod
-    def _factored(factors: tuple[torch.Tensor, torch.Tensor], n: int) -> torch.Tensor:
-        """(int8 factors [N, E], float16 supers [N, K/256]) -> the kernel's factored table, uint8
-        [N/16, E * 16 + K/256 * 32]: per 16-row block its factors [E, 16], then its supers [K/256, 16]."""
+    def _factored(g: Grid, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The grid's factored steps and lows as the kernel's tables: uint8 [N/16, E * 16 + K/256 *
+        32], per 16-row block its int8 factors [E, 16], then its float16 supers [K/256, 16]."""
+        assert g.step_factors is not None
+        return IntGemmWeight._factored_table(g.step_factors, n), (
+            None if g.low_factors is None else IntGemmWeight._factored_table(g.low_factors, n))
+
+    @staticmethod
+    def _factored_table(factors: tuple[torch.Tensor, torch.Tensor], n: int) -> torch.Tensor:
         f, d = factors
         fb = f.view(n // 16, 16, -1).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(n // 16, -1)
         db = d.view(n // 16, 16, -1).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(n // 16, -1)
         return torch.cat([fb, db], dim=1).contiguous()
 
     @staticmethod
-    def _pack(g: Grid, n: int, k: int, error: float, scale_dtype: torch.dtype = torch.float16) -> IntGemmWeight:
-        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
-            return t.view(n // 16, 16, -1).permute(0, 2, 1).to(scale_dtype).contiguous()
+    def _pack(g: Grid, n: int, k: int, error: float,
+              tables: typing.Callable[[Grid, int], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+              ) -> IntGemmWeight:
+        """The grid's codes in the kernel's layout, with ``tables`` (grid, N) -> (scales, zeros), by
+        default the steps and lows in float16 [N/16, G, 16]."""
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16] float16
+            return t.view(n // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
 
         if g.bits == 4:
             # (nb, lane, chunk c, pair-in-chunk, column-in-pair) -> (nb, c, lane, column-in-pair, pair-in-chunk)
@@ -390,7 +398,8 @@ class IntGemmWeight:
             packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, k // 4, 32).contiguous()
         else:
             packed = g.codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
-        return IntGemmWeight(g.bits, packed, per_block(g.step), None if g.low is None else per_block(g.low), error)
+        scales, zeros = tables(g, n) if tables else (per_block(g.step), None if g.low is None else per_block(g.low))
+        return IntGemmWeight(g.bits, packed, scales, zeros, error)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype (the kernel widens a 16-bit x exactly, computes in

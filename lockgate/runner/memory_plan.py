@@ -9,9 +9,9 @@ the scheduler process will hold resident, against what the machine has available
 What is counted:
 
 * weights: a GGUF's projections and LM head kept in their blocks (the direct types of
-  ``checkpoint.gguf_blocks``: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K) as the integer GEMM packs
-  them (``resident_bytes``: half a byte or a byte per weight plus a step, and a low, per 32, float16
-  or float32); every other matrix, and every tensor of a safetensors checkpoint, dense in
+  ``checkpoint.gguf_blocks``: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K) as the integer GEMM
+  packs them (``gguf_blocks.resident_bytes``: half a byte or a byte per weight, plus float16 steps
+  and lows, or a K-quant's int8 factors and float16 super-scales); every other matrix, and every tensor of a safetensors checkpoint, dense in
   the run dtype; a GGUF's token embedding not at all (its rows are read from the file as steps use
   them: ``layers.embedding``);
 * the KV pool: tokens x (layers x 2 x KV heads x head size x the dtype's bytes);

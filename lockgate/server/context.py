@@ -18,7 +18,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -326,21 +326,11 @@ class ServerContext:
         async def gather_one(s: RequestStream) -> list[TextOut]:
             return [o async for o in s.outputs()]
 
-        work: asyncio.Future[list[list[TextOut]]] = asyncio.ensure_future(
-            asyncio.gather(*(gather_one(s) for s in streams)))
-        gone: asyncio.Future[None] = asyncio.ensure_future(wait_disconnect(request))
         try:
-            waiting: list[asyncio.Future[object]] = [work, gone]  # type: ignore[list-item]
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if work not in done:
-            work.cancel()
-            with contextlib.suppress(BaseException):
-                await work  # retrieve the cancellation, or asyncio logs "exception was never retrieved"
+            return list(await until_gone(request, asyncio.gather(*(gather_one(s) for s in streams))))
+        except ClientGone:
             self.abort(streams)
-            raise ClientGone
-        return list(work.result())
+            raise
 
     async def merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, TextOut]]:
         """Outputs of several streams as they come, tagged with the stream's index."""
@@ -367,7 +357,7 @@ class ServerContext:
                 t.cancel()
 
 
-async def until_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+async def until_gone(request: Request, work: Awaitable[T]) -> T:
     """``work``'s result; if the client disconnects first, ``work`` is cancelled and ``ClientGone``
     raised (the body has been read already)."""
     task = asyncio.ensure_future(work)

@@ -11,17 +11,17 @@
 //                   code(n, k + 2) in its high nibble (codes 0..15, W = code * scale + zero)
 //           bits 8: int8 [N / 16, K / 2, 32]: byte i of chunk (nb, p) = code(16 nb + i / 2, 2 p + i % 2)
 //                   (codes -127..127, W = code * scale, or code * scale + zero with zeros)
-//   scales, zeros  float16 or float32 (both the same) [N / 16, K / 32, 16] (zeros required for bits
+//   scales, zeros  float16 (both the same) [N / 16, K / 32, 16] (zeros required for bits
 //           4, optional for bits 8): entry (nb, g, l) belongs to output row 16 nb + l and columns
 //           [32 g, 32 g + 32). GGUF keeps its Q4_0 / Q4_1 / Q8_0 / Q5_0 block scales and offsets in
 //           float16, so they are exact there; half the bytes of float32 matter when one row streams
 //           the weights from memory (17% of a Q4_1 weight's bytes). A K-quant's scales are products
-//           of a float16 and a 6-bit integer, exact only in float32 (Q4_K: 4-bit codes; Q5_K: 8-bit
+//           of a float16 and a 6-bit integer, not float16 values (Q4_K: 4-bit codes; Q5_K: 8-bit
 //           codes 0..31 with zeros). Bits 8 without zeros may have a scale per 16 columns instead:
 //           scales [N / 16, K / 16, 16] (GGUF Q6_K: codes q - 32 in -32..31, scale d * its int8
 //           sub-block scale); each 16 columns' int32 sum is then scaled on its own, in column order.
 //           Factored (uint8 tables, K % 256 == 0): a K-quant's scales as it stores them, an int8
-//           factor per entry and a float16 super-scale per 256 columns (see kTablesFactored):
+//           factor per entry and a float16 super-scale per 256 columns (see the note after Job):
 //           a byte per 32 weights instead of 4, multiplied out exactly as each group is scaled
 //   bias    [N] float32, bfloat16 or float16, contiguous, or None: added (widened exactly) to the
 //           float32 result
@@ -135,55 +135,47 @@ struct Job {
   int bits;
   float* out;          // [M, N]
   bool generic;        // the plain C++ path even where VNNI is there (int_linear_reference)
-  int tables;          // kTablesHalf, kTablesFloat or kTablesFactored
+  bool factored;       // the tables are factored (else float16)
   int sub;             // scales per 32 columns: 1, or 2 (one per 16: bits 8 without zeros, GGUF Q6_K)
-  int64_t factors;     // kTablesFactored: bytes of a 16-row block's int8 factors (its supers follow them)
+  int64_t factors;     // factored: bytes of a 16-row block's int8 factors (its supers follow them)
+  int64_t block_bytes; // bytes of a table per 16-row block
 };
 
 // How the scale and zero tables hold their values:
-//   kTablesHalf      float16 [NB, G * sub, 16]
-//   kTablesFloat     float32 [NB, G * sub, 16]
-//   kTablesFactored  uint8 [NB, G * sub * 16 + K / 256 * 32]: per 16-row block, int8 factors
-//                    [G * sub, 16] then float16 supers [K / 256, 16]; the value of (nb, g, s, lane) is
-//                    super(nb, g / 8, lane) * factor(nb, g, s, lane), a zero's its negation: a GGUF
-//                    K-quant's d * sc and -(dmin * m), exact in float32 (11 x 8 significant bits)
-constexpr int kTablesHalf = 0, kTablesFloat = 1, kTablesFactored = 2;
+//   float16   [NB, G * sub, 16]
+//   factored  uint8 [NB, G * sub * 16 + K / 256 * 32]: per 16-row block, int8 factors [G * sub, 16]
+//             then float16 supers [K / 256, 16]; the value of (nb, g, s, lane) is super(nb, g / 8,
+//             lane) * factor(nb, g, s, lane), a zero's its negation: a GGUF K-quant's d * sc and
+//             -(dmin * m), exact in float32 (11 x 8 significant bits)
 
-// Index of entry (nb, g, s, lane 0) of a half or float table, or of the factors of a factored one.
+// Index of entry (nb, g, s, lane 0) of a float16 table, or of the factors of a factored one.
 inline int64_t scale_index(const Job& job, int64_t nb, int64_t g, int s) { return ((nb * job.g + g) * job.sub + s) * kLanes; }
-
-// Bytes of a table per 16-row block.
-inline int64_t table_block_bytes(const Job& job) {
-  const int64_t entries = job.g * job.sub * kLanes;
-  return job.tables == kTablesFactored ? job.factors + job.k / 256 * kLanes * 2
-                                       : entries * (job.tables == kTablesFloat ? 4 : 2);
-}
 
 // The factored table's int8 factors and float16 supers of entry (nb, g, s, lane 0).
 inline const int8_t* factor_ptr(const Job& job, const void* t, int64_t nb, int64_t g, int s) {
-  return static_cast<const int8_t*>(t) + nb * table_block_bytes(job) + (g * job.sub + s) * kLanes;
+  return static_cast<const int8_t*>(t) + nb * job.block_bytes + (g * job.sub + s) * kLanes;
 }
 inline const at::Half* super_ptr(const Job& job, const void* t, int64_t nb, int64_t g) {
-  return reinterpret_cast<const at::Half*>(static_cast<const char*>(t) + nb * table_block_bytes(job) + job.factors) +
+  return reinterpret_cast<const at::Half*>(static_cast<const char*>(t) + nb * job.block_bytes + job.factors) +
          (g / 8) * kLanes;
 }
 
 // Entry (nb, g, s, lane) of the scales (zero false) or zeros (zero true), as float32.
 inline float table_at(const Job& job, bool zero, int64_t nb, int64_t g, int s, int lane) {
   const void* t = zero ? job.zeros : job.scales;
-  if (job.tables == kTablesFactored) {
+  if (job.factored) {
     const float v = static_cast<float>(super_ptr(job, t, nb, g)[lane]) * static_cast<float>(factor_ptr(job, t, nb, g, s)[lane]);
     return zero ? -v : v;
   }
   const int64_t at = scale_index(job, nb, g, s) + lane;
-  return job.tables == kTablesFloat ? static_cast<const float*>(t)[at] : static_cast<float>(static_cast<const at::Half*>(t)[at]);
+  return static_cast<float>(static_cast<const at::Half*>(t)[at]);
 }
 
 // The address of entry (nb, g, s, lane 0) (for prefetching).
 inline const char* table_ptr(const Job& job, bool zero, int64_t nb, int64_t g, int s) {
   const void* t = zero ? job.zeros : job.scales;
-  if (job.tables == kTablesFactored) return reinterpret_cast<const char*>(factor_ptr(job, t, nb, g, s));
-  return static_cast<const char*>(t) + scale_index(job, nb, g, s) * (job.tables == kTablesFloat ? 4 : 2);
+  if (job.factored) return reinterpret_cast<const char*>(factor_ptr(job, t, nb, g, s));
+  return static_cast<const char*>(t) + scale_index(job, nb, g, s) * 2;
 }
 
 // Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767. T: float, or a
@@ -275,15 +267,13 @@ inline __m512 load_half16(const at::Half* p) {
 // Entries (nb, g, s, lanes 0..15) of the scales or zeros as float32.
 inline __m512 load_table16(const Job& job, bool zero, int64_t nb, int64_t g, int s) {
   const void* t = zero ? job.zeros : job.scales;
-  if (job.tables == kTablesFactored) {
+  if (job.factored) {
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
         factor_ptr(job, t, nb, g, s)))));
     const __m512 v = _mm512_mul_ps(load_half16(super_ptr(job, t, nb, g)), f);
     return zero ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))) : v;
   }
-  const int64_t at = scale_index(job, nb, g, s);
-  return job.tables == kTablesFloat ? _mm512_loadu_ps(static_cast<const float*>(t) + at)
-                                    : load_half16(static_cast<const at::Half*>(t) + at);
+  return load_half16(static_cast<const at::Half*>(t) + scale_index(job, nb, g, s));
 }
 
 // acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
@@ -352,7 +342,7 @@ void tile_vnni(const Job& job, int64_t m0, int64_t nb0, int64_t k0, int64_t kb, 
 // their codes, scales and offsets, spread over the steps of a tile (one per 4 columns of 4-bit
 // codes, per column pair of 8-bit ones, as gemv_tile and gemv_tile_avx2 call next.step()).
 lockgate::TilePrefetch next_tile(const Job& job, int64_t n0, int64_t n1) {
-  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = table_block_bytes(job);
+  const int64_t code_bytes = job.k * (job.bits == 4 ? 8 : 16), scale_bytes = job.block_bytes;
   lockgate::TilePrefetch next;
   next.add(job.packed + n0 * code_bytes, (n1 - n0) * code_bytes);
   next.add(reinterpret_cast<const char*>(job.scales) + n0 * scale_bytes, (n1 - n0) * scale_bytes);
@@ -492,15 +482,13 @@ inline __m256 load_half8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_s
 // Entries (nb, g, s, lanes lane0 .. lane0 + 7) of the scales or zeros as float32.
 inline __m256 load_table8(const Job& job, bool zero, int64_t nb, int64_t g, int s, int lane0) {
   const void* t = zero ? job.zeros : job.scales;
-  if (job.tables == kTablesFactored) {
+  if (job.factored) {
     const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
         factor_ptr(job, t, nb, g, s) + lane0))));
     const __m256 v = _mm256_mul_ps(load_half8(super_ptr(job, t, nb, g) + lane0), f);
     return zero ? _mm256_xor_ps(v, _mm256_set1_ps(-0.f)) : v;
   }
-  const int64_t at = scale_index(job, nb, g, s) + lane0;
-  return job.tables == kTablesFloat ? _mm256_loadu_ps(static_cast<const float*>(t) + at)
-                                    : load_half8(static_cast<const at::Half*>(t) + at);
+  return load_half8(static_cast<const at::Half*>(t) + scale_index(job, nb, g, s) + lane0);
 }
 
 // acc + the sums of adjacent int16 products of x and w, per int32 lane (exact)
@@ -845,9 +833,8 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
                   packed.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "int_linear: packed must be contiguous ", bits == 8 ? "int8 [N / 16, K / 2, 32]" : "uint8 [N / 16, K / 4, 32]");
   const int64_t nb = packed.size(0);
-  // the tables: float16 or float32 [NB, G * sub, 16], or factored uint8 [NB, G * sub * 16 + K / 256 * 32]
+  // the tables: float16 [NB, G * sub, 16], or factored uint8 [NB, G * sub * 16 + K / 256 * 32]
   const bool factored = scales.scalar_type() == at::kByte;
-  const int tables = factored ? kTablesFactored : scales.scalar_type() == at::kFloat ? kTablesFloat : kTablesHalf;
   const bool may_split = bits == 8 && !zeros;  // a scale per 16 columns: 8 bits without zeros
   int64_t sub = 1;
   if (factored) {
@@ -861,9 +848,9 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
   } else {
     if (may_split && scales.dim() == 3 && scales.size(1) == 2 * groups) sub = 2;
     TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups * sub, kLanes}) && scales.is_contiguous() &&
-                    (tables == kTablesFloat || scales.scalar_type() == at::kHalf),
-                "int_linear: scales must be contiguous float16 or float32 [N / 16, K / 32, 16] (or [N / 16, K / 16, "
-                "16] for bits 8 without zeros), or factored uint8");
+                    scales.scalar_type() == at::kHalf,
+                "int_linear: scales must be contiguous float16 [N / 16, K / 32, 16] (or [N / 16, K / 16, 16] for "
+                "bits 8 without zeros), or factored uint8");
   }
   TORCH_CHECK(bits == 8 || zeros.has_value(), "int_linear: zeros are required for bits 4");
   if (zeros) {
@@ -892,8 +879,9 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
   float* y = wide.data_ptr<float>();
   const Job job{xq.data(), xs.data(), sums ? xsum.data() : nullptr, m, k, groups, nb,
                 reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr(),
-                sums ? zeros->data_ptr() : nullptr, static_cast<int>(bits), y, generic, tables,
-                static_cast<int>(sub), groups * sub * kLanes};
+                sums ? zeros->data_ptr() : nullptr, static_cast<int>(bits), y, generic, factored,
+                static_cast<int>(sub), groups * sub * kLanes,
+                factored ? groups * sub * kLanes + k / 256 * kLanes * 2 : groups * sub * kLanes * 2};
   run(job);
   if (dtype == at::kFloat) {
     finish_out(y, bias, m, n, y);  // the bias added in place (nothing to do without one)
