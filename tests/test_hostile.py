@@ -148,9 +148,11 @@ def test_a_constraint_that_breaks_after_its_first_token_ends_with_an_error_not_a
     body = {"prompt": "hi", "max_tokens": 8, "structured_outputs": {"regex": "a{4294967295}"}}
     r = post(server.url, "/v1/completions", body)
     assert r.status_code == 400 and "constraint failed" in r.json()["error"]["message"], r.text[:300]
+    assert r.json()["error"]["param"] == "structured_outputs"  # the field whose constraint failed
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2] and "constraint failed" in lines[-2], lines[-3:]
+    assert json.loads(lines[-2][len("data: "):])["error"]["param"] == "structured_outputs"
     nothing_held(server.url)
 
 

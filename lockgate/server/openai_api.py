@@ -97,31 +97,40 @@ def usage(prompt_lens: list[int], outs_by_choice: list[list[TextOut]], cached: l
             "prompt_tokens_details": {"cached_tokens": sum(cached)}}
 
 
-def finished_ok(results: list[list[TextOut]]) -> list[list[TextOut]]:
-    """The collected outputs of every choice; an engine error becomes a 500, a request cut by the
-    server (shutdown, an unresponsive engine) a 503."""
+def error_param(status: int, constraint: str | None) -> str | None:
+    """The request field an engine error names: the adapter (404: it was unloaded) or the output
+    constraint (400: it failed while decoding)."""
+    return "model" if status == 404 else constraint if status == 400 else None
+
+
+def finished_ok(results: list[list[TextOut]], constraint: str | None = None) -> list[list[TextOut]]:
+    """The collected outputs of every choice; an engine error becomes a 500 (a constraint that failed
+    while decoding a 400 naming ``constraint``, its field), a request cut by the server (shutdown,
+    an unresponsive engine) a 503."""
     for outs in results:
         if outs and outs[-1].error is not None:
-            raise APIError(503 if outs[-1].finish_reason == "abort" else outs[-1].status or 500, outs[-1].error,
-                           param="model" if outs[-1].status == 404 else None)
+            code = 503 if outs[-1].finish_reason == "abort" else outs[-1].status or 500
+            raise APIError(code, outs[-1].error, param=error_param(code, constraint))
         if outs and outs[-1].finish_reason == "error":
             raise APIError(500, "internal error")
     return results
 
 
-def error_event(o: TextOut) -> str:
+def error_event(o: TextOut, constraint: str | None = None) -> str:
     """The SSE event that ends a stream whose request failed in the engine or was cut by the server."""
     code = 503 if o.finish_reason == "abort" else o.status or 500
-    return sse(openai_error(o.error or "internal error", code, "model" if code == 404 else None))
+    return sse(openai_error(o.error or "internal error", code, error_param(code, constraint)))
 
 
 def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list[str],
                  render: Callable[[int, TextOut], str | None],
                  closing: Callable[[list[list[TextOut]]], str | None],
-                 attribution: Callable[[list[list[TextOut]]], str] | None = None) -> StreamingResponse:
+                 attribution: Callable[[list[list[TextOut]]], str] | None = None,
+                 constraint: str | None = None) -> StreamingResponse:
     """The SSE body shared by both endpoints: opening events, one event per output (``render``
     may skip one), an error event for an engine failure, an optional closing (usage) event, the
-    gateway's usage comment when asked (``attribution``), then ``[DONE]``. However it ends (client
+    gateway's usage comment when asked (``attribution``), then ``[DONE]`` (``constraint``: the field of
+    the request's output constraint, named by a 400 when it fails while decoding). However it ends (client
     gone included), unfinished choices are aborted."""
 
     async def events() -> AsyncIterator[str]:
@@ -131,11 +140,11 @@ def sse_response(ctx: ServerContext, streams: list[RequestStream], opening: list
                 yield e
             async for i, o in ctx.merge(streams):
                 by_choice[i].append(o)
-                ev = error_event(o) if o.finish_reason == "error" else render(i, o)
+                ev = error_event(o, constraint) if o.finish_reason == "error" else render(i, o)
                 if ev is not None:
                     yield ev
                 if o.error is not None and o.finish_reason != "error":  # cut: its finish reason, then why
-                    yield error_event(o)
+                    yield error_event(o, constraint)
             last = closing(by_choice)
             if last is not None:
                 yield last
@@ -182,7 +191,7 @@ async def completions(request: Request) -> Response:
         return choice // n
 
     if not body.stream:
-        results = finished_ok(await ctx.collect(request, streams))
+        results = finished_ok(await ctx.collect(request, streams), body.structured_field)
         choices = []
         for i, outs in enumerate(results):
             text = "".join(o.text for o in outs)
@@ -223,7 +232,7 @@ async def completions(request: Request) -> Response:
 
     opening = [chunk(i, texts[prompt_of(i)]) for i in range(len(streams))] if body.echo else []
     return sse_response(ctx, streams, opening, render, closing,
-                        attribution if wants_usage_comment(request) else None)
+                        attribution if wants_usage_comment(request) else None, body.structured_field)
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
@@ -265,7 +274,7 @@ async def chat_completions(request: Request) -> Response:
     rid, created = streams[0].rid, int(time.time())
 
     if not body.stream:
-        results = finished_ok(await ctx.collect(request, streams))
+        results = finished_ok(await ctx.collect(request, streams), constraint_field)
         choices = []
         for i, outs in enumerate(results):
             text, reason = "".join(o.text for o in outs), outs[-1].finish_reason
@@ -324,7 +333,7 @@ async def chat_completions(request: Request) -> Response:
 
     opening = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(streams))]
     return sse_response(ctx, streams, opening, render, closing,
-                        attribution if wants_usage_comment(request) else None)
+                        attribution if wants_usage_comment(request) else None, constraint_field)
 
 
 @router.get("/v1/models")
