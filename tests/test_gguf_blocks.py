@@ -83,3 +83,56 @@ def test_the_integer_gemm_form_multiplies_by_the_files_values(qtype: str) -> Non
         exact = (x.double() @ want.double().T).float()
         assert (y - exact).abs().max() <= 1e-4 * exact.abs().max() + 1e-5
     assert torch.equal(form(x[:1], None), y[:1])  # a row's result does not depend on the call's other rows
+
+
+STACKS = [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("Q6_K", "Q4_K"), ("Q4_K", "Q5_K"), ("Q4_0", "Q8_0"),
+          ("Q4_1", "Q5_0", "Q4_0")]
+
+
+@pytest.mark.parametrize("types", STACKS, ids="+".join)
+def test_a_fused_projection_of_mixed_block_types_stays_in_its_blocks_exactly(types: tuple[str, ...]) -> None:
+    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) fused into one matrix: a ``QuantStack`` on a common
+    8-bit grid whose integer GEMM multiplies by each part's own values, as the memory plan counts it."""
+    from lockgate import kernels
+    from lockgate.checkpoint.gguf_blocks import QuantStack, stack, stacked_resident_bytes
+    from lockgate.layers.forms import int_gemm_available, int_gemm_isa, packed_forms
+    from lockgate.runner.memory_plan import gguf_weights_bytes
+
+    k = 512
+    parts = [random_blocks(t, 16 * (i + 1), k, seed=10 + i) for i, t in enumerate(types)]
+    qm = stack(parts)
+    assert isinstance(qm, QuantStack) and qm.shape == (sum(p.shape[0] for p in parts), k)
+    want = np.concatenate([gguf_values(p) for p in parts])
+    assert np.array_equal(qm.dequantize(), want)
+    codes, step, low = qm.codes()  # each at its own granularity: w = codes * step + low
+    n = qm.shape[0]
+    per = k // step.shape[1]
+    w = codes.astype(np.float32).reshape(n, -1, per) * step[..., None]
+    w = w.reshape(n, k // 32, 32) + (0 if low is None else low[..., None])
+    assert np.array_equal(w.reshape(n, k), want)
+    assert kernels.load(), f"lockgate CPU kernels did not build: {kernels.error()}"
+    if not int_gemm_available():
+        pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
+    form = packed_forms(qm, kernels=True)["int-gemm"]
+    assert form.bits == 8 and torch.equal(form.dequantize(n, k), torch.from_numpy(want))
+    held = sum(t.numel() * t.element_size() for t in (form.packed, form.scales, form.zeros) if t is not None)
+    assert held == stacked_resident_bytes([(p.qtype, p.shape[0], k) for p in parts])
+    names = ["q_proj", "k_proj", "v_proj"] if len(parts) == 3 else ["gate_proj", "up_proj"]
+    table = [(f"model.layers.0.{'self_attn' if len(parts) == 3 else 'mlp'}.{nm}.weight", p.qtype, p.shape)
+             for nm, p in zip(names, parts, strict=True)]
+    assert gguf_weights_bytes(table, 4, packed=True) == held  # the memory plan counts what is held
+    torch.manual_seed(0)
+    for rows in (1, 2, 3, 5, 40):
+        x = torch.randn(rows, k)
+        y = form(x, None)
+        ref = torch.ops.lockgate.int_linear_reference(x, form.packed, form.scales, form.zeros, form.bits)
+        assert torch.equal(y, ref)
+        exact = (x.double() @ torch.from_numpy(want).double().T).float()
+        assert (y - exact).abs().max() <= 1e-4 * exact.abs().max() + 1e-5
+
+
+def test_k_quant_and_legacy_blocks_do_not_stack() -> None:
+    from lockgate.checkpoint.gguf_blocks import stack
+
+    with pytest.raises(ValueError, match="K-quant and legacy"):
+        stack([random_blocks("Q4_K", 16, 256, 1), random_blocks("Q8_0", 16, 256, 2)])

@@ -30,7 +30,8 @@ gives (``q * step + low`` rounds as its ``d * q - dm`` does). Other types (Q5_1,
 ``QuantMatrix`` holds an [N, K] matrix's rows of blocks (uint8 [N, K / 32 * block bytes], a view of
 the file's memory map until ``rows`` or ``vstack`` copy), row-selectable and stackable so that a
 loader can undo llama.cpp's row permutation of q/k and fuse q, k, v (or gate, up) into one matrix
-without touching a weight's value.
+without touching a weight's value. Parts of different types (a Q4_K_M file's Q6_K v under Q4_K q
+and k) stack as a ``QuantStack``: one matrix on a common 8-bit grid, still exact (``stack``).
 
 Torch-free (numpy only).
 """
@@ -148,6 +149,119 @@ class QuantMatrix:
         if low is not None:
             w += low[..., None]
         return w.reshape(n, -1)
+
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # steps (and lows) factored as int8 x float16 per 256 values
+
+
+def stacked_resident_bytes(parts: list[tuple[str, int, int]]) -> int:
+    """Bytes of matrices (type, n, k) held one under the other: ``resident_bytes`` for one type,
+    else ``QuantStack``'s common form (a byte per weight, its steps per 16 or 32 and lows per 32)."""
+    types = {q for q, _, _ in parts}
+    if len(types) == 1:
+        return sum(resident_bytes(q, n, k) for q, n, k in parts)
+    n, k = sum(p[1] for p in parts), parts[0][2]
+    per = min(STEP_VALUES.get(q, GROUP) for q in types)
+    lows = 1 if types & LOWS else 0
+    if types <= set(K_QUANTS):
+        return n * k + (n * (k // per) + n * (k // 256) * 2) * (1 + lows)
+    return n * k + n * (k // per) * 2 * (1 + lows)
+
+
+@dataclass(frozen=True)
+class QuantStack:
+    """Matrices of different direct types and one width, one under the other: a fused projection
+    whose parts the file quantized differently (a Q4_K_M file's Q4_K q and k over a Q6_K v), read
+    as one matrix on a common grid, each value as its own blocks give it:
+
+    * codes on the 8-bit grid (int8: a 4-bit part's 0..15 fit);
+    * a step per 16 columns where a part has one (Q6_K; the other parts' per-32 steps repeated),
+      else per 32; lows per 32 columns (0 for a part without), or None when no part has them;
+    * all parts K-quants (steps factored, ``factors``) or all legacy types (float16 steps): a mix
+      of the two has no common exact table and is refused (ValueError: the caller reads it dense).
+    """
+
+    parts: tuple[QuantMatrix, ...]
+
+    def __post_init__(self) -> None:
+        widths = {p.shape[1] for p in self.parts}
+        types = {p.qtype for p in self.parts}
+        if len(self.parts) < 2 or len(widths) != 1:
+            raise ValueError(f"a stack needs two or more matrices of one width, got widths {sorted(widths)}")
+        if not (types <= set(K_QUANTS) or not types & set(K_QUANTS)):
+            raise ValueError(f"cannot stack K-quant and legacy blocks exactly: {sorted(types)}")
+
+    @property
+    def qtype(self) -> str:
+        return "+".join(p.qtype for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def bits(self) -> int:
+        return 8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def _per(self) -> int:
+        """Values per step: 16 when a part has steps per 16, else 32."""
+        return min(STEP_VALUES.get(p.qtype, GROUP) for p in self.parts)
+
+    @property
+    def _lows(self) -> bool:
+        return any(p.qtype in LOWS for p in self.parts)
+
+    def codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes [N, K] int8, step float32 [N, K / 16 or K / 32], low float32 [N, K / 32] or None)
+        with ``w = codes * step + low``, each at its own granularity."""
+        k, per = self.shape[1], self._per
+        codes, steps, lows = [], [], []
+        for p in self.parts:
+            c, st, lo = p.codes()
+            n = p.shape[0]
+            codes.append(c.astype(np.int8))
+            steps.append(np.repeat(st, (k // per) // st.shape[1], axis=1))
+            lows.append(lo if lo is not None else np.zeros((n, k // GROUP), np.float32))
+        return np.concatenate(codes), np.concatenate(steps), np.concatenate(lows) if self._lows else None
+
+    def factors(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None] | None:
+        """As ``QuantMatrix.factors`` over the stack (K-quant parts; None for legacy ones): step
+        factors [N, K / 16 or K / 32] (a part's per-32 factors repeated), low factors [N, K / 32]
+        (0, with super 0, for a part without lows)."""
+        if self.parts[0].qtype not in K_QUANTS:
+            return None
+        k, per = self.shape[1], self._per
+        sf, sd, lf, ld = [], [], [], []
+        for p in self.parts:
+            got = p.factors()
+            assert got is not None
+            (f, d), low = got
+            n = p.shape[0]
+            sf.append(np.repeat(f, (k // per) // f.shape[1], axis=1))
+            sd.append(d)
+            lf.append(low[0] if low is not None else np.zeros((n, k // GROUP), np.int8))
+            ld.append(low[1] if low is not None else np.zeros((n, k // 256), np.float16))
+        steps = (np.concatenate(sf), np.concatenate(sd))
+        return steps, ((np.concatenate(lf), np.concatenate(ld)) if self._lows else None)
+
+    def dequantize(self) -> np.ndarray:
+        """The stack as float32 (each part's values as ``gguf.quants.dequantize`` gives them)."""
+        return np.concatenate([p.dequantize() for p in self.parts])
+
+
+Blocks = QuantMatrix | QuantStack  # a matrix held in a GGUF's blocks, of one type or stacked
+
+
+def stack(parts: list[QuantMatrix]) -> Blocks:
+    """Matrices one under the other: one ``QuantMatrix`` when they share a type, else a ``QuantStack``."""
+    if len({p.qtype for p in parts}) == 1:
+        return parts[0] if len(parts) == 1 else QuantMatrix.vstack(parts)
+    return QuantStack(tuple(parts))
 
 
 def _k_quant_codes(qtype: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lockgate.checkpoint.gguf_blocks import QuantMatrix
+from lockgate.checkpoint.gguf_blocks import Blocks
 from lockgate.kernel_choice import QUANTIZED_FORMS
 from lockgate.layers.grid import INT4_GROUP, LOSSLESS_TOLERANCE, Grid, find_grid, grid_error, quantize_int4
 
@@ -373,8 +373,11 @@ class IntGemmWeight:
         """The grid's factored steps and lows as the kernel's tables: uint8 [N/16, E * 16 + K/256 *
         32], per 16-row block its int8 factors [E, 16], then its float16 supers [K/256, 16]."""
         assert g.step_factors is not None
-        return IntGemmWeight._factored_table(g.step_factors, n), (
-            None if g.low_factors is None else IntGemmWeight._factored_table(g.low_factors, n))
+        if g.low_factors is None:
+            return IntGemmWeight._factored_table(g.step_factors, n), None
+        f, d = g.low_factors
+        return IntGemmWeight._factored_table(g.step_factors, n), IntGemmWeight._factored_table(
+            (_lows_per_step(f, g.step_factors[0].shape[1]), d), n)
 
     @staticmethod
     def _factored_table(factors: tuple[torch.Tensor, torch.Tensor], n: int) -> torch.Tensor:
@@ -398,7 +401,8 @@ class IntGemmWeight:
             packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, k // 4, 32).contiguous()
         else:
             packed = g.codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
-        scales, zeros = tables(g, n) if tables else (per_block(g.step), None if g.low is None else per_block(g.low))
+        scales, zeros = tables(g, n) if tables else (
+            per_block(g.step), None if g.low is None else per_block(_lows_per_step(g.low, g.step.shape[1])))
         return IntGemmWeight(g.bits, packed, scales, zeros, error)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -437,9 +441,21 @@ class IntGemmWeight:
         scales = self._table(self.scales, n, k)
         steps = scales.shape[1]  # K / 32, or K / 16 (8 bits: a scale per 16 columns)
         w = codes.view(n, steps, k // steps) * scales[..., None]
-        if self.zeros is not None:
-            w = w + self._table(self.zeros, n, k, negate=True)[..., None]
+        if self.zeros is not None:  # a zero per 32 columns (with a scale per 16: the first of its two entries)
+            zeros = self._table(self.zeros, n, k, negate=True)[:, :: steps * INT4_GROUP // k]
+            w = w.reshape(n, k // INT4_GROUP, INT4_GROUP) + zeros[..., None]
         return w.reshape(n, k)
+
+
+def _lows_per_step(low: torch.Tensor, entries: int) -> torch.Tensor:
+    """Lows (or their factors) [N, K/32] as ``int_linear``'s zero table of ``entries`` per row: as
+    they are for a step per 32 columns; with a step per 16 (K/16 entries) each group's low first and
+    0 second (the kernel adds each entry times the sum of x over the group's 32 columns)."""
+    if low.shape[1] == entries:
+        return low
+    out = torch.zeros(low.shape[0], entries, dtype=low.dtype)
+    out[:, 0::2] = low
+    return out
 
 
 Form = DenseWeight | Bf16GemmWeight | Fp32Weight | Int4Weight | GroupQuantWeight | IntGemmWeight
@@ -485,7 +501,7 @@ def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kern
     return forms
 
 
-def packed_forms(qm: QuantMatrix, kernels: bool, want: Collection[str] | None = None) -> dict[str, Form]:
+def packed_forms(qm: Blocks, kernels: bool, want: Collection[str] | None = None) -> dict[str, Form]:
     """The forms of a projection kept in its GGUF blocks (no dense weight, issue 49), made from the
     codes and steps as the blocks hold them (the products are the file's values', never re-rounded).
 

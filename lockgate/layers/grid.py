@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lockgate.checkpoint.gguf_blocks import QuantMatrix
+from lockgate.checkpoint.gguf_blocks import Blocks
 
 INT4_GROUP = 32  # input columns per scale/offset: Q4_0/Q4_1 GGUF blocks are 32 wide
 INT4_MODES = ("auto", "none", "int4")
@@ -92,8 +92,8 @@ class Grid:
 
     bits: int
     codes: torch.Tensor
-    step: torch.Tensor  # float32 [N, K/32] ([N, K/16] from Q6_K blocks: only the integer GEMM takes those)
-    low: torch.Tensor | None  # float32, as step (bits 4; bits 8 from Q5_K blocks)
+    step: torch.Tensor  # float32 [N, K/32] ([N, K/16] from Q6_K blocks and stacks with them: the integer GEMM's alone)
+    low: torch.Tensor | None  # float32 [N, K/32] (bits 4; bits 8 from Q5_K blocks or a stack with lows)
     error: float
     # a K-quant's steps (and lows) as the file factors them: (int8 factors [N, K/32 or K/16], float16
     # supers [N, K/256]) with step = super * factor (low = -(super * factor)): exact, a quarter of the bytes
@@ -115,7 +115,7 @@ class Grid:
         raise ValueError(f"grids have 4 or 8 bits, not {bits}")
 
     @staticmethod
-    def from_blocks(qm: QuantMatrix) -> Grid:
+    def from_blocks(qm: Blocks) -> Grid:
         """The grid a GGUF matrix's blocks are on, read from the blocks (no float32 weight is made):
         exact by construction (``error`` 0). 4-bit codes come as uint8."""
         codes, step, low = qm.codes()

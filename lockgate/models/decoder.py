@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockgate.checkpoint.gguf_blocks import QuantMatrix
+from lockgate.checkpoint.gguf_blocks import Blocks, QuantMatrix, QuantStack
 from lockgate.checkpoint.gguf_tensors import GgufWeights
 from lockgate.kernel_choice import FORM_NAMES, FormChoice
 from lockgate.layers.attention import paged_attention, windowed_attention
@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
 
         def matrix(name: str) -> nn.Parameter | None:  # a GGUF's blocks stay out of the parameters
             t = w.get(name)
-            return None if t is None or isinstance(t, QuantMatrix) else _frozen(t.to(dtype))
+            return None if t is None or isinstance(t, (QuantMatrix, QuantStack)) else _frozen(t.to(dtype))
 
         self.attn_norm = need("attn_norm")  # [hidden]
         self.qkv_weight = matrix("qkv_weight")  # [(H + 2 Hkv) D, hidden]
@@ -152,11 +152,11 @@ class DecoderLayer(nn.Module):
             return make_forms(source, dtype, quantization, cpu_kernels, fp32=fp32, source_bias=bias,
                               want=None if want is None and not expert else wanted)
 
-        def project(source: torch.Tensor | QuantMatrix, name: str, bias: nn.Parameter | None,
+        def project(source: torch.Tensor | Blocks, name: str, bias: nn.Parameter | None,
                     source_bias: torch.Tensor | None, expert: bool = False) -> Linear:
             """A projection of ``source``: kept in its GGUF blocks where a kernel reads them (no
             dense weight), else dense with its forms."""
-            if isinstance(source, QuantMatrix):
+            if isinstance(source, (QuantMatrix, QuantStack)):
                 wanted = None if packed_want is None else packed_want.get(name, set())
                 packed = packed_forms(source, cpu_kernels, wanted) if quantization != "none" else {}
                 if packed and (wanted is None or "dense" not in wanted):
@@ -194,7 +194,7 @@ class DecoderModel(nn.Module):
     """A decoder-only model of any supported family over the slot-indexed KV pool."""
 
     def __init__(self, args: ModelArgs, embed: torch.Tensor | PackedEmbedding, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: torch.Tensor | QuantMatrix | None, dtype: torch.dtype | None = None,
+                 norm: torch.Tensor, lm_head: torch.Tensor | Blocks | None, dtype: torch.dtype | None = None,
                  fp32: bool = False, quantization: str = "none", cpu_kernels: bool = False,
                  head_want: set[str] | None = None, head_blocks: QuantMatrix | None = None,
                  head_packed_want: set[str] | None = None):
@@ -212,14 +212,14 @@ class DecoderModel(nn.Module):
         self.embed: nn.Parameter | None = _frozen(embed.to(dtype)) if isinstance(embed, torch.Tensor) else None  # [V, hidden]
         self.layers = nn.ModuleList(layers)
         self.norm = _frozen(norm.to(dtype))  # [hidden]
-        source: torch.Tensor | QuantMatrix | None = lm_head if lm_head is not None else head_blocks
-        packed = packed_forms(source, cpu_kernels, head_packed_want) if isinstance(source, QuantMatrix) and \
+        source: torch.Tensor | Blocks | None = lm_head if lm_head is not None else head_blocks
+        packed = packed_forms(source, cpu_kernels, head_packed_want) if isinstance(source, (QuantMatrix, QuantStack)) and \
             quantization != "none" else {}
-        if isinstance(source, QuantMatrix) and packed and (head_packed_want is None or "dense" not in head_packed_want):
+        if isinstance(source, (QuantMatrix, QuantStack)) and packed and (head_packed_want is None or "dense" not in head_packed_want):
             self.lm_head: nn.Parameter | None = None
             self.head = Linear(None, None, packed, shape=source.shape)
         else:
-            if isinstance(source, QuantMatrix):
+            if isinstance(source, (QuantMatrix, QuantStack)):
                 source = torch.from_numpy(source.dequantize())
             if source is None and self.packed_embed is not None:  # tied to a table no kernel reads as it is
                 source = self.packed_embed.dense()
@@ -458,7 +458,7 @@ class DecoderModel(nn.Module):
                     head_blocks = w.blocks("model.embed_tokens.weight", table_shape)
             else:
                 embed = w.get("model.embed_tokens.weight", source, shape=table_shape)
-            lm_head: torch.Tensor | QuantMatrix | None = None
+            lm_head: torch.Tensor | Blocks | None = None
             if args.tie_word_embeddings:
                 w.skip("lm_head.weight")  # some checkpoints store the tied copy too
             else:

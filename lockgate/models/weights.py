@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lockgate.checkpoint.gguf_blocks import QuantMatrix
+from lockgate.checkpoint.gguf_blocks import Blocks, QuantMatrix, stack
 from lockgate.checkpoint.gguf_tensors import GgufWeights
 from lockgate.checkpoint.loader import gguf_weights_of
 from lockgate.layers.grid import INT4_GROUP, LOSSLESS_TOLERANCE
@@ -104,14 +104,18 @@ class CheckpointReader:
         return qm
 
     def matrix(self, names: list[str], dtype: torch.dtype | None = None,
-               shapes: Sequence[tuple[int, ...]] | None = None) -> torch.Tensor | QuantMatrix:
+               shapes: Sequence[tuple[int, ...]] | None = None) -> torch.Tensor | Blocks:
         """The named matrices one under the other (a fused projection): as GGUF blocks when every
-        part has them, of one type (``blocks``), else dense (``cat``)."""
+        part has them (``blocks``; parts of different types as a ``QuantStack`` where they stack
+        exactly), else dense (``cat``)."""
         parts = [self.blocks(n, None if shapes is None else (int(shapes[i][0]), int(shapes[i][1])))
                  for i, n in enumerate(names)] if self._gguf is not None and self.packed else []
-        if parts and all(p is not None for p in parts) and len({p.qtype for p in parts if p is not None}) == 1:
-            blocks = [p for p in parts if p is not None]
-            return blocks[0] if len(blocks) == 1 else QuantMatrix.vstack(blocks)
+        blocks = [p for p in parts if p is not None]
+        if parts and len(blocks) == len(parts):
+            try:
+                return stack(blocks)
+            except ValueError:  # K-quant beside legacy blocks: no common exact table
+                log.info("%s: blocks of %s do not stack exactly; held dense", names[0], "/".join(p.qtype for p in blocks))
         return self.cat(names, dtype, shapes)
 
     def skip(self, name: str) -> None:

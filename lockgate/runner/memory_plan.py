@@ -11,7 +11,8 @@ What is counted:
 * weights: a GGUF's projections and LM head kept in their blocks (the direct types of
   ``checkpoint.gguf_blocks``: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K) as the integer GEMM
   packs them (``gguf_blocks.resident_bytes``: half a byte or a byte per weight, plus float16 steps
-  and lows, or a K-quant's int8 factors and float16 super-scales); every other matrix, and every tensor of a safetensors checkpoint, dense in
+  and lows, or a K-quant's int8 factors and float16 super-scales; a fused projection whose parts
+  differ in type at a byte per weight: ``stacked_resident_bytes``); every other matrix, and every tensor of a safetensors checkpoint, dense in
   the run dtype; a GGUF's token embedding not at all (its rows are read from the file as steps use
   them: ``layers.embedding``);
 * the KV pool: tokens x (layers x 2 x KV heads x head size x the dtype's bytes);
@@ -32,7 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockgate.checkpoint.gguf_blocks import BLOCK_VALUES, DIRECT_TYPES, resident_bytes
+from lockgate.checkpoint.gguf_blocks import (
+    BLOCK_VALUES,
+    DIRECT_TYPES,
+    K_QUANTS,
+    resident_bytes,
+    stacked_resident_bytes,
+)
 
 log = logging.getLogger("lockgate.runner")
 
@@ -76,6 +83,7 @@ def available_bytes() -> int | None:
 def gguf_weights_bytes(tensors: list[tuple[str, str, tuple[int, ...]]], elem: int, packed: bool) -> int:
     """Resident bytes of a GGUF's weights: (Hugging Face name, GGUF type, shape) per tensor."""
     total = 0
+    groups: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
     tied = not any(name == "lm_head.weight" for name, _, _ in tensors)
     for name, qtype, shape in tensors:
         n, k = (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
@@ -86,10 +94,23 @@ def gguf_weights_bytes(tensors: list[tuple[str, str, tuple[int, ...]]], elem: in
                 total += resident_bytes(qtype, n, k) if qtype in DIRECT_TYPES else n * k * elem
             continue
         if packed and len(shape) == 2 and qtype in DIRECT_TYPES and k % BLOCK_VALUES[qtype] == 0:
+            fused = _FUSED.get(name.rsplit(".", 2)[-2]) if name.count(".") >= 2 else None
+            if fused is not None:  # counted with the rest of its fused projection
+                groups.setdefault((name.rsplit(".", 2)[0], fused), []).append((qtype, n, k))
+                continue
             total += resident_bytes(qtype, n, k)
         else:
             total += n * k * elem
+    for parts in groups.values():
+        types = {q for q, _, _ in parts}
+        exact = len(types) == 1 or types <= set(K_QUANTS) or not types & set(K_QUANTS)
+        total += stacked_resident_bytes(parts) if exact else sum(n * k * elem for _, n, k in parts)
     return total
+
+
+# the projections a loader fuses (``CheckpointReader.matrix``): parts of different block types are
+# held on a common 8-bit grid (``QuantStack``), or dense where K-quant and legacy blocks meet
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 def activation_bytes(args: Any, prefill_tokens: int, elem: int, logits_rows: int) -> int:

@@ -17,9 +17,12 @@
 //           float16, so they are exact there; half the bytes of float32 matter when one row streams
 //           the weights from memory (17% of a Q4_1 weight's bytes). A K-quant's scales are products
 //           of a float16 and a 6-bit integer, not float16 values (Q4_K: 4-bit codes; Q5_K: 8-bit
-//           codes 0..31 with zeros). Bits 8 without zeros may have a scale per 16 columns instead:
-//           scales [N / 16, K / 16, 16] (GGUF Q6_K: codes q - 32 in -32..31, scale d * its int8
-//           sub-block scale); each 16 columns' int32 sum is then scaled on its own, in column order.
+//           codes 0..31 with zeros). Bits 8 may have a scale per 16 columns instead: scales
+//           [N / 16, K / 16, 16] (GGUF Q6_K: codes q - 32 in -32..31, scale d * its int8 sub-block
+//           scale); each 16 columns' int32 sum is then scaled on its own, in column order. Zeros
+//           stay one per 32 columns, in a table of the scales' shape: entry (nb, 2 g, l) holds
+//           group g's zero and (nb, 2 g + 1, l) is 0 (a Q4_K q over a Q6_K v, fused: 8-bit codes
+//           with Q4_K's steps and mins, Q6_K's steps and zero mins)
 //           Factored (uint8 tables, K % 256 == 0): a K-quant's scales as it stores them, an int8
 //           factor per entry and a float16 super-scale per 256 columns (see the note after Job):
 //           a byte per 32 weights instead of 4, multiplied out exactly as each group is scaled
@@ -136,7 +139,7 @@ struct Job {
   float* out;          // [M, N]
   bool generic;        // the plain C++ path even where VNNI is there (int_linear_reference)
   bool factored;       // the tables are factored (else float16)
-  int sub;             // scales per 32 columns: 1, or 2 (one per 16: bits 8 without zeros, GGUF Q6_K)
+  int sub;             // scales per 32 columns: 1, or 2 (one per 16: bits 8, GGUF Q6_K)
   int64_t factors;     // factored: bytes of a 16-row block's int8 factors (its supers follow them)
   int64_t block_bytes; // bytes of a table per 16-row block
 };
@@ -835,7 +838,7 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
   const int64_t nb = packed.size(0);
   // the tables: float16 [NB, G * sub, 16], or factored uint8 [NB, G * sub * 16 + K / 256 * 32]
   const bool factored = scales.scalar_type() == at::kByte;
-  const bool may_split = bits == 8 && !zeros;  // a scale per 16 columns: 8 bits without zeros
+  const bool may_split = bits == 8;  // a scale per 16 columns: 8 bits
   int64_t sub = 1;
   if (factored) {
     TORCH_CHECK(k % 256 == 0, "int_linear: factored scales need K % 256 == 0, got K = ", k);
@@ -844,13 +847,13 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
     TORCH_CHECK(scales.dim() == 2 && scales.size(0) == nb && scales.size(1) == groups * sub * kLanes + supers &&
                     scales.is_contiguous(),
                 "int_linear: factored scales must be contiguous uint8 [N / 16, K / 32 * 16 + K / 256 * 32] (or "
-                "[N / 16, K / 16 * 16 + K / 256 * 32] for bits 8 without zeros)");
+                "[N / 16, K / 16 * 16 + K / 256 * 32] for bits 8)");
   } else {
     if (may_split && scales.dim() == 3 && scales.size(1) == 2 * groups) sub = 2;
     TORCH_CHECK(scales.sizes() == at::IntArrayRef({nb, groups * sub, kLanes}) && scales.is_contiguous() &&
                     scales.scalar_type() == at::kHalf,
                 "int_linear: scales must be contiguous float16 [N / 16, K / 32, 16] (or [N / 16, K / 16, 16] for "
-                "bits 8 without zeros), or factored uint8");
+                "bits 8), or factored uint8");
   }
   TORCH_CHECK(bits == 8 || zeros.has_value(), "int_linear: zeros are required for bits 4");
   if (zeros) {
