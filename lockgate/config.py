@@ -436,8 +436,12 @@ class ServerConfig:
     served_model_name: str | None = option(None, "model name clients use (default: the --model value)")
     strict_model_name: bool = option(False, "answer 404 to a request naming another model (vLLM's behaviour); "
                                      "by default, serving one model, any name is taken as it (TGI's, SGLang's)")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health "
-                               "(default: $LOCKGATE_API_KEY, if set)")
+    api_key: tuple[str, ...] = option((), "require 'Authorization: Bearer KEY' on every route but /health; "
+                                      "NAME=KEY names the key's tenant (repeatable, one key per tenant; default: "
+                                      "$LOCKGATE_API_KEY, one entry per line)", nargs="+", action="extend")
+    api_key_file: str | None = option(None, "more API keys, one NAME=KEY (or KEY) per line, '#' comments")
+    max_queued_per_tenant: int | None = option(None, "requests of one tenant waiting for their first token beyond "
+                                               "which that tenant's new ones get 429 (others are not affected)")
     default_max_tokens: int = option(2048, "max_tokens of a chat request that gives none (capped by the context): "
                                    "an unbounded request makes peak admission reserve the whole context")
     max_queued_requests: int = option(1024, "requests waiting for their first token beyond which new ones get 429")
@@ -486,6 +490,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_root", tuple(self.lora_root or ()))
+        object.__setattr__(self, "api_key", tuple(self.api_key or ()))
+        if self.max_queued_per_tenant is not None and self.max_queued_per_tenant < 1:
+            raise ValueError(f"--max-queued-per-tenant must be >= 1, got {self.max_queued_per_tenant}")
         for root in self.lora_root:
             if not os.path.isdir(root):
                 raise ValueError(f"--lora-root {root}: not a directory")
