@@ -87,21 +87,38 @@ def test_lifting_banks_no_credit_for_idle_time():
     assert share.counter("busy") == 1100
 
 
-def test_overdue_requests_still_go_first():
+def test_overdue_requests_still_go_first_and_are_interleaved_by_tenant():
     eng = make_engine(max_running_requests=1, fairness="vtc", max_queue_delay="5")
     rng = np.random.default_rng(1)
-    first = eng.add_request(prompt(rng, 8), SamplingParams(max_tokens=40, ignore_eos=True), tenant="a")
+
+    def add(tenant: str, max_tokens: int = 4) -> Request:
+        return eng.add_request(prompt(rng, 8), SamplingParams(max_tokens=max_tokens, ignore_eos=True), tenant=tenant)
+
+    first = add("a", 40)
     eng.step()
     eng.scheduler.share.generated("b", 10_000)  # b is far ahead: by its counter alone it would go last
-    a1 = eng.add_request(prompt(rng, 8), SamplingParams(max_tokens=4, ignore_eos=True), tenant="a")
-    b = eng.add_request(prompt(rng, 8), SamplingParams(max_tokens=4, ignore_eos=True), tenant="b")
-    a2 = eng.add_request(prompt(rng, 8), SamplingParams(max_tokens=4, ignore_eos=True), tenant="a")
-    while not a1.finished:
-        assert b.admit_time is None
+    b = add("b")
+    while eng.scheduler.num_steps < 36:
         eng.step()
-    assert first.finished
+    a1 = add("a")  # not overdue when `first` finishes
+    while not first.finished:
+        eng.step()
     eng.step()
-    assert b.admit_time is not None and a2.admit_time is None  # overdue: in arrival order, whoever's
+    assert b.admit_time is not None and a1.admit_time is None  # overdue: before the others, whoever's
+    # among overdue requests, the least-served tenant first (a flood past the bound is not fcfs)
+    eng = make_engine(max_running_requests=1, fairness="vtc", max_queue_delay="5")
+    first = add("a", 40)
+    eng.step()
+    heavy = [add("heavy") for _ in range(5)]
+    light = add("light")
+    while not first.finished:
+        eng.step()
+    eng.step()
+    assert heavy[0].admit_time is not None and light.admit_time is None
+    while not heavy[0].finished:
+        eng.step()
+    eng.step()
+    assert light.admit_time is not None and heavy[1].admit_time is None
 
 
 @settings(max_examples=30, deadline=None)

@@ -43,7 +43,7 @@ backlogged, their weighted service therefore differs by at most ``2 * D``: the p
 than a max here, because a request's prompt and its output are charged at different times).
 
 The bound holds while admission follows this order: the ``--max-queue-delay`` bound (overdue
-requests go first whatever the tenant), a request waiting for a prefix in flight or for an adapter
+requests go before the others; among themselves they are interleaved by tenant too), a request waiting for a prefix in flight or for an adapter
 slot (set aside, the next one goes) and retraction (``--admission ratio``) step outside it, each
 for a bounded time.
 

@@ -42,7 +42,9 @@ The policies
 Tenants (``--fairness vtc``): the ranking above is then interleaved by tenant, the least-served
 tenant's next request first (``fairness.TenantShare.interleave``), so every policy orders
 *within* a tenant and the virtual token counters choose *between* tenants. Overdue requests
-still go first, whoever's they are.
+still go before every other request; among them too the least-served tenant goes first (oldest
+first within a tenant), so a tenant that floods the queue past the bound cannot turn the bound
+into first-come-first-served for everyone.
 
 Matching uses the tokens the scheduler itself matches at admission (``match_tokens``: what
 the request must prefill, minus its last token, which is always computed for its logits;
@@ -165,7 +167,9 @@ class BoundedPolicy:
         for r in arrival_order(waiting):
             (overdue if self.bound.overdue(r, step, now) else rest).append(r)
         ranked = self._rank(rest, tree)
-        return overdue + (self.fair.interleave(ranked) if self.fair is not None else ranked)
+        if self.fair is None:
+            return overdue + ranked
+        return self.fair.interleave(overdue) + self.fair.interleave(ranked)
 
     def __repr__(self) -> str:
         return f"BoundedPolicy({self.name!r}, {self.bound})"
