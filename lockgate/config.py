@@ -61,6 +61,19 @@ def parse_queue_delay(text: str) -> tuple[int | None, float | None]:
     raise ValueError(f"--max-queue-delay must be a positive step count (e.g. 500) or seconds (e.g. 30s), got {text!r}")
 
 
+def parse_tenant_weight(text: str) -> tuple[str, float]:
+    """One ``--tenant-weight`` entry ``NAME=W`` -> (name, weight > 0)."""
+    name, sep, value = str(text).partition("=")
+    name = name.strip()
+    try:
+        w = float(value)
+    except ValueError:
+        w = float("nan")
+    if not sep or not name or not (0 < w < float("inf")):
+        raise ValueError(f"--tenant-weight {text!r}: expected NAME=W with a weight W > 0 (e.g. gold=4)")
+    return name, w
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = option("default", "model: 'default' (SmolLM2-135M-Instruct from PyPI), 'sim' (simulated), "
@@ -202,6 +215,15 @@ class SchedulerConfig:
                           "new-token ratio with retraction when decode runs out)",
                           choices=["peak", "reserve", "ratio"])
     disable_prefix_cache: bool = option(False, "turn off the radix-tree prefix cache")
+    fairness: str = option("vtc", "share between tenants (API key name, x-lockgate-tenant header or the "
+                           "request's user field): vtc = admit the backlogged tenant with the least weighted "
+                           "service first (virtual token counter; the policy orders within a tenant); none = "
+                           "the policy alone", choices=["vtc", "none"])
+    tenant_weight: tuple[str, ...] = option((), "a tenant's share weight, NAME=W (repeatable; default 1): with "
+                                            "--fairness vtc a tenant of weight 2 gets twice the tokens of one of "
+                                            "weight 1 when both are backlogged", nargs="+", action="extend")
+    fairness_prompt_weight: float = option(1.0, "--fairness vtc: service charged per prompt token")
+    fairness_output_weight: float = option(2.0, "--fairness vtc: service charged per generated token")
     init_new_token_ratio: float = option(0.7, "ratio admission: starting fraction of max_tokens reserved")
     min_new_token_ratio: float = option(0.1, "ratio admission: floor the ratio decays to")
     new_token_ratio_decay_steps: int = option(600, "ratio admission: decode steps to decay from start to floor")
@@ -224,8 +246,21 @@ class SchedulerConfig:
         """(max steps, max seconds) parsed from ``max_queue_delay`` (one of the two is None)."""
         return parse_queue_delay(self.max_queue_delay)
 
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        """``--tenant-weight`` as tenant -> weight."""
+        return dict(parse_tenant_weight(t) for t in self.tenant_weight)
+
     def __post_init__(self) -> None:
         parse_queue_delay(self.max_queue_delay)
+        object.__setattr__(self, "tenant_weight", tuple(self.tenant_weight or ()))
+        _ = self.tenant_weights
+        for flag, v in (("--fairness-prompt-weight", self.fairness_prompt_weight),
+                        ("--fairness-output-weight", self.fairness_output_weight)):
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{flag} must be a finite number >= 0, got {v}")
+        if self.fairness_prompt_weight + self.fairness_output_weight <= 0:
+            raise ValueError("--fairness-prompt-weight and --fairness-output-weight cannot both be 0")
         if not 0.0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ValueError("need 0 < --min-new-token-ratio <= --init-new-token-ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
@@ -350,6 +385,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
                 kw["choices"] = f.metadata["choices"]
             if "nargs" in f.metadata:  # a tuple of strings
                 kw["nargs"], tp = f.metadata["nargs"], str
+                if f.metadata.get("action") == "extend":  # repeatable: each use adds its values
+                    kw["action"], kw["default"] = "extend", None
             if tp is bool:  # off by default: a plain switch; on by default: --no-... turns it off
                 kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
             else:
@@ -399,8 +436,12 @@ class ServerConfig:
     served_model_name: str | None = option(None, "model name clients use (default: the --model value)")
     strict_model_name: bool = option(False, "answer 404 to a request naming another model (vLLM's behaviour); "
                                      "by default, serving one model, any name is taken as it (TGI's, SGLang's)")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health "
-                               "(default: $LOCKGATE_API_KEY, if set)")
+    api_key: tuple[str, ...] = option((), "require 'Authorization: Bearer KEY' on every route but /health; "
+                                      "NAME=KEY names the key's tenant (repeatable, one key per tenant; default: "
+                                      "$LOCKGATE_API_KEY, one entry per line)", nargs="+", action="extend")
+    api_key_file: str | None = option(None, "more API keys, one NAME=KEY (or KEY) per line, '#' comments")
+    max_queued_per_tenant: int | None = option(None, "requests of one tenant waiting for their first token beyond "
+                                               "which that tenant's new ones get 429 (others are not affected)")
     default_max_tokens: int = option(2048, "max_tokens of a chat request that gives none (capped by the context): "
                                    "an unbounded request makes peak admission reserve the whole context")
     max_queued_requests: int = option(1024, "requests waiting for their first token beyond which new ones get 429")
@@ -449,6 +490,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_root", tuple(self.lora_root or ()))
+        object.__setattr__(self, "api_key", tuple(self.api_key or ()))
+        if self.max_queued_per_tenant is not None and self.max_queued_per_tenant < 1:
+            raise ValueError(f"--max-queued-per-tenant must be >= 1, got {self.max_queued_per_tenant}")
         for root in self.lora_root:
             if not os.path.isdir(root):
                 raise ValueError(f"--lora-root {root}: not a directory")

@@ -8,9 +8,11 @@ itself, through ``render(scope, status, message)``, so each app keeps its own er
 
 Invariants:
 
-* ``BearerAuth``: every HTTP route but ``/health`` needs ``Authorization: Bearer <key>``; the
-  comparison is constant-time; a refused request never reaches the app (nothing is routed,
-  recorded or read beyond its headers).
+* ``BearerAuth``: every HTTP route but ``/health`` needs ``Authorization: Bearer <key>`` with one
+  of the keys; each comparison is constant-time and every key is compared; a refused request never
+  reaches the app (nothing is routed, recorded or read beyond its headers). The name of the key
+  that matched (``--api-key NAME=KEY``; None for a bare key) is put in ``scope["state"]["api_key_name"]``
+  (the request's tenant).
 * ``BodyLimit``: no request body larger than ``limit()`` bytes is ever held whole. A declared
   ``Content-Length`` over the limit is refused with 413 before a byte is read; a chunked body is
   read up to the limit and refused as soon as it passes it; either way the app never sees it.
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Mapping
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,25 +35,90 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 Render = Callable[[Scope, int, str], Response]
 
 
-def has_key(authorization: str | bytes, api_key: str) -> bool:
-    """Whether an ``Authorization`` header value carries ``Bearer <api_key>`` (constant-time)."""
+ApiKeys = Mapping[str, "str | None"]  # key -> its name (the tenant), None for a bare key
+_KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}")
+
+
+def split_key(entry: str) -> tuple[str | None, str]:
+    """An ``--api-key`` entry -> (name, key): ``NAME=KEY`` when NAME is a name (letters, digits,
+    ``_.:@-``, at most 64) and KEY is not only '=' padding; else the whole entry is a bare key."""
+    name, sep, key = entry.strip().partition("=")
+    if sep and _KEY_NAME.fullmatch(name) and key.strip("="):
+        return name, key
+    return None, entry.strip()
+
+
+def parse_api_keys(entries: Iterable[str], flag: str = "--api-key") -> dict[str, str | None]:
+    """``KEY`` / ``NAME=KEY`` entries -> key -> name; ValueError naming ``flag`` for an empty or repeated key."""
+    keys: dict[str, str | None] = {}
+    for entry in entries:
+        name, key = split_key(entry)
+        if not key:
+            raise ValueError(f"{flag}: an empty key")
+        if key in keys:
+            raise ValueError(f"{flag}: a key is given twice (names {keys[key]!r} and {name!r})")
+        keys[key] = name
+    return keys
+
+
+def read_key_file(path: str) -> list[str]:
+    """``--api-key-file``: one ``NAME=KEY`` (or bare key) per line; blank lines and '#' comments skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {path}: cannot read it ({e})") from None
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def key_entries(flags: Iterable[str], file: str | None = None) -> list[str]:
+    """The API key entries of a server or gateway: ``--api-key`` values and ``--api-key-file`` lines, else
+    ``$LOCKGATE_API_KEY`` (one entry per line); [] when there are none (no key required)."""
+    import os
+
+    entries = [*flags, *(read_key_file(file) if file else [])]
+    if not entries:
+        entries = [ln.strip() for ln in os.environ.get("LOCKGATE_API_KEY", "").splitlines() if ln.strip()]
+    return entries
+
+
+def key_env(flags: Iterable[str], file: str | None = None) -> dict[str, str]:
+    """The environment that hands a server's keys to its replicas (never on their command line)."""
+    entries = key_entries(flags, file)
+    return {"LOCKGATE_API_KEY": "\n".join(entries)} if entries else {}
+
+
+def key_name(authorization: str | bytes, keys: ApiKeys) -> tuple[bool, str | None]:
+    """(whether an ``Authorization`` value carries ``Bearer <one of keys>``, that key's name);
+    every key is compared, each in constant time."""
     given = authorization.encode() if isinstance(authorization, str) else authorization
-    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+    found, name = False, None
+    for key, n in keys.items():
+        if hmac.compare_digest(given, b"Bearer " + key.encode()):
+            found, name = True, n
+    return found, name
+
+
+def has_key(authorization: str | bytes, keys: ApiKeys | str) -> bool:
+    """Whether an ``Authorization`` header value carries ``Bearer <key>`` for one of ``keys`` (constant-time)."""
+    return key_name(authorization, {keys: None} if isinstance(keys, str) else keys)[0]
 
 
 class BearerAuth:
-    def __init__(self, app: ASGIApp, api_key: str, render: Render) -> None:
+    def __init__(self, app: ASGIApp, api_key: ApiKeys | str, render: Render) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.keys: ApiKeys = {api_key: None} if isinstance(api_key, str) else dict(api_key)
         self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):  # has_key, without re-encoding per request
+            ok, name = key_name(given, self.keys)
+            if not ok:
                 message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
                 await self.render(scope, 401, message)(scope, receive, send)
                 return
+            scope.setdefault("state", {})["api_key_name"] = name
         await self.app(scope, receive, send)
 
 

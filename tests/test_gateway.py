@@ -12,6 +12,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -69,9 +70,10 @@ def fleet(n: int, *gateway_args: str):
             r.stop()
 
 
-def complete(url: str, prompt: str, max_tokens: int = 4, **kw) -> httpx.Response:
+def complete(url: str, prompt: str, max_tokens: int = 4, headers: dict[str, str] | None = None,
+             **kw) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": max_tokens, **kw},
-                      timeout=60)
+                      headers=headers, timeout=60)
 
 
 def route_of(resp: httpx.Response) -> dict[str, str]:
@@ -368,18 +370,25 @@ def test_client_disconnect_through_the_gateway_frees_the_replica() -> None:
 
 # ---- serve --dp -------------------------------------------------------------------------------------
 def test_serve_dp_on_sim_routes_and_stops_everything() -> None:
+    """Also: named keys reach the replicas (by environment) and tenants pass through the gateway, whose
+    /metrics shows the replicas' per-tenant series."""
     port = free_port_run(4)
-    s = ServerProc(*SIM, "--dp", "3", "--policy", "round-robin", port=port)
+    s = ServerProc(*SIM, "--dp", "3", "--policy", "round-robin", "--api-key", "alice=alicekey", "--api-key",
+                   "plainkey", port=port)
     try:
         s.wait_ready()
         wait_healthy(s, 3)
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="alicekey", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(
             model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
         assert raw.parse().choices[0].message.content
-        seen = {route_of(complete(s.url, f"p{i}"))["replica"] for i in range(6)}
+        auth = {"Authorization": "Bearer plainkey", "x-lockgate-tenant": "bob"}
+        seen = {route_of(complete(s.url, f"p{i}", headers=auth))["replica"] for i in range(6)}
         assert seen == {f"http://127.0.0.1:{port + i}" for i in (1, 2, 3)}
-        models = httpx.get(s.url + "/v1/models").json()["data"]
+        text = httpx.get(s.url + "/metrics", headers=auth).text
+        for tenant in ("alice", "bob"):
+            assert re.search(r"lockgate:tenant_generation_tokens_total\{[^}]*tenant=\"" + tenant + "\"", text), [ln for ln in text.splitlines() if "tenant" in ln]
+        models = httpx.get(s.url + "/v1/models", headers=auth).json()["data"]
         assert [m["id"] for m in models] == ["sim"]
         assert "--num-threads" not in s.log() and "torch threads" in s.log()
     finally:

@@ -482,3 +482,62 @@ def test_cli_version_defaults_in_help_and_vllm_flag_names() -> None:
     assert "--no-disable-prefix-cache" not in text and "--disable-prefix-cache" in text
     ns = build_parser().parse_args(["serve", "--max-num-seqs", "3", "--disable-prefix-cache"])
     assert ns.max_running_requests == 3 and ns.disable_prefix_cache is True
+
+
+def test_tenants_keys_per_tenant_limit_metrics_and_loads(tmp_path) -> None:
+    """A request's tenant is its key's name, else x-lockgate-tenant, else ``user``; one tenant over
+    --max-queued-per-tenant gets 429 with Retry-After while another's requests still go through;
+    per-tenant series on /metrics and counts on /v1/loads."""
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nbob=bobkey\n\nplainkey\n")
+    s = ServerProc(*SIM, "--sim-step-ms", "40", "--max-running-requests", "1", "--max-queued-per-tenant", "2",
+                   "--api-key", "alice=alicekey", "--api-key-file", str(keys), "--tenant-weight", "bob=2")
+    try:
+        s.wait_ready()
+        alice = openai.OpenAI(base_url=s.url + "/v1", api_key="alicekey", max_retries=0)
+        bob = openai.OpenAI(base_url=s.url + "/v1", api_key="bobkey", max_retries=0)
+        plain = openai.OpenAI(base_url=s.url + "/v1", api_key="plainkey", max_retries=0)
+        # the key's name wins over the header
+        r = alice.completions.create(model="sim", prompt="x", max_tokens=2, extra_headers={"x-lockgate-tenant": "bob"})
+        assert r.choices[0].finish_reason == "length"
+        plain.completions.create(model="sim", prompt="x", max_tokens=2, user="carol")
+        plain.chat.completions.create(model="sim", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                      extra_headers={"x-lockgate-tenant": "dave"}, user="ignored")
+        with pytest.raises(openai.BadRequestError) as e:
+            plain.completions.create(model="sim", prompt="x", max_tokens=2, user="u" * 300)
+        assert e.value.param == "user" and "256" in str(e.value)
+        # alice floods: over her limit she gets 429 (with Retry-After); bob is not affected
+        codes: list[int] = []
+        retry: list[str | None] = []
+
+        def flood() -> None:
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 6},
+                           headers={"Authorization": "Bearer alicekey"}, timeout=30)
+            codes.append(r.status_code)
+            retry.append(r.headers.get("retry-after"))
+
+        ts = [threading.Thread(target=flood) for _ in range(6)]
+        for t in ts:
+            t.start()
+        def tenant_loads() -> dict:
+            return httpx.get(s.url + "/v1/loads", headers={"Authorization": "Bearer bobkey"}).json()["tenants"]
+
+        deadline = time.monotonic() + 10
+        while tenant_loads().get("alice", {}).get("queued", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ld = {"tenants": tenant_loads()}
+        assert ld["tenants"]["alice"]["queued"] == 2 and ld["tenants"]["alice"]["in_flight"] >= 2
+        r = bob.completions.create(model="sim", prompt="y", max_tokens=2)  # bob's own queue is empty
+        assert r.choices[0].finish_reason == "length"
+        for t in ts:
+            t.join()
+        assert codes.count(429) >= 1 and 200 in codes, codes
+        assert all(h is not None and int(h) >= 1 for c_, h in zip(codes, retry, strict=True) if c_ == 429)
+        text = httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer alicekey"}).text
+        for tenant in ("alice", "bob", "carol", "dave"):
+            assert f'lockgate:tenant_generation_tokens_total{{model_name="sim",tenant="{tenant}"}}' in text, tenant
+            assert f'lockgate:tenant_time_to_first_token_seconds_count{{model_name="sim",tenant="{tenant}"}}' in text
+        assert 'lockgate:tenant_requests_waiting{model_name="sim",tenant="alice"} 0.0' in text
+        assert 'tenant="ignored"' not in text
+    finally:
+        s.stop()

@@ -38,6 +38,7 @@ from lockgate.engine.side_thread import SideThread
 from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
+from lockgate.scheduler.fairness import DEFAULT_TENANT
 from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.request import Request
 from lockgate.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats, StepOutput
@@ -103,12 +104,13 @@ class EngineCore:
                  "off" if sc.disable_prefix_cache else "on")
 
     def add_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams,
-                    rid: str | None = None) -> Request:
+                    rid: str | None = None, tenant: str = DEFAULT_TENANT) -> Request:
         """Queue a request; ``RequestRejected`` if it can never run here. A constrained request whose
         grammar is not compiled yet waits in ``grammar_wait`` (its compile runs off this thread) and
         joins the scheduler's queue at a later ``step``; if its grammar fails, its id and the reason
         land in ``rejected`` instead."""
-        req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params)
+        req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params,
+                      tenant=tenant or DEFAULT_TENANT)
         if params.lora is not None:
             if params.lora not in self.adapters:
                 raise RequestRejected(f"the LoRA adapter {params.lora!r} is not loaded (loaded: "

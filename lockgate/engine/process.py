@@ -279,7 +279,7 @@ class SchedulerProcess:
     def add(self, m: AddRequest) -> None:
         self.out.send(Register(m.rid, list(m.params.stop), m.params.skip_special_tokens))
         try:
-            req = self.engine.add_request(m.prompt_ids, m.params, rid=m.rid)
+            req = self.engine.add_request(m.prompt_ids, m.params, rid=m.rid, tenant=m.tenant)
         except RequestRejected as e:
             self.pending.append(TokenOut(m.rid, [], finish_reason="error", error=str(e), status=e.status,
                                          num_prompt_tokens=len(m.prompt_ids)))

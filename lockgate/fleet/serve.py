@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from lockgate.config import EngineConfig, ServerConfig, config_to_args
+from lockgate.httpguard import key_env
 
 log = logging.getLogger("lockgate.fleet")
 
@@ -78,9 +79,9 @@ def serve_ray(engine: EngineConfig, server: ServerConfig, routing: Any, log_leve
     replica_engine = engine if engine.model.num_threads is not None else \
         dataclasses.replace(engine, model=dataclasses.replace(engine.model, num_threads=threads))
     rserver = dataclasses.replace(server, host="127.0.0.1", port=0, ray=False, ray_address=None, replicas=1,
-                                  replica_cpus=1.0, api_key=None)
+                                  replica_cpus=1.0, api_key=(), api_key_file=None)
     serve_args = ["--log-level", log_level, *config_to_args(replica_engine), *config_to_args(rserver, ServerConfig)]
-    env = {"LOCKGATE_API_KEY": server.api_key} if server.api_key else {}
+    env = key_env(server.api_key, server.api_key_file)
     if server.ray_address is None:  # a local cluster: keep Ray and the replicas on loopback
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
@@ -92,7 +93,7 @@ def serve_ray(engine: EngineConfig, server: ServerConfig, routing: Any, log_leve
     try:
         try:
             gw = build_gateway([], None, routing, engine.model.model, server.api_key,
-                               server.max_request_bytes or "16MiB", source=fleet)
+                               server.max_request_bytes or "16MiB", source=fleet, api_key_file=server.api_key_file)
         except ValueError as e:
             print(f"lockgate: error: {e}", file=sys.stderr)
             return 2

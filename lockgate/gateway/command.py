@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import uvicorn
@@ -40,6 +40,7 @@ from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import POLICIES, PREFIX_POLICIES, Router
 from lockgate.gateway.proxy import Gateway, create_gateway_app
 from lockgate.gateway.replicas import Fleet, MembershipSource, Replica, file_path
+from lockgate.httpguard import key_entries, key_env, parse_api_keys
 from lockgate.httpserver import uvicorn_config
 
 log = logging.getLogger("lockgate.gateway")
@@ -110,8 +111,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--model", default="default", help="model whose tokenizer --prefix-tokenizer model uses")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, "
-                   "and send it to the replicas (default: $LOCKGATE_API_KEY, if set)")
+    g.add_argument("--api-key", action="append", default=[], help="require 'Authorization: Bearer KEY' on every "
+                   "route but /health (NAME=KEY names the key's tenant; repeatable); the client's key goes on to the "
+                   "replica, which must accept it (default: $LOCKGATE_API_KEY, one entry per line)")
+    g.add_argument("--api-key-file", default=None, help="more API keys, one NAME=KEY (or KEY) per line")
     g.add_argument("--max-request-bytes", default="16MiB", help="largest request body accepted (413 beyond it)")
     g.add_argument("--http-header-timeout", type=float, default=10.0, help="seconds a client has to send a "
                    "request's headers, from connecting or from its previous response; a slower connection is closed")
@@ -136,8 +139,8 @@ def _load_tokenizer(model: str):  # type: ignore[no-untyped-def]
 
 
 def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingConfig, model: str,
-                  api_key: str | None = None, max_request_bytes: str = "16MiB",
-                  source: MembershipSource | None = None) -> Gateway:
+                  api_key: str | Sequence[str] | None = None, max_request_bytes: str = "16MiB",
+                  source: MembershipSource | None = None, api_key_file: str | None = None) -> Gateway:
     """Validate everything and build the gateway (raises ValueError naming the bad flag); ``source``:
     where more replicas come from (``serve --ray``)."""
     try:
@@ -146,7 +149,8 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
         raise ValueError(f"--max-request-bytes: {e}") from None
     if body_limit < 1024:
         raise ValueError(f"--max-request-bytes must be at least 1KiB, got {max_request_bytes}")
-    api_key = api_key or os.environ.get("LOCKGATE_API_KEY") or None
+    entries = key_entries([api_key] if isinstance(api_key, str) else (api_key or ()), api_key_file)
+    keys = parse_api_keys(entries) or None
     metrics = GatewayMetrics()
     router = Router(routing.policy, block_number=routing.prefix_block_number,
                     imbalance_abs_count=routing.imbalance_abs_count, std_dev_factor=routing.std_dev_factor,
@@ -161,14 +165,14 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
         metrics.forget(url)
 
     fleet = Fleet(urls, file_path(replicas_file), health_interval=routing.health_interval, on_health=on_health,
-                  on_removed=on_removed, api_key=api_key, source=source)
+                  on_removed=on_removed, api_key=next(iter(keys)) if keys else None, source=source)
     tokenizer = None
     if routing.policy in PREFIX_POLICIES and routing.prefix_tokenizer == "model":
         t0 = time.perf_counter()
         tokenizer = _load_tokenizer(model)
         log.info("prefix keys: %s tokenizer loaded in %.1fs", model, time.perf_counter() - t0)
     return Gateway(fleet=fleet, router=router, metrics=metrics, block_size=routing.block_size, tokenizer=tokenizer,
-                   api_key=api_key, max_request_bytes=body_limit, max_attempts=routing.max_attempts)
+                   api_key=keys, max_request_bytes=body_limit, max_attempts=routing.max_attempts)
 
 
 def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float = 10.0,
@@ -221,7 +225,8 @@ def gateway_main(ns: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} must be > 0 seconds, got {v}")
         if ns.http_max_connections < 0:
             raise ValueError(f"--http-max-connections must be >= 0, got {ns.http_max_connections}")
-        gw = build_gateway(ns.replica, ns.replicas_file, routing, ns.model, ns.api_key, ns.max_request_bytes)
+        gw = build_gateway(ns.replica, ns.replicas_file, routing, ns.model, ns.api_key, ns.max_request_bytes,
+                           api_key_file=ns.api_key_file)
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
@@ -250,7 +255,7 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
     urls = [f"http://127.0.0.1:{server.port + i}" for i in range(1, dp + 1)]
     try:
         gw = build_gateway(urls, None, routing, engine.model.model, server.api_key,
-                           server.max_request_bytes or "16MiB")
+                           server.max_request_bytes or "16MiB", api_key_file=server.api_key_file)
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
@@ -260,10 +265,11 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
             port = server.port + i
             # replicas listen on loopback only (clients go through the gateway); the key goes by env, not argv
             def command(fd: int, port: int = port) -> list[str]:
-                rserver = dataclasses.replace(server, host="127.0.0.1", port=port, dp=1, api_key=None, listen_fd=fd)
+                rserver = dataclasses.replace(server, host="127.0.0.1", port=port, dp=1, api_key=(),
+                                              api_key_file=None, listen_fd=fd)
                 return [sys.executable, "-m", "lockgate.cli", "serve", "--log-level", log_level,
                         *config_to_args(replica_engine), *config_to_args(rserver, ServerConfig)]
-            env = {**os.environ, **({"LOCKGATE_API_KEY": server.api_key} if server.api_key else {})}
+            env = {**os.environ, **key_env(server.api_key, server.api_key_file)}
             try:
                 rep = ReplicaProcess(i, port, command, env, stopping, on_restart=gw.metrics.restarts.labels(url).inc)
             except OSError as e:

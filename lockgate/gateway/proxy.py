@@ -103,7 +103,7 @@ class Gateway:
     block_size: int
     tokenizer: Tokenizer | None = None
     http: httpx.AsyncClient | None = None
-    api_key: str | None = None  # required on every route but /health when set
+    api_key: dict[str, str | None] | None = None  # key -> name; one of them required on every route but /health
     max_request_bytes: int = 16 * 1024**2
     max_attempts: int = 3  # per request, each on a different replica
 

@@ -41,6 +41,7 @@ class AddRequest(_Msg):
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.time() when the API accepted it
+    tenant: str = "default"  # who it is served for (the scheduler's fair share between tenants)
 
 
 class AbortRequest(_Msg):

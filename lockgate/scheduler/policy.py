@@ -39,6 +39,13 @@ The policies
 * ``random``: a shuffle from a ``numpy.random.Generator`` seeded at construction;
   reproducible for a given seed and sequence of calls. A baseline for benchmarks.
 
+Tenants (``--fairness vtc``): the ranking above is then interleaved by tenant, the least-served
+tenant's next request first (``fairness.TenantShare.interleave``), so every policy orders
+*within* a tenant and the virtual token counters choose *between* tenants. Overdue requests
+still go before every other request; among them too the least-served tenant goes first (oldest
+first within a tenant), so a tenant that floods the queue past the bound cannot turn the bound
+into first-come-first-served for everyone.
+
 Matching uses the tokens the scheduler itself matches at admission (``match_tokens``: what
 the request must prefill, minus its last token, which is always computed for its logits;
 prompt + output for a request resuming after retraction), so ``lpm`` ranks by the reuse
@@ -78,6 +85,7 @@ from typing import Protocol
 
 import numpy as np
 
+from lockgate.scheduler.fairness import TenantShare
 from lockgate.scheduler.request import Request
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -143,12 +151,14 @@ Ranker = Callable[[list[Request], PrefixTree | None], list[Request]]
 
 class BoundedPolicy:
     """A ranking under a ``QueueDelayBound``: overdue requests first (arrival order), then
-    the rest as ``rank`` orders them (``rank`` gets them in arrival order)."""
+    the rest as ``rank`` orders them (``rank`` gets them in arrival order), interleaved by
+    tenant when ``fair`` is given (the least-served tenant's next request first: fairness.py)."""
 
-    def __init__(self, name: str, rank: Ranker, bound: QueueDelayBound) -> None:
+    def __init__(self, name: str, rank: Ranker, bound: QueueDelayBound, fair: TenantShare | None = None) -> None:
         self.name = name
         self.bound = bound
         self._rank = rank
+        self.fair = fair
 
     def order(self, waiting: Sequence[Request], tree: PrefixTree | None, step: int,
               now: float) -> list[Request]:
@@ -156,20 +166,24 @@ class BoundedPolicy:
         rest: list[Request] = []
         for r in arrival_order(waiting):
             (overdue if self.bound.overdue(r, step, now) else rest).append(r)
-        return overdue + self._rank(rest, tree)
+        ranked = self._rank(rest, tree)
+        if self.fair is None:
+            return overdue + ranked
+        return self.fair.interleave(overdue) + self.fair.interleave(ranked)
 
     def __repr__(self) -> str:
         return f"BoundedPolicy({self.name!r}, {self.bound})"
 
 
-def make_policy(name: str, bound: QueueDelayBound, seed: int = 0) -> WaitingPolicy:
-    """The policy called ``name`` (one of ``POLICIES``) under ``bound``; ``seed`` seeds ``random``."""
+def make_policy(name: str, bound: QueueDelayBound, seed: int = 0, fair: TenantShare | None = None) -> WaitingPolicy:
+    """The policy called ``name`` (one of ``POLICIES``) under ``bound``; ``seed`` seeds ``random``;
+    ``fair``: tenants' counters to interleave the ranking by (``--fairness vtc``)."""
     if name == "random":
-        return BoundedPolicy(name, _random_ranker(seed), bound)
+        return BoundedPolicy(name, _random_ranker(seed), bound, fair)
     rank = _RANKERS.get(name)
     if rank is None:
         raise ValueError(f"unknown schedule policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return BoundedPolicy(name, rank, bound)
+    return BoundedPolicy(name, rank, bound, fair)
 
 
 # ---- rankings (over the requests that are not overdue, given in arrival order) --------

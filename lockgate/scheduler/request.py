@@ -88,6 +88,7 @@ class Request:
     # and, while running, the runner slot it sits in (-1: none)
     adapter: int = 0
     lora_slot: int = -1
+    tenant: str = "default"  # who the request is served for (fair share between tenants: fairness.py)
     prefill_len: int = field(init=False)  # tokens to compute before sampling: the prompt, or all tokens on resume
     slots: np.ndarray = field(init=False)
 

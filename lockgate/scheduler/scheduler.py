@@ -6,7 +6,9 @@ applying a step's result. What it delegates, each behind one call:
 * ``SlotLedger`` (ledger.py): the allocator, the radix tree and every slot a request holds;
 * ``Speculator`` (speculate.py): whether and what a decoding request guesses, and the counters;
 * ``build_step`` (plan_builder.py): the ``ForwardPlan`` layout of the rows it chose;
-* the admission mode and ``Charges`` (admission.py), the queue policy (policy.py).
+* the admission mode and ``Charges`` (admission.py), the queue policy (policy.py);
+* ``TenantShare`` (fairness.py): each tenant's weighted service (told of every join, leave,
+  admission and generated token); with ``--fairness vtc`` the policy interleaves tenants by it.
 
 Each call to ``schedule()`` builds one step:
 
@@ -17,7 +19,7 @@ Each call to ``schedule()`` builds one step:
    budget; a prompt longer than what is left of the budget is cut into chunks over
    several steps.
 2. **Order** the waiting queue by the policy (fcfs, lpm, dfs-weight, lof, random, with a
-   starvation bound), then **admit** in that order while the running set has room, prefill
+   starvation bound; with ``--fairness vtc`` the least-served tenant's next request first), then **admit** in that order while the running set has room, prefill
    budget is left and the admission mode's estimate of the batch's future KV need fits the
    pool (cache slots shared by several requests are charged once, to the one that holds them
    longest). A candidate first matches its longest cached prefix: those tokens are not
@@ -65,7 +67,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +76,7 @@ from lockgate.config import SchedulerConfig
 from lockgate.plan import ForwardResult
 from lockgate.scheduler.admission import Charges, make_admission
 from lockgate.scheduler.backlog import Backlog, measure
+from lockgate.scheduler.fairness import TenantShare
 from lockgate.scheduler.ledger import SlotLedger
 from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.plan_builder import ScheduledStep, build_step
@@ -143,7 +146,10 @@ class Scheduler:
         self.admission = make_admission(cfg.admission, cfg.init_new_token_ratio, cfg.min_new_token_ratio,
                                         cfg.new_token_ratio_decay_steps)
         steps, seconds = cfg.queue_delay_bound
-        self.policy = make_policy(cfg.schedule_policy, QueueDelayBound(steps, seconds), seed=seed)
+        # the tenants' service counters are kept whatever --fairness says; vtc orders admission by them
+        self.share = TenantShare(cfg.tenant_weights, cfg.fairness_prompt_weight, cfg.fairness_output_weight)
+        self.policy = make_policy(cfg.schedule_policy, QueueDelayBound(steps, seconds), seed=seed,
+                                  fair=self.share if cfg.fairness == "vtc" else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self._by_id: dict[str, Request] = {}
@@ -186,6 +192,7 @@ class Scheduler:
         req.stop_token_ids = eos | frozenset(req.params.stop_token_ids)
         req.enqueue_step = self.num_steps
         self.waiting.append(req)
+        self.share.joined(req.tenant)
         self._by_id[req.rid] = req
 
     def abort(self, rid: str) -> Request | None:
@@ -227,6 +234,7 @@ class Scheduler:
         if self.lora is not None:
             self.lora.check(sum(1 for r in self.running if r.lora_slot >= 0))
         assert all(r.lora_slot < 0 for r in self.waiting), "a waiting request pins an adapter slot"
+        assert Counter(r.tenant for r in self.waiting) == self.share.waiting, "tenants' waiting counts drifted"
         if not self.admission.can_run_out:
             est = self.usage_estimate()
             assert est <= self.capacity, f"running batch's estimate {est} exceeds capacity {self.capacity}"
@@ -318,6 +326,7 @@ class Scheduler:
                 r.first_token_time = now
             r.last_token_time = now
             step.num_generated += len(new)
+            self.share.generated(r.tenant, len(new))
             if reason is not None:
                 self._finish(r, reason)
             outs.append(StepOutput(r.rid, new, new_lps, new_top, reason, r.num_prompt, r.num_output,
@@ -386,6 +395,8 @@ class Scheduler:
                 cand.lora_slot = slot
             charges = trial
             self.waiting.popleft()
+            self.share.left(cand.tenant)
+            self.share.admitted(cand)
             cand.tree_node, cand.tree_len, cand.num_computed = node, matched, matched
             cand.slots[:matched] = slots
             if cand.num_retractions == 0:
@@ -450,6 +461,7 @@ class Scheduler:
             victim.num_retractions += 1
             victim.enqueue_step = self.num_steps
             self.waiting.appendleft(victim)
+            self.share.joined(victim.tenant)
             self.num_retractions += 1
             self.admission.on_retract(sum(r.num_output for r in self.running), len(self.running),
                                       sum(r.params.max_tokens for r in self.running))
@@ -474,4 +486,5 @@ class Scheduler:
             try:
                 self.waiting.remove(r)
             except ValueError:
-                pass
+                return
+            self.share.left(r.tenant)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -58,6 +58,7 @@ from lockgate.server.protocol import (
     UnloadLoraAdapterRequest,
     request_fields,
 )
+from lockgate.server.tenants import Tenants
 
 # what a ValueError raised after parsing (SamplingParams' checks, output constraints) may name first
 _OPENAI_FIELDS = request_fields(CompletionRequest, ChatCompletionRequest)
@@ -65,8 +66,8 @@ _OPENAI_FIELDS = request_fields(CompletionRequest, ChatCompletionRequest)
 log = logging.getLogger("lockgate.api")
 
 
-def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, metrics: Metrics,
-               on_stopping: Callable[[], None] | None = None) -> FastAPI:
+def create_app(client: EngineClient, cfg: ServerConfig, api_key: Mapping[str, str | None] | None, metrics: Metrics,
+               on_stopping: Callable[[], None] | None = None, tenants: Tenants | None = None) -> FastAPI:
     """``on_stopping`` runs once the server starts shutting down, before the children are told to
     exit (so whoever watches them knows their exits are expected)."""
     @asynccontextmanager
@@ -86,7 +87,9 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: str | None, met
         await client.close()
 
     app = FastAPI(title="lockgate", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.ctx = ServerContext(client=client, cfg=cfg, metrics=metrics, model_name=client.model, api_key=api_key)
+    known = [n for n in (api_key or {}).values() if n]
+    app.state.ctx = ServerContext(client=client, cfg=cfg, metrics=metrics, model_name=client.model, api_key=api_key,
+                                  tenants=tenants or Tenants(known))
     app.include_router(openai_api.router)
     app.include_router(tgi_api.router)
     app.include_router(lora_api.router)
@@ -213,7 +216,9 @@ async def health(request: Request) -> Response:
 
 @_misc.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return PlainTextResponse(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
+    ctx = _ctx(request)
+    ctx.metrics.set_tenant_queues({t: q for t, (q, _) in ctx.client.tenant_load().items()}, ctx.tenants.labels())
+    return PlainTextResponse(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @_misc.get("/v1/loads")
@@ -230,6 +235,8 @@ async def loads(request: Request) -> Response:
                     capacity=c.info.capacity, headroom=c.info.capacity, num_steps=0, queue_eta_s=0.0, drain_eta_s=0.0,
                     prefill_backlog_tokens=0, decode_backlog_tokens=0, prefill_tokens_per_s=None, decode_step_s=None,
                     queue_blocked=False, forecast_age_s=0.0)
+    # per tenant (metrics label): waiting for a first token, in flight
+    body["tenants"] = {t: {"queued": q, "in_flight": f} for t, (q, f) in sorted(c.tenant_load().items())}
     body["adapters"] = sorted(c.adapters)  # LoRA adapters loaded (the gateway prefers a replica that has one)
     return JSONResponse(body)
 

@@ -18,7 +18,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from lockgate.server.errors import error_message, error_param
 from lockgate.server.frontend import AdapterGone, EngineClient, EngineUnavailable, RequestStream, SampleGroup
 from lockgate.server.metrics import Metrics
 from lockgate.server.protocol import request_fields
+from lockgate.server.tenants import TENANT_HEADER, TenantError, Tenants
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -124,7 +125,8 @@ class ServerContext:
     cfg: ServerConfig
     metrics: Metrics
     model_name: str
-    api_key: str | None
+    api_key: Mapping[str, str | None] | None  # key -> its tenant name; None: no key required
+    tenants: Tenants = field(default_factory=Tenants)
     _sandbox: GrammarSandbox | None = field(default=None, init=False)  # made on the first constrained request
 
     # ---- readiness and limits ------------------------------------------------------------
@@ -274,7 +276,7 @@ class ServerContext:
                            f"more than can ever be queued at once: --max-queued-requests {limit}; split it",
                            param="prompt" if num_prompts > 1 else "n")
 
-    def check_queue(self, n_new: int) -> None:
+    def check_queue(self, n_new: int, tenant: str = "default") -> None:
         self.check_batch(n_new, 1)
         limit = self.cfg.max_queued_requests
         queued = self.client.num_queued
@@ -282,6 +284,25 @@ class ServerContext:
             raise APIError(429, f"too many requests waiting: {queued} are queued and the limit is "
                            f"--max-queued-requests {limit}; retry later",
                            headers={"Retry-After": str(self.retry_after())})
+        per = self.cfg.max_queued_per_tenant
+        if per is not None:
+            if n_new > per:
+                raise APIError(400, f"this request needs {n_new} engine requests, more than tenant {tenant!r} may "
+                               f"ever have queued: --max-queued-per-tenant {per}; split it", param="n")
+            mine = self.client.num_queued_for(tenant)
+            if mine + n_new > per:
+                raise APIError(429, f"too many requests waiting for tenant {tenant!r}: {mine} are queued and the "
+                               f"limit is --max-queued-per-tenant {per}; retry later",
+                               headers={"Retry-After": str(self.retry_after())})
+
+    def tenant_of(self, request: Request, user: str | None = None) -> str:
+        """The request's tenant: its API key's name, else the x-lockgate-tenant header, else ``user``
+        (server/tenants.py); 400 naming the header or field when it is too long."""
+        try:
+            return self.tenants.resolve(request.scope.get("state", {}).get("api_key_name"),
+                                        request.headers.get(TENANT_HEADER), user)
+        except TenantError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: the engine's queue ETA (less its age), rounded up,
@@ -293,9 +314,11 @@ class ServerContext:
         return max(1, math.ceil(s.queue_eta_s - age))
 
     # ---- submission ----------------------------------------------------------------------
-    def submit(self, kind: str, jobs: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
-        """Submit one engine request per (prompt ids, params); all or nothing."""
-        self.check_queue(len(jobs))
+    def submit(self, kind: str, jobs: list[tuple[list[int], SamplingParams]],
+               tenant: str = "default") -> list[RequestStream]:
+        """Submit one engine request per (prompt ids, params) for ``tenant``; all or nothing."""
+        self.check_queue(len(jobs), tenant)
+        label = self.tenants.label(tenant)
         streams: list[RequestStream] = []
         # the n copies of one prompt share its ids list: one sampling group each (for the metrics)
         sizes = collections.Counter(id(ids) for ids, _ in jobs)
@@ -303,7 +326,7 @@ class ServerContext:
         try:
             for ids, params in jobs:
                 group = groups.setdefault(id(ids), SampleGroup(sizes[id(ids)], params.max_tokens or 0))
-                streams.append(self.client.submit(self.client.new_id(kind), ids, params, group))
+                streams.append(self.client.submit(self.client.new_id(kind), ids, params, group, tenant, label))
         except EngineUnavailable as e:
             self.abort(streams)
             raise APIError(503, str(e)) from None

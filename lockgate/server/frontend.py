@@ -100,6 +100,8 @@ class RequestStream:
     generated: int = 0
     group: SampleGroup | None = None
     finished: bool = False
+    tenant: str = "default"  # whom it is served for (server/tenants.py)
+    label: str = "default"  # the tenant's metrics label (bounded cardinality)
 
     async def outputs(self) -> AsyncIterator[TextOut]:
         """Every output of the request, the last one carrying its finish reason."""
@@ -176,11 +178,23 @@ class EngineClient:
         """Requests accepted that have not received their first token yet."""
         return sum(1 for s in self.streams.values() if s.first_token is None)
 
+    def tenant_load(self) -> dict[str, tuple[int, int]]:
+        """Per tenant metrics label: (requests waiting for their first token, requests in flight)."""
+        out: dict[str, tuple[int, int]] = {}
+        for s in self.streams.values():
+            q, f = out.get(s.label, (0, 0))
+            out[s.label] = (q + (s.first_token is None), f + 1)
+        return out
+
+    def num_queued_for(self, tenant: str) -> int:
+        """Requests of ``tenant`` accepted that have not received their first token yet."""
+        return sum(1 for s in self.streams.values() if s.first_token is None and s.tenant == tenant)
+
     def new_id(self, kind: str) -> str:
         return f"{kind}-{self._prefix}-{next(self._ids)}"
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-               group: SampleGroup | None = None) -> RequestStream:
+               group: SampleGroup | None = None, tenant: str = "default", label: str = "default") -> RequestStream:
         """Send one request. ``AdapterGone`` if its LoRA adapter is not loaded (any more): checked
         here, in the same event-loop turn as the send, so no request for an adapter leaves after the
         adapter's unload did (the channel is FIFO: one sent before it keeps its adapter to the end)."""
@@ -188,12 +202,12 @@ class EngineClient:
             raise EngineUnavailable(self.failed or "the model is still loading")
         if params.lora is not None and params.lora not in self.adapters:
             raise AdapterGone(params.lora)
-        stream = RequestStream(rid, len(prompt_ids), group=group)
+        stream = RequestStream(rid, len(prompt_ids), group=group, tenant=tenant, label=label)
         if group is not None:
             group.pending += 1
         self.streams[rid] = stream
         try:
-            self.to_scheduler.send_nowait(AddRequest(rid, list(prompt_ids), params, time.time()))
+            self.to_scheduler.send_nowait(AddRequest(rid, list(prompt_ids), params, time.time(), tenant))
         except BaseException:
             del self.streams[rid]  # never sent: it holds no queue place and no engine state
             raise
@@ -326,6 +340,7 @@ class EngineClient:
             if stream.first_token is None:
                 stream.first_token = now
                 m.ttft.labels(name).observe(now - stream.arrival)
+                m.tenant_ttft.labels(name, stream.label).observe(now - stream.arrival)
             elif stream.last_token is not None:
                 gap = (now - stream.last_token) / len(out.ids)
                 for _ in out.ids:  # one observation per token (a step can bring several)
@@ -333,6 +348,7 @@ class EngineClient:
             stream.last_token = now
             stream.generated += len(out.ids)
             m.generation_tokens.labels(name).inc(len(out.ids))
+            m.tenant_generation_tokens.labels(name, stream.label).inc(len(out.ids))
         if out.finish_reason is not None:
             stream.finished = True
             del self.streams[out.rid]
@@ -341,6 +357,7 @@ class EngineClient:
             m.finished(prompt, stream.generated, now - stream.arrival, stream.queue_seconds, first)
             m.requests.labels(name, out.finish_reason).inc()
             m.prompt_tokens.labels(name).inc(prompt)
+            m.tenant_prompt_tokens.labels(name, stream.label).inc(prompt)
             m.prefix_queries.labels(name).inc(prompt)
             m.prefix_hits.labels(name).inc(out.cached_tokens)
             self._group_done(stream)

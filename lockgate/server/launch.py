@@ -54,6 +54,7 @@ import msgspec
 import uvicorn
 
 from lockgate.config import EngineConfig, ServerConfig
+from lockgate.httpguard import key_entries, parse_api_keys
 from lockgate.httpserver import uvicorn_config
 from lockgate.ipc.child import (
     DETOKENIZER_MODULE,
@@ -165,6 +166,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
     from lockgate.server.app import create_app
     from lockgate.server.frontend import EngineClient
     from lockgate.server.metrics import Metrics
+    from lockgate.server.tenants import Tenants
 
     listen: list[socket.socket] | None = None
     if server.listen_fd is not None:
@@ -173,7 +175,11 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
         except ValueError as e:
             print(f"lockgate: error: {e}", file=sys.stderr)
             return 2
-    api_key = server.api_key or os.environ.get("LOCKGATE_API_KEY") or None
+    try:
+        api_key = parse_api_keys(key_entries(server.api_key, server.api_key_file)) or None
+    except ValueError as e:
+        print(f"lockgate: error: {e}", file=sys.stderr)
+        return 2
     name = server.served_model_name or engine.model.model
     tmp = tempfile.mkdtemp(prefix="lockgate-")
     ep = Endpoints.in_dir(tmp)
@@ -218,7 +224,9 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
                                   heartbeat_timeout=server.heartbeat_timeout, on_unresponsive=on_unresponsive,
                                   chat_template=engine.model.chat_template)
             # the children's exits from here on are the shutdown's, not deaths to report
-            app = create_app(client, server, api_key, metrics, on_stopping=lambda: setattr(sup, "stopping", True))
+            known = [*(n for n in (api_key or {}).values() if n), *engine.scheduler.tenant_weights]
+            app = create_app(client, server, api_key, metrics, on_stopping=lambda: setattr(sup, "stopping", True),
+                             tenants=Tenants(known))
             config = uvicorn_config(app, server.host, server.port, log_level,
                                     header_timeout=server.http_header_timeout,
                                     keep_alive_timeout=server.http_keep_alive_timeout,

@@ -13,6 +13,9 @@ vLLM query uses exists here too. Token-count histograms use the 1-2-5 series up 
 length, as vLLM's do, and appear once the engine is ready (``on_ready``). Series with no vLLM
 counterpart: ``kv_slots_used`` / ``kv_slots_capacity`` (the token pool in tokens), ``grammar_compiles``
 (the grammar sandbox's outcomes).
+Per tenant (``tenant`` label, bounded: server/tenants.py): ``tenant_prompt_tokens``,
+``tenant_generation_tokens``, ``tenant_requests_waiting`` (accepted, no first token yet: what
+``--max-queued-per-tenant`` counts) and ``tenant_time_to_first_token_seconds``.
 ``num_preemptions`` is always 0: peak admission never lets a running request run out of KV
 slots, so nothing is ever preempted (exported for the dashboards that plot it).
 """
@@ -20,6 +23,7 @@ slots, so nothing is ever preempted (exported for the dashboards that plot it).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -95,6 +99,15 @@ class Metrics:
                                   labels, registry=r)
         self.spec_accepted = Counter("lockgate:spec_decode_num_accepted_tokens",
                                      "Speculative guesses the model agreed with (tokens gained)", labels, registry=r)
+        tl = [*labels, "tenant"]
+        self.tenant_prompt_tokens = Counter("lockgate:tenant_prompt_tokens", "Prompt tokens of finished requests, "
+                                            "per tenant", tl, registry=r)
+        self.tenant_generation_tokens = Counter("lockgate:tenant_generation_tokens", "Generated tokens, per tenant",
+                                                tl, registry=r)
+        self.tenant_waiting = Gauge("lockgate:tenant_requests_waiting", "Requests accepted and waiting for their "
+                                    "first token, per tenant", tl, registry=r)
+        self.tenant_ttft = Histogram("lockgate:tenant_time_to_first_token_seconds", "Time from request arrival to "
+                                     "its first token, per tenant", tl, buckets=TTFT_BUCKETS, registry=r)
         # LoRA: requests per adapter, slot traffic, and vLLM's info gauge (labels carry the names)
         self.lora_running = Gauge("lockgate:lora_requests_running", "Running requests per LoRA adapter",
                                   [*labels, "lora_name"], registry=r)
@@ -201,6 +214,11 @@ class Metrics:
             running = ",".join(sorted(n for n, k in s.lora_running.items() if k))
             waiting = ",".join(sorted(n for n, k in s.lora_waiting.items() if k))
             self.lora_info.labels(str(s.max_loras), running, waiting).set(time.time())
+
+    def set_tenant_queues(self, waiting: dict[str, int], labels: Iterable[str]) -> None:
+        """The per-tenant waiting gauge as the API's streams are now, for every tenant label (0 when idle)."""
+        for tenant in {*labels, *waiting}:
+            self.tenant_waiting.labels(self.model, tenant).set(waiting.get(tenant, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

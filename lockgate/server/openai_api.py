@@ -183,7 +183,7 @@ async def completions(request: Request) -> Response:
         params = dataclasses.replace(body.sampling_params(max_tokens), lora=lora, structured=structured)
         jobs += [(p_ids, sp) for sp in per_choice_params(params, body.n)]
     texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if body.echo else []
-    streams = ctx.submit("cmpl", jobs)
+    streams = ctx.submit("cmpl", jobs, ctx.tenant_of(request, body.user))
     rid, created, n = streams[0].rid, int(time.time()), body.n
     prompt_lens = [len(p) for p in ids]
 
@@ -270,7 +270,8 @@ async def chat_completions(request: Request) -> Response:
         params = dataclasses.replace(params, structured=forced)
         constraint_field = "tool_choice"
     params = dataclasses.replace(params, structured=await ctx.compiled(request, params.structured, constraint_field))
-    streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)])
+    streams = ctx.submit("chatcmpl", [(ids, sp) for sp in per_choice_params(params, body.n)],
+                         ctx.tenant_of(request, body.user))
     rid, created = streams[0].rid, int(time.time())
 
     if not body.stream:

@@ -77,7 +77,7 @@ async def _start(request: Request) -> tuple[ServerContext, TGIGenerateRequest, A
         raise APIError(422, str(e)) from None
     structured = await ctx.compiled(request, params.structured, "grammar", status=422)
     params = dataclasses.replace(params, structured=structured)
-    return ctx, body, ctx.submit("tgi", [(ids, params)])
+    return ctx, body, ctx.submit("tgi", [(ids, params)], ctx.tenant_of(request))
 
 
 @router.post("/generate")
