@@ -136,3 +136,44 @@ def test_k_quant_and_legacy_blocks_do_not_stack() -> None:
 
     with pytest.raises(ValueError, match="K-quant and legacy"):
         stack([random_blocks("Q4_K", 16, 256, 1), random_blocks("Q8_0", 16, 256, 2)])
+
+
+def test_the_fast_header_reads_what_the_gguf_package_reads(tmp_path) -> None:
+    """``GgufHeader`` against ``gguf.GGUFReader`` (the independent reference) on the default model's
+    file and on one written here with every kind of metadata value; a cut file is a ValueError."""
+    from lockgate.checkpoint.gguf_convert import read_metadata
+    from lockgate.checkpoint.gguf_header import GgufHeader
+    from lockgate.checkpoint.loader import default_gguf_path
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_uint32("a.u32", 7)
+    w.add_int64("a.i64", -3)
+    w.add_float32("a.f32", 9.99e-06)
+    w.add_bool("a.bool", True)
+    w.add_string("a.str", "héllo")
+    w.add_array("a.ints", [1, 2, 3])
+    w.add_array("a.strs", ["x", "yz"])
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "a", "b"])  # stepped over, as read_metadata leaves it out
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_tensor("m", random_blocks("Q4_K", 16, 256, 3).raw.reshape(16, -1), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.add_tensor("v", np.arange(5, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for path in (tmp_path / "t.gguf", default_gguf_path()):
+        ours, theirs = GgufHeader(path), gguf.GGUFReader(str(path))
+        meta = {k: v for k, v in ours.metadata.items() if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
+        assert meta == read_metadata(theirs)
+        assert len(ours.tensors) == len(theirs.tensors)
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+            assert (a.name, a.tensor_type, list(a.shape), a.n_bytes, a.data_offset) == \
+                   (b.name, b.tensor_type, list(b.shape), b.n_bytes, b.data_offset)
+            assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    data = (tmp_path / "t.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:200])
+    with pytest.raises(ValueError, match="cut short|past the end"):
+        GgufHeader(tmp_path / "cut.gguf")
+    (tmp_path / "no.gguf").write_bytes(b"not a gguf file at all, no")
+    with pytest.raises(ValueError, match="magic"):
+        GgufHeader(tmp_path / "no.gguf")

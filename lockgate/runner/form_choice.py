@@ -18,8 +18,9 @@ Invariants:
   and ``--matmul-forms`` forces one, and ``--fp32-matmul-rows N`` overrides either. Nothing reads
   CPU flags to decide.
 * Row-invariant prompt forms are all or nothing: either every role has one, checked, on every
-  projection, or none changes and ``Paths.exact_prefill_problem`` says why. (With all of them set,
-  it still names what is not exact: sliding-window, soft-capped or expert layers.)
+  projection, or none changes and ``Paths.exact_prefill_problem`` says why. A model whose
+  sliding-window, soft-capped or expert layers cannot be exact anyway is not checked (it says so;
+  ``--deterministic`` still checks, and then refuses such a model).
 * ``--deterministic`` starts only where it holds: every projection on one batch-invariant form
   and the attention kernel there (``check_deterministic``: a ValueError saying what is missing).
 
@@ -307,6 +308,10 @@ class FormPlan:
         if not self.cpu_kernels:
             paths.exact_prefill_problem = f"it needs lockgate's CPU kernels ({kernels.error() or 'not loaded'})"
             return
+        inexact = _inexact_layers(model.args)
+        if inexact and not cfg.deterministic:  # no promise to keep: the check's start-up time is not spent
+            paths.exact_prefill_problem = inexact
+            return
         roles = model.projections()
         candidates = self._candidates({role: lins[0].choice for role, lins in roles.items()})
         samples = info.get("samples") or {}
@@ -340,7 +345,12 @@ class FormPlan:
                 lin.set_prompt_form(paths.prompt_forms[role])  # built on every projection (built_floors)
         paths.decode_kernel = paths.prefill_kernel = True  # every token's attention: one kernel row over its keys
         model.ops.forget()
-        a = model.args
-        paths.exact_prefill_problem = ("its sliding-window, soft-capped or expert layers do not run on row-invariant "
-                                       "paths yet" if a.attn_softcap is not None or any(a.layer_windows)
-                                       or a.moe is not None else None)
+        paths.exact_prefill_problem = _inexact_layers(model.args)
+
+
+def _inexact_layers(a: Any) -> str | None:
+    """Why a model of args ``a`` cannot give a prompt token the same bits whatever its chunk or
+    cache hit even on row-invariant forms, or None."""
+    if a.attn_softcap is not None or any(a.layer_windows) or a.moe is not None:
+        return "its sliding-window, soft-capped or expert layers do not run on row-invariant paths yet"
+    return None
