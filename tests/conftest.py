@@ -107,12 +107,15 @@ def pool_driver():
 @pytest.fixture(scope="session")
 def hf_reference():
     """transformers' own Llama, fp32, loaded from the very GGUF lockgate serves (the independent reference)."""
+    import gguf as gguf_package
     from transformers import AutoModelForCausalLM
 
+    from lockgate.checkpoint.gguf_convert import _reader_reused
     from lockgate.checkpoint.loader import default_gguf_path
 
     gguf = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    with _reader_reused(gguf, gguf_package.GGUFReader(str(gguf))):  # the header parsed once, not twice
+        return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

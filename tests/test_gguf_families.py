@@ -37,7 +37,7 @@ from family_util import PROMPTS, assert_lockgate_matches, hf_greedy
 
 from lockgate import LLM, SamplingParams
 from lockgate.checkpoint import loader
-from lockgate.checkpoint.gguf_convert import SUPPORTED_TYPES
+from lockgate.checkpoint.gguf_convert import SUPPORTED_TYPES, _reader_reused
 from lockgate.checkpoint.loader import prepare_model_dir
 
 T = gguf.GGMLQuantizationType
@@ -420,7 +420,8 @@ def test_real_gemma3_270m_q4_k_m_matches_transformers(tmp_path) -> None:
     assert path.is_file()
     tok = tf.AutoTokenizer.from_pretrained(str(d))
     prompts = [tok(p).input_ids for p in ("The capital of France is", "def fibonacci(n):")]
-    hf = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with _reader_reused(path, gguf.GGUFReader(str(path))):  # transformers parses the header once, not twice
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
         want = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
