@@ -2,7 +2,7 @@
 
 The virtual token counter (lockgate/scheduler/fairness.py): a heavy tenant cannot take a light
 one's share while both are backlogged, weights divide the share, the queue policy still orders
-within a tenant, overdue requests still go first, and the service difference between two
+within a tenant, overdue requests go first (the tenants by their counters), and the service difference between two
 backlogged tenants stays within the bound derived in fairness.py, whatever the arrivals.
 """
 
@@ -87,8 +87,11 @@ def test_lifting_banks_no_credit_for_idle_time():
     assert share.counter("busy") == 1100
 
 
-def test_overdue_requests_still_go_first_and_are_interleaved_by_tenant():
-    eng = make_engine(max_running_requests=1, fairness="vtc", max_queue_delay="5")
+def test_the_queue_delay_bound_orders_a_tenants_own_requests_not_the_tenants():
+    """Within a tenant an overdue request goes first whatever the policy (``lof`` would keep a short
+    request behind every longer one forever); across tenants the counters decide, so a tenant whose
+    flood went overdue does not take the turn of one that sends few."""
+    eng = make_engine(max_running_requests=1, fairness="vtc", max_queue_delay="5", schedule_policy="lof")
     rng = np.random.default_rng(1)
 
     def add(tenant: str, max_tokens: int = 4) -> Request:
@@ -96,29 +99,30 @@ def test_overdue_requests_still_go_first_and_are_interleaved_by_tenant():
 
     first = add("a", 40)
     eng.step()
-    eng.scheduler.share.generated("b", 10_000)  # b is far ahead: by its counter alone it would go last
-    b = add("b")
+    short = add("a", 2)  # lof ranks it behind every longer request of its tenant
     while eng.scheduler.num_steps < 36:
         eng.step()
-    a1 = add("a")  # not overdue when `first` finishes
+    longer = add("a", 30)  # ranked first by lof, but not overdue when `first` finishes
     while not first.finished:
         eng.step()
     eng.step()
-    assert b.admit_time is not None and a1.admit_time is None  # overdue: before the others, whoever's
-    # among overdue requests, the least-served tenant first (a flood past the bound is not fcfs)
+    assert short.admit_time is not None and longer.admit_time is None
+    # a flood gone overdue does not go before a less-served tenant's fresh request
     eng = make_engine(max_running_requests=1, fairness="vtc", max_queue_delay="5")
-    first = add("a", 40)
+    first = add("heavy", 40)
     eng.step()
     heavy = [add("heavy") for _ in range(5)]
-    light = add("light")
+    while eng.scheduler.num_steps < 36:
+        eng.step()
+    light = add("light")  # fresh: not overdue, but its tenant has had no service
     while not first.finished:
         eng.step()
     eng.step()
-    assert heavy[0].admit_time is not None and light.admit_time is None
-    while not heavy[0].finished:
+    assert light.admit_time is not None and heavy[0].admit_time is None
+    while not light.finished:
         eng.step()
     eng.step()
-    assert light.admit_time is not None and heavy[1].admit_time is None
+    assert heavy[0].admit_time is not None  # then the heavy tenant's oldest, overdue request
 
 
 @settings(max_examples=30, deadline=None)

@@ -67,7 +67,8 @@ The cache-aware and length-based policies can starve a request forever: under ``
 * ``now - req.arrival_time > max_seconds``,
 
 and overdue requests go first, oldest first (arrival order), followed by the rest in
-policy order. ``req.enqueue_step`` is the scheduler step at which the scheduler queued
+policy order (with ``--fairness vtc``: within each tenant's turn, so the bound holds per tenant
+and the tenants' shares stay fair under overload). ``req.enqueue_step`` is the scheduler step at which the scheduler queued
 the request (set on submit and again when a retracted request is re-queued); it is read
 with ``getattr(req, "enqueue_step", None)``, and a request without it is overdue by
 seconds only. A request queued at step ``s`` is therefore ahead of every non-overdue
@@ -151,8 +152,10 @@ Ranker = Callable[[list[Request], PrefixTree | None], list[Request]]
 
 class BoundedPolicy:
     """A ranking under a ``QueueDelayBound``: overdue requests first (arrival order), then
-    the rest as ``rank`` orders them (``rank`` gets them in arrival order), interleaved by
-    tenant when ``fair`` is given (the least-served tenant's next request first: fairness.py)."""
+    the rest as ``rank`` orders them (``rank`` gets them in arrival order). With ``fair`` the
+    tenants are interleaved (the least-served tenant's next request first: fairness.py) and the
+    bound orders each tenant's own requests: a tenant flooding the queue has its requests go
+    overdue first, and they must not take the turns of a tenant that sends few."""
 
     def __init__(self, name: str, rank: Ranker, bound: QueueDelayBound, fair: TenantShare | None = None) -> None:
         self.name = name
@@ -169,7 +172,7 @@ class BoundedPolicy:
         ranked = self._rank(rest, tree)
         if self.fair is None:
             return overdue + ranked
-        return self.fair.interleave(overdue) + self.fair.interleave(ranked)
+        return self.fair.interleave(overdue + ranked)
 
     def __repr__(self) -> str:
         return f"BoundedPolicy({self.name!r}, {self.bound})"
