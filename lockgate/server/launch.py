@@ -174,7 +174,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             print(f"lockgate: error: {e}", file=sys.stderr)
             return 2
     api_key = server.api_key or os.environ.get("LOCKGATE_API_KEY") or None
-    name = server.served_model_name or engine.model.model
+    name = server.model_name(engine.model.model)
     tmp = tempfile.mkdtemp(prefix="lockgate-")
     ep = Endpoints.in_dir(tmp)
     sup = Supervisor()
