@@ -184,6 +184,9 @@ def test_serve_takes_a_vllm_command_line_and_answers_to_every_served_name() -> N
                    "hermes", "--strict-model-name")
     try:
         s.wait_ready(timeout=120)
+        before = _samples(s.url)
+        for name in ZERO_AT_START:  # counters exist with 0 from the start, labelled as vLLM's
+            assert before[name] == 0, name
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["first", "second"]
         for name in ("first", "second"):
@@ -193,7 +196,45 @@ def test_serve_takes_a_vllm_command_line_and_answers_to_every_served_name() -> N
             client.completions.create(model="third", prompt="hello", max_tokens=3)
         info = client.models.list().data[0]
         assert info.model_extra["max_model_len"] == 1024
+        shared = "a prompt long enough to be cached " * 4
+        for _ in range(2):  # the second is a prefix-cache hit
+            client.completions.create(model="first", prompt=shared, max_tokens=5, temperature=0)
+        after = _samples(s.url)
     finally:
         s.stop()
     log = s.log()
     assert "--trust-remote-code: accepted for vLLM compatibility, no effect" in log
+    k = '{engine="0",model_name="first"}'
+    requests = 4
+    assert after[f"lockgate:request_time_per_output_token_seconds_count{k}"] == requests
+    assert after[f"lockgate:request_prefill_kv_computed_tokens_count{k}"] == requests
+    cached = after[f"lockgate:prompt_tokens_cached_total{k}"]
+    assert cached > 0 and cached == after[f"lockgate:prefix_cache_hits_total{k}"]
+    computed = after[f"lockgate:request_prefill_kv_computed_tokens_sum{k}"]
+    assert computed + cached == after[f"lockgate:prompt_tokens_total{k}"]
+    by_source = '{engine="0",model_name="first",source="%s"}'
+    assert after["lockgate:prompt_tokens_by_source_total" + by_source % "local_compute"] == computed
+    assert after["lockgate:prompt_tokens_by_source_total" + by_source % "local_cache_hit"] == cached
+    # every step's tokens (prompt tokens prefilled + tokens generated) add up to what was computed
+    assert after[f"lockgate:iteration_tokens_total_sum{k}"] == computed + after[f"lockgate:generation_tokens_total{k}"]
+    [info_labels] = [lbl for lbl in after if lbl.startswith("lockgate:cache_config_info{")]
+    assert 'block_size="1"' in info_labels and 'enable_prefix_caching="True"' in info_labels
+    assert 'gpu_memory_utilization="0.02"' in info_labels and after[info_labels] == 1
+
+
+ZERO_AT_START = [f'lockgate:{n}_total{{engine="0",model_name="first"}}' for n in (
+    "prompt_tokens", "generation_tokens", "prompt_tokens_cached", "prefix_cache_hits", "prefix_cache_queries",
+    "num_preemptions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")]
+
+
+def _samples(url: str) -> dict[str, float]:
+    """/metrics as {'name{label="v",...}': value}, labels sorted."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for smp in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(smp.labels.items()))
+            out[f"{smp.name}{{{labels}}}"] = smp.value
+    return out

@@ -192,7 +192,7 @@ class ServerContext:
             counter = self.metrics.grammar_compiles
             self._sandbox = GrammarSandbox(spec, workers=cfg.grammar_workers, queue_limit=cfg.grammar_queue_size,
                                            timeout=cfg.grammar_compile_timeout,
-                                           on_outcome=lambda o: counter.labels(self.model_name, o).inc())
+                                           on_outcome=lambda o: counter.labels(*self.metrics.key, o).inc())
         return self._sandbox
 
     async def compiled(self, request: Request, so: StructuredOutput | None, param: str | None,

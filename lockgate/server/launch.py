@@ -209,7 +209,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             model=engine.model.model, in_endpoint=ep.detokenizer, api_endpoint=ep.api,
             scheduler_endpoint=ep.scheduler, parent_pid=os.getpid(), log_level=log_level))
 
-        metrics = Metrics(name)
+        metrics = Metrics(name, engine)
 
         async def main() -> None:
             nonlocal client, uv_server
