@@ -54,9 +54,18 @@ class _DefaultsShown(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: its own usage on every error, unknown flags included (argparse would
+    otherwise leave those to the top-level parser, which prints the top-level usage)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _DefaultsShown)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,9 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", parents=[common], help="start the OpenAI-compatible / TGI-native HTTP server")
     from lockgate.gateway.command import RoutingFlags
     from lockgate.server.launch import add_serve_args
+    from lockgate.vllm_compat import add_vllm_args
 
+    serve.add_argument("--version", action="version", version=f"lockgate {__version__}")
     add_serve_args(serve)
     add_config_args(serve, RoutingFlags)  # used with --dp N > 1
+    add_vllm_args(serve)
     gateway = sub.add_parser("gateway", parents=[common],
                              help="route requests over several engine replicas (prefix-cache aware)")
     from lockgate.gateway.command import add_gateway_args
@@ -196,13 +208,20 @@ def _serve(ns: argparse.Namespace) -> int:
     from lockgate.config import server_config_from_args
     from lockgate.gateway.command import routing_from_args, serve_dp
     from lockgate.server.launch import serve
+    from lockgate.vllm_compat import apply_vllm_args
 
     try:
+        notes = apply_vllm_args(ns)
         engine, server, routing = config_from_args(ns), server_config_from_args(ns), routing_from_args(ns)
         _check_model_spec(engine.model.model)
+        if engine.cache.gpu_memory_utilization is not None and (server.dp > 1 or server.ray):
+            raise ValueError("--gpu-memory-utilization is a share of this machine's memory for one engine; with "
+                             "several replicas size each one's pool with --kv-cache-memory")
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
+    for line in notes:
+        logging.getLogger("lockgate").info("%s", line)
     if server.ray:
         from lockgate.fleet.serve import serve_ray
 

@@ -44,6 +44,30 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None])
 
 
+_COUNT_RE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG])$")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_count(text: str | int) -> int:
+    """A token count as vLLM writes it: '32768', '32k' (x1000), '32K' (x1024), '25.6k'."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip()
+    m = _COUNT_RE.match(t)
+    if m:
+        number, suffix = m.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        if "." not in number:
+            return int(number) * _BINARY[suffix]
+        raise ValueError(f"{t!r}: no decimals with the binary suffix {suffix} (did you mean {number}{suffix.lower()}?)")
+    try:
+        return int(t)
+    except ValueError:
+        raise ValueError(f"not a token count: {t!r} (use e.g. 32768, 32k = 32000 or 32K = 32768)") from None
+
+
 def parse_queue_delay(text: str) -> tuple[int | None, float | None]:
     """'500' -> (500 steps, None); '30s' / '2.5s' -> (None, seconds)."""
     t = str(text).strip().lower()
@@ -110,7 +134,8 @@ class ModelConfig:
                                "(dense, fp32, group-quant, int-gemm, torch-int4) or spans such as "
                                "'int-gemm:64,dense' (int-gemm up to 64 rows, dense above); forms a projection "
                                "lacks fall back to dense; auto = the measured table")
-    max_model_len: int | None = option(None, "cap the context length (default: the model's)")
+    max_model_len: int | None = option(None, "cap the context length in tokens: 32768, 32k (x1000) or 32K (x1024) "
+                                       "(default: the model's)", parse=parse_count)
     seed: int = option(0, "global seed for unseeded sampling")
     num_threads: int | None = option(None, "torch intra-op threads of the scheduler process (default: torch's "
                                    "choice, one per core); 'serve --dp N' gives each replica cores/N")
@@ -140,6 +165,11 @@ class ModelConfig:
                              f"--fp32-matmul-rows {self.fp32_matmul_rows} contradicts it")
         if self.deterministic and self.cpu_kernels == "off":
             raise ValueError("--deterministic needs lockgate's CPU kernels; --cpu-kernels off contradicts it")
+        if isinstance(self.max_model_len, str):  # vLLM's sizes (32k) given as text to LLM(...)
+            try:
+                object.__setattr__(self, "max_model_len", parse_count(self.max_model_len))
+            except ValueError as e:
+                raise ValueError(f"--max-model-len: {e}") from None
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.fp32_matmul_rows not in ("auto", "off") and not (
@@ -178,28 +208,75 @@ def read_chat_template(value: str) -> str:
     return text
 
 
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
+    """The KV pool's size, given one way: ``max_total_tokens`` (tokens), else ``kv_cache_memory``
+    (bytes; 2 GiB when nothing is given), or ``gpu_memory_utilization`` (vLLM's share, resolved by the
+    runner against the memory available at start: ``pool_bytes``)."""
+
     max_total_tokens: int | None = option(None, "KV pool capacity in tokens (overrides --kv-cache-memory)")
-    kv_cache_memory: str = option("2GiB", "memory for the KV pool (e.g. 2GiB, 512MiB, bytes), used when "
-                                "--max-total-tokens is not given")
+    kv_cache_memory: str | None = option(None, "memory for the KV pool (e.g. 2GiB, 512MiB, bytes), used when "
+                                         f"--max-total-tokens is not given (default: {DEFAULT_KV_CACHE_MEMORY})")
+    gpu_memory_utilization: float | None = option(
+        None, "vLLM's flag, on CPU: the share in (0, 1] of the memory available at start (MemAvailable) that "
+        "the engine may take; the KV pool gets what the weights and the overhead of the memory plan leave of "
+        "it. Instead of --kv-cache-memory / --max-total-tokens")
 
     def __post_init__(self) -> None:
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
-        if parse_size(self.kv_cache_memory) < 1:
+        if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) < 1:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory!r}")
+        u = self.gpu_memory_utilization
+        if u is not None:
+            if not (isinstance(u, int | float) and not isinstance(u, bool) and 0.0 < u <= 1.0):
+                raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {u!r}")
+            given = [f for f, v in (("--kv-cache-memory", self.kv_cache_memory),
+                                    ("--max-total-tokens", self.max_total_tokens)) if v is not None]
+            if given:
+                raise ValueError(f"--gpu-memory-utilization and {given[0]} both size the KV pool: give one")
 
     @property
     def kv_cache_bytes(self) -> int:
-        return parse_size(self.kv_cache_memory)
+        """The pool's bytes as ``kv_cache_memory`` gives them (its default when unset)."""
+        return parse_size(self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+
+    def pool_bytes(self, resident: int, available: int | None) -> int:
+        """Bytes for the KV pool when sized in bytes: ``kv_cache_memory``, or with
+        ``gpu_memory_utilization`` that share of ``available`` less ``resident`` (weights and overhead)."""
+        if self.gpu_memory_utilization is None:
+            return self.kv_cache_bytes
+        if available is None:
+            raise ValueError("--gpu-memory-utilization needs the available memory (/proc/meminfo), which this "
+                             "system does not report: size the pool with --kv-cache-memory")
+        budget = int(self.gpu_memory_utilization * available)
+        if budget <= resident:
+            gib = 1024**3
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: {budget / gib:.2f} GiB of the "
+                             f"{available / gib:.2f} GiB available leaves nothing for the KV pool after weights and "
+                             f"overhead of {resident / gib:.2f} GiB; give a larger share or --kv-cache-memory")
+        return budget - resident
+
+    @property
+    def sized_by(self) -> str:
+        """The flag that sizes the pool, as the user gave it (for messages)."""
+        if self.max_total_tokens is not None:
+            return f"--max-total-tokens {self.max_total_tokens}"
+        if self.gpu_memory_utilization is not None:
+            return f"--gpu-memory-utilization {self.gpu_memory_utilization}"
+        return f"--kv-cache-memory {self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY}"
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = option(256, "most requests decoding together in one batch (vLLM's --max-num-seqs)",
                                        aliases=("max_num_seqs",))
-    max_prefill_tokens: int = option(1024, "prompt tokens prefilled per step; longer prompts are chunked")
+    max_prefill_tokens: int = option(1024, "prompt tokens prefilled per step; longer prompts are chunked "
+                                     "(vLLM's --max-num-batched-tokens, less the step's decode rows)",
+                                     aliases=("max_num_batched_tokens",))
     max_decode_stall: float = option(0.5, "during a burst (a step's --max-prefill-tokens spent and requests still "
                                      "waiting for admission) a decoding request sits steps out, so the waiting "
                                      "prompts get their first tokens sooner, until its newest token is this many "
@@ -349,6 +426,12 @@ class EngineConfig:
         """Build from flat keyword arguments (``model=..., max_total_tokens=...``)."""
         parts: dict[str, dict[str, Any]] = {}
         names = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        flat = dict(flat)
+        for alias, name in engine_aliases().items():
+            if alias in flat:
+                if name in flat:
+                    raise TypeError(f"{alias} is another name for {name}: give one")
+                flat[name] = flat.pop(alias)
         for part_name, f in names.items():
             cls = _part_type(f)
             own = {x.name for x in dataclasses.fields(cls)}
@@ -357,6 +440,20 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
         return EngineConfig(**{n: _part_type(names[n])(**kw) for n, kw in parts.items()})
+
+
+def engine_fields() -> set[str]:
+    """Names of the engine's options (the leaves of the config tree)."""
+    return {f.name for part in dataclasses.fields(EngineConfig) for f in dataclasses.fields(_part_type(part))}
+
+
+def engine_aliases() -> dict[str, str]:
+    """Other names (vLLM's) of the engine's options: alias -> field name."""
+    out: dict[str, str] = {}
+    for part in dataclasses.fields(EngineConfig):
+        for f in dataclasses.fields(_part_type(part)):
+            out.update({a: f.name for a in f.metadata.get("aliases", ())})
+    return out
 
 
 def _part_type(f: dataclasses.Field[Any], owner: type | None = None) -> type:
@@ -387,12 +484,25 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
                 kw["nargs"], tp = f.metadata["nargs"], str
                 if f.metadata.get("action") == "extend":  # repeatable: each use adds its values
                     kw["action"], kw["default"] = "extend", None
+            if "parse" in f.metadata:
+                tp = _flag_type(f.metadata["parse"])
             if tp is bool:  # off by default: a plain switch; on by default: --no-... turns it off
                 kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
             else:
                 kw["type"] = tp
             aliases = ["--" + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
             group.add_argument(flag, *aliases, dest=f.name, **kw)
+
+
+def _flag_type(parse: Any) -> Any:
+    """An argparse type from a parser raising ValueError: its message becomes argparse's error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def config_to_args(cfg: Any, cls: type | None = None) -> list[str]:
@@ -427,13 +537,22 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig.build(**flat)
 
 
+TOOL_CALL_PARSERS = ("hermes",)  # vLLM's names of the tool-call formats lockgate reads
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Options of ``lockgate serve`` beyond the engine's (the API and process supervision)."""
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on")
-    served_model_name: str | None = option(None, "model name clients use (default: the --model value)")
+    served_model_name: tuple[str, ...] = option((), "model names clients use: each is accepted as a request's "
+                                                "model, the first is the one answers and /metrics report "
+                                                "(default: the --model value)", nargs="+")
+    tool_call_parser: str | None = option(None, "how tool calls are read from the model's text (vLLM's flag): "
+                                          f"{', '.join(TOOL_CALL_PARSERS)} (default: hermes, the format of the "
+                                          "tool prompt lockgate renders when the chat template has none)",
+                                          choices=list(TOOL_CALL_PARSERS))
     strict_model_name: bool = option(False, "answer 404 to a request naming another model (vLLM's behaviour); "
                                      "by default, serving one model, any name is taken as it (TGI's, SGLang's)")
     api_key: tuple[str, ...] = option((), "require 'Authorization: Bearer KEY' on every route but /health; "
@@ -489,6 +608,13 @@ class ServerConfig:
                                    "binding --host/--port (how serve --dp hands each replica the port it reserved)")
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        object.__setattr__(self, "served_model_name", (names,) if isinstance(names, str) else tuple(names or ()))
+        if not all(isinstance(n, str) and n for n in self.served_model_name):
+            raise ValueError(f"--served-model-name takes non-empty names, got {list(self.served_model_name)!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not available: the supported parsers "
+                             f"are {', '.join(TOOL_CALL_PARSERS)}")
         object.__setattr__(self, "lora_root", tuple(self.lora_root or ()))
         object.__setattr__(self, "api_key", tuple(self.api_key or ()))
         if self.max_queued_per_tenant is not None and self.max_queued_per_tenant < 1:
@@ -546,6 +672,10 @@ class ServerConfig:
                 raise ValueError(f"--max-request-bytes: {e}") from None
             if size < 1024:
                 raise ValueError(f"--max-request-bytes must be at least 1KiB, got {self.max_request_bytes}")
+
+    def model_name(self, model: str) -> str:
+        """The name answers report: the first --served-model-name, else the --model value."""
+        return self.served_model_name[0] if self.served_model_name else model
 
     def request_bytes_limit(self, max_model_len: int | None) -> int:
         """The body limit in bytes: the flag's, else 4 MiB or 128 bytes per context token, the larger."""

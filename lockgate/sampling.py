@@ -2,11 +2,14 @@
 
 Owns validation of every per-request generation knob. Construction fails with a
 ``ValueError`` naming the field and the limit it broke, so the server can turn it into a
-4xx verbatim. Instances are frozen; ``temperature == 0`` means greedy.
+4xx verbatim. Instances are frozen; ``temperature == 0`` means greedy. vLLM's forms are taken
+as they are written for vLLM: ``stop`` a string or a list (held as a tuple), ``n`` outputs per
+prompt (``per_choice_params`` gives each its params: choice i is seeded ``seed + i``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +24,8 @@ def is_text(s: str) -> bool:
 
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # most outputs one prompt may ask for (vLLM's n)
+_U64 = 2**64
 MAX_TOKEN_ID = 2**31  # no vocabulary is larger; ids travel as int32/int64 tensors
 MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema, regex or grammar text longer than this is refused
 STRUCTURED_KINDS = ("json", "regex", "choice", "lark", "llguidance")
@@ -86,17 +91,30 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI style, over output tokens
     presence_penalty: float = 0.0  # OpenAI style, over output tokens
     seed: int | None = None
-    stop: tuple[str, ...] = ()  # stop strings, matched on detokenized text
-    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on detokenized text (a str or list is taken too)
+    stop_token_ids: tuple[int, ...] = ()  # (a list is taken too)
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; 0: chosen token only; N: chosen + top N
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrained decoding: the output matches this
     lora: str | None = None  # the LoRA adapter (its name) to run under; None: the base model
+    n: int = 1  # outputs per prompt (offline ``LLM``; the HTTP APIs read their own ``n``)
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # vLLM's forms: ``stop="x"`` or a list, ``stop_token_ids`` a list; held as tuples (hashable, frozen)
+        stop: object = self.stop
+        if isinstance(stop, str):
+            object.__setattr__(self, "stop", (stop,))
+        elif isinstance(stop, list) or stop is None:
+            object.__setattr__(self, "stop", tuple(stop or ()))
+        ids: object = self.stop_token_ids
+        if isinstance(ids, list) or ids is None:
+            object.__setattr__(self, "stop_token_ids", tuple(ids or ()))
+        self._check()
+
+    def _check(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
@@ -121,7 +139,8 @@ class SamplingParams:
         need(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
              f"seed must be an integer, got {self.seed!r}")
         need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
-             "stop must be a tuple of non-empty strings")
+             "stop must be a string or a list of non-empty strings")
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         need(len(self.stop) <= 16, f"stop takes at most 16 strings, got {len(self.stop)}")
         need(all(is_text(s) for s in self.stop),
              "stop strings must be valid Unicode text (no lone surrogates)")
@@ -142,3 +161,15 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Params for choices 0..n-1 of one prompt: choice i gets ``seed + i`` (wrapped mod 2**64).
+
+    Unseeded params are shared as is. Numbering is per prompt, so a prompt gives the same
+    choices alone or inside a batch prompt.
+    """
+    if params.seed is None:
+        return [params] * n
+    seeds = [params.seed + i if params.seed + i < _U64 else params.seed + i - _U64 for i in range(n)]
+    return [dataclasses.replace(params, seed=s) for s in seeds]

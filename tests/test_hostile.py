@@ -487,7 +487,7 @@ def test_attacks_never_stall_health_or_a_running_stream(smol_server, tmp_path) -
     assert all(400 <= s < 500 for s in statuses[:2] + statuses[3:]), [(r.status_code, r.text[:200]) for r in results]
     assert statuses[2] in (200, 400), results[2].text[:300]  # a slow regex compiles in a worker, or times out
     metrics = httpx.get(url + "/metrics").text
-    assert 'lockgate:grammar_compiles_total{model_name="default",outcome="crash"}' in metrics
+    assert 'lockgate:grammar_compiles_total{engine="0",model_name="default",outcome="crash"}' in metrics
     assert gaps and max(gaps) < 0.5, sorted(gaps)[-5:]
     assert health and max(health) < 0.5, sorted(health)[-5:]
     alive(smol_server)

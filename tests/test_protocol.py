@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from lockgate.sampling import SamplingParams
+from lockgate.sampling import SamplingParams, per_choice_params
 from lockgate.server.errors import error_message, error_param, openai_error
 from lockgate.server.protocol import (
     ChatCompletionRequest,
@@ -18,7 +18,6 @@ from lockgate.server.protocol import (
     DetokenizeRequest,
     TGIGenerateRequest,
     TokenizeRequest,
-    per_choice_params,
     request_fields,
 )
 

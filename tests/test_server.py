@@ -264,13 +264,13 @@ def test_client_disconnects_abort_and_free_slots(server) -> None:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """/metrics as sample name{labels} -> value (labels sorted, model_name dropped)."""
+    """/metrics as sample name{labels} -> value (labels sorted, model_name and engine dropped)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for smp in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()) if k != "model_name")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()) if k not in ("model_name", "engine"))
             out[f"{smp.name}{{{labels}}}" if labels else smp.name] = smp.value
     return out
 

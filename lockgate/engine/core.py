@@ -60,6 +60,11 @@ class StepInfo:
     num_cached_tokens: int = 0
     num_generated: int = 0  # tokens appended to outputs (several per request when guesses were accepted)
 
+    @property
+    def tokens(self) -> int:
+        """vLLM's iteration tokens: prompt tokens prefilled plus tokens generated."""
+        return self.num_prefill_tokens + self.num_generated
+
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, runner: Runner | None = None, check_invariants: bool = False,

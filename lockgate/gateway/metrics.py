@@ -3,7 +3,8 @@
 One private registry per gateway. Counters: requests by replica, policy and route reason; prefix
 blocks looked up and matched (their ratio is the gateway's expected hit rate; the replicas' own
 ``lockgate:prefix_cache_*`` counters say what really hit); retries by cause; replica health
-changes; replica restarts (``serve --dp``); proxy errors by kind. Gauges: each replica's health and
+changes; replica restarts (``serve --dp``); proxy errors by kind. Counters start at 0: retries for
+each replica and the usual causes (``RETRY_CAUSES``) from its first health change on, errors for every kind. Gauges: each replica's health and
 load, and its queue ETA as the gateway estimates it (``gateway_replica_queue_eta_seconds``).
 
 Hit attribution, by replica and policy, over the answered generation requests whose replica reported
@@ -34,6 +35,7 @@ from prometheus_client.samples import Sample
 from lockgate.gateway.policy import Route
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+RETRY_CAUSES = ("ConnectError", "429", "503")  # the usual retry causes: each replica's series start at 0
 
 
 class FleetCollector:
@@ -106,6 +108,8 @@ class GatewayMetrics:
         self.prompt_tokens.labels(replica, policy).inc(prompt)
 
     def health(self, replica: str, healthy: bool) -> None:
+        for cause in RETRY_CAUSES:  # exported with 0 from the replica's first health check on
+            self.retries.labels(replica, cause)
         self.health_changes.labels(replica, "healthy" if healthy else "unhealthy").inc()
         self.healthy.labels(replica).set(1 if healthy else 0)
 

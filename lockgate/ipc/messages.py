@@ -128,6 +128,9 @@ class EngineStats(_Msg):
     num_steps: int
     draft_tokens: int = 0  # speculation since start: guesses fed to the model
     accepted_tokens: int = 0  # of those, the ones it agreed with
+    drafts: int = 0  # (request, step) pairs fed at least one guess, since start
+    accepted_per_pos: list[int] = []  # accepted guesses by their position in a draft, since start
+    step_tokens: int = 0  # tokens step number ``num_steps`` computed (prompt tokens prefilled + tokens generated)
     lora_running: dict[str, int] = {}  # LoRA adapter name -> running requests (loaded adapters only)
     lora_waiting: dict[str, int] = {}  # -> waiting requests
     lora_loads: int = 0  # adapters put into a runner slot since start

@@ -53,7 +53,7 @@ from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import form_choice
-from lockgate.runner.memory_plan import plan_memory
+from lockgate.runner.memory_plan import MemoryPlan, plan_memory
 from lockgate.runner.pool_memory import allocate_pool
 from lockgate.runner.sampler import argmax_kernel, greedy_output, plain_greedy, sample
 
@@ -134,18 +134,22 @@ class ModelRunner:
                 and (model_cfg.fp32_matmul_rows != "auto" or weight_copies_fit(4 * args.matmul_parameters)))
         elem = torch.empty((), dtype=self.dtype).element_size()
         bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * elem
+        gguf_path = gguf_weights_of(self.model_dir)
+        gguf = GgufWeights(gguf_path) if gguf_path is not None else None  # read once: planned, then loaded
+
+        def memory_for(pool_bytes: int) -> MemoryPlan:
+            return plan_memory(args, elem, pool_bytes, PLANNED_PREFILL_TOKENS,
+                               gguf_tensors=None if gguf is None else gguf.table_of_contents(),
+                               packed=self.quantization != "none", fp32_copies=fp32)
+
         if cache_cfg.max_total_tokens is not None:
             self.capacity: int = cache_cfg.max_total_tokens
         else:
-            self.capacity = cache_cfg.kv_cache_bytes // bytes_per_token
+            bare = memory_for(0)  # weights and overhead: what a share of the memory is left for the pool
+            self.capacity = cache_cfg.pool_bytes(bare.weights + bare.overhead, bare.available) // bytes_per_token
             if self.capacity < 1:
-                raise ValueError(f"--kv-cache-memory {cache_cfg.kv_cache_memory} holds no token "
-                                 f"({bytes_per_token} bytes per token)")
-        gguf_path = gguf_weights_of(self.model_dir)
-        gguf = GgufWeights(gguf_path) if gguf_path is not None else None  # read once: planned, then loaded
-        memory = plan_memory(args, elem, self.capacity * bytes_per_token, PLANNED_PREFILL_TOKENS,
-                             gguf_tensors=None if gguf is None else gguf.table_of_contents(),
-                             packed=self.quantization != "none", fp32_copies=fp32)
+                raise ValueError(f"{cache_cfg.sized_by} holds no token ({bytes_per_token} bytes per token)")
+        memory = memory_for(self.capacity * bytes_per_token)
         log.info("%s", memory.describe())
         if self.device.type == "cpu":
             memory.check()
@@ -167,9 +171,7 @@ class ModelRunner:
         self.max_model_len: int = self._context_length(model_cfg)
         shape = self.model.kv_shape(self.capacity)  # [layers, capacity, Hkv, D]
         t_pool = time.perf_counter()
-        sized_by = (f"--max-total-tokens {cache_cfg.max_total_tokens}" if cache_cfg.max_total_tokens is not None
-                    else f"--kv-cache-memory {cache_cfg.kv_cache_memory}")
-        self.k_cache, self.v_cache = allocate_pool(shape, self.dtype, self.device, sized_by)
+        self.k_cache, self.v_cache = allocate_pool(shape, self.dtype, self.device, cache_cfg.sized_by)
         t_pool = time.perf_counter() - t_pool
         return_freed_memory()  # loading's scratch (blocks, codes) goes back to the system
         log.info("model %s (%s, %d layers) on %s in %s, loaded in %.2fs; max_model_len %d",

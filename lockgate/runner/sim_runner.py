@@ -24,6 +24,7 @@ import numpy as np
 from lockgate.checkpoint.peft import AdapterInfo, read_adapter_config
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.plan import ForwardPlan, ForwardResult
+from lockgate.runner.memory_plan import available_bytes
 
 SIM_VOCAB = 32000
 SIM_EOS = 2
@@ -34,7 +35,8 @@ SIM_BYTES_PER_TOKEN = 4096  # pretend KV footprint, to turn --kv-cache-memory in
 class SimRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
         self.cfg = model_cfg
-        self.capacity = cache_cfg.max_total_tokens or max(1, cache_cfg.kv_cache_bytes // SIM_BYTES_PER_TOKEN)
+        from_bytes = cache_cfg.pool_bytes(0, available_bytes()) if cache_cfg.max_total_tokens is None else 0
+        self.capacity = cache_cfg.max_total_tokens or max(1, from_bytes // SIM_BYTES_PER_TOKEN)
         self.max_model_len = min(SIM_CONTEXT, model_cfg.max_model_len or SIM_CONTEXT)
         self.vocab_size = SIM_VOCAB
         self.eos_token_ids: tuple[int, ...] = (SIM_EOS,)

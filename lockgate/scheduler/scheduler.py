@@ -128,6 +128,8 @@ class SchedulerStats:
     retractions: int = 0
     draft_tokens: int = 0  # speculation: guesses fed to the model so far
     accepted_tokens: int = 0  # of those, the ones it agreed with
+    drafts: int = 0  # (request, step) pairs fed at least one guess
+    accepted_per_pos: tuple[int, ...] = ()  # accepted guesses by position in their draft
 
 
 class Scheduler:
@@ -218,7 +220,8 @@ class Scheduler:
                               slots_used=self.capacity - free - evictable, slots_free=free,
                               slots_evictable=evictable, capacity=self.capacity,
                               headroom=self.capacity - self.usage_estimate(), retractions=self.num_retractions,
-                              draft_tokens=spec.num_draft_tokens, accepted_tokens=spec.num_accepted_tokens)
+                              draft_tokens=spec.num_draft_tokens, accepted_tokens=spec.num_accepted_tokens,
+                              drafts=spec.num_drafts, accepted_per_pos=tuple(spec.accepted_per_pos))
 
     def backlog(self) -> Backlog:
         """The work queued and running here not done yet (backlog.py), for the engine's queue forecast."""

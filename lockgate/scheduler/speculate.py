@@ -104,6 +104,8 @@ class Speculator:
         self.cfg = cfg
         self.num_draft_tokens = 0  # guesses fed to the model so far
         self.num_accepted_tokens = 0  # of those, the ones it agreed with
+        self.num_drafts = 0  # (request, step) pairs fed at least one guess
+        self.accepted_per_pos = [0] * cfg.speculative_tokens  # accepted guesses by their position (0: first)
 
     def propose(self, decode: list[Request], running: list[Request], protected: int,
                 capacity: int, waiting: bool = False) -> list[list[int]]:
@@ -164,6 +166,9 @@ class Speculator:
         r.num_accepted += num_new - 1
         self.num_draft_tokens += len(guesses)
         self.num_accepted_tokens += num_new - 1
+        self.num_drafts += 1
+        for pos in range(num_new - 1):  # the model agreed with guesses 0 .. num_new - 2
+            self.accepted_per_pos[pos] += 1
         return 1 + len(guesses) - num_new
 
 

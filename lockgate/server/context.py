@@ -194,7 +194,7 @@ class ServerContext:
             counter = self.metrics.grammar_compiles
             self._sandbox = GrammarSandbox(spec, workers=cfg.grammar_workers, queue_limit=cfg.grammar_queue_size,
                                            timeout=cfg.grammar_compile_timeout,
-                                           on_outcome=lambda o: counter.labels(self.model_name, o).inc())
+                                           on_outcome=lambda o: counter.labels(*self.metrics.key, o).inc())
         return self._sandbox
 
     async def compiled(self, request: Request, so: StructuredOutput | None, param: str | None,
@@ -217,22 +217,27 @@ class ServerContext:
         if self._sandbox is not None:
             await self._sandbox.close()
 
+    @property
+    def base_names(self) -> tuple[str, ...]:
+        """Names of the base model: every --served-model-name (the first is ``model_name``), the --model spec."""
+        return (self.model_name, *self.cfg.served_model_name, self.client.model_spec)
+
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names, or None for the base model. A request may
-        name a loaded adapter, the served model, its ``--model`` spec or, unless
+        name a loaded adapter, the served model (any of its ``--served-model-name`` names), its ``--model`` spec or, unless
         ``--strict-model-name`` or adapters are loaded, anything: with one model served and no
         adapters, a name can only mean it (clients such as huggingface_hub send placeholders like
         "dummy" or "tgi"). With adapters loaded an unknown name is a 404 naming it."""
         adapters = self.client.adapters
         if model is not None and model in adapters:
             return model
-        if model is None or model in (self.model_name, self.client.model_spec):
+        if model is None or model in self.base_names:
             return None
         if model in self.client.unloaded:
             raise APIError(404, f"The model `{model}` does not exist: the LoRA adapter {model!r} was unloaded",
                            param="model")
         if self.cfg.strict_model_name or adapters:
-            served = f"{self.model_name!r}" + (f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
+            served = " / ".join(map(repr, dict.fromkeys(self.base_names[:-1]))) + (f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
                                               if adapters else "")
             raise APIError(404, f"The model `{model}` does not exist: this server serves {served}", param="model")
         return None
@@ -240,7 +245,7 @@ class ServerContext:
     def check_adapter(self, name: str | None, param: str) -> None:
         """A LoRA adapter named by a request field other than ``model`` (TGI's ``adapter_id``)."""
         if name is not None and (name in self.client.unloaded or name not in self.client.adapters
-                                 and name not in (self.model_name, self.client.model_spec)):
+                                 and name not in self.base_names):
             loaded = ", ".join(map(repr, sorted(self.client.adapters))) or "none"
             raise APIError(404, f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})", param=param)
 

@@ -252,7 +252,7 @@ class EngineClient:
         stream.finished = True
         if self.failed is None:
             self.to_scheduler.send_nowait(AbortRequest(rid))
-        self.metrics.requests.labels(self.model, "abort").inc()
+        self.metrics.requests.labels(*self.metrics.key, "abort").inc()
 
     # ---- receiving -----------------------------------------------------------------------
     async def _watch_heartbeats(self) -> None:
@@ -320,7 +320,7 @@ class EngineClient:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir, template)
         self.info = info
         self.adapters = {a.name: a for a in info.adapters}
-        self.metrics.on_ready(info.max_model_len)
+        self.metrics.on_ready(info.max_model_len, info.capacity, info.dtype)
         self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}
         freeze_heap()
         self.ready.set()
@@ -332,33 +332,30 @@ class EngineClient:
         if stream is None:
             return  # aborted here already
         now = time.monotonic()
-        m, name = self.metrics, self.model
+        m, key = self.metrics, self.metrics.key
         if out.queue_seconds is not None:
             stream.queue_seconds = out.queue_seconds
-            m.queue.labels(name).observe(out.queue_seconds)
+            m.queue.labels(*key).observe(out.queue_seconds)
         if out.ids:
             if stream.first_token is None:
                 stream.first_token = now
-                m.ttft.labels(name).observe(now - stream.arrival)
-                m.tenant_ttft.labels(name, stream.label).observe(now - stream.arrival)
+                m.ttft.labels(*key).observe(now - stream.arrival)
+                m.tenant_ttft.labels(*key, stream.label).observe(now - stream.arrival)
             elif stream.last_token is not None:
                 gap = (now - stream.last_token) / len(out.ids)
                 for _ in out.ids:  # one observation per token (a step can bring several)
-                    m.itl.labels(name).observe(gap)
+                    m.itl.labels(*key).observe(gap)
             stream.last_token = now
             stream.generated += len(out.ids)
-            m.generation_tokens.labels(name).inc(len(out.ids))
-            m.tenant_generation_tokens.labels(name, stream.label).inc(len(out.ids))
+            m.generation_tokens.labels(*key).inc(len(out.ids))
+            m.tenant_generation_tokens.labels(*key, stream.label).inc(len(out.ids))
         if out.finish_reason is not None:
             stream.finished = True
             del self.streams[out.rid]
             prompt = out.num_prompt_tokens or stream.num_prompt_tokens
             first = None if stream.first_token is None else stream.first_token - stream.arrival
-            m.finished(prompt, stream.generated, now - stream.arrival, stream.queue_seconds, first)
-            m.requests.labels(name, out.finish_reason).inc()
-            m.prompt_tokens.labels(name).inc(prompt)
-            m.tenant_prompt_tokens.labels(name, stream.label).inc(prompt)
-            m.prefix_queries.labels(name).inc(prompt)
-            m.prefix_hits.labels(name).inc(out.cached_tokens)
+            m.finished(prompt, stream.generated, out.cached_tokens, now - stream.arrival, stream.queue_seconds, first)
+            m.requests.labels(*key, out.finish_reason).inc()
+            m.tenant_prompt_tokens.labels(*key, stream.label).inc(prompt)
             self._group_done(stream)
         stream.queue.put_nowait(out)

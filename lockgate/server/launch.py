@@ -180,7 +180,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
-    name = server.served_model_name or engine.model.model
+    name = server.model_name(engine.model.model)
     tmp = tempfile.mkdtemp(prefix="lockgate-")
     ep = Endpoints.in_dir(tmp)
     sup = Supervisor()
@@ -215,7 +215,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             model=engine.model.model, in_endpoint=ep.detokenizer, api_endpoint=ep.api,
             scheduler_endpoint=ep.scheduler, parent_pid=os.getpid(), log_level=log_level))
 
-        metrics = Metrics(name)
+        metrics = Metrics(name, engine)
 
         async def main() -> None:
             nonlocal client, uv_server

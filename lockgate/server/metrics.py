@@ -18,6 +18,13 @@ Per tenant (``tenant`` label, bounded: server/tenants.py): ``tenant_prompt_token
 ``--max-queued-per-tenant`` counts) and ``tenant_time_to_first_token_seconds``.
 ``num_preemptions`` is always 0: peak admission never lets a running request run out of KV
 slots, so nothing is ever preempted (exported for the dashboards that plot it).
+
+Labels: ``model_name`` (the first served name) and ``engine`` (``"0"``: one engine per server; a
+gateway adds ``replica``), as vLLM's. Every counter exists with 0 from the start (its label values
+known then), so rates and dashboard panels have a series before the first event. vLLM series with
+no concept here are not exported: external KV transfer and multimodal caches, KV block residency
+(the pool has no blocks), sleep mode, CUDA graphs, the deprecated ``time_per_output_token_seconds``.
+In ``cache_config_info`` a block is one token: ``block_size`` 1, ``num_gpu_blocks`` the pool's tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from lockgate.config import EngineConfig
 from lockgate.ipc.messages import EngineStats
 
 # vLLM's bounds (vllm/v1/metrics/loggers.py), with finer ones below them where CPU latencies live
@@ -38,6 +46,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's, without CUDA graphs
+ENGINE = "0"  # the ``engine`` label: one engine per server
+PROMPT_SOURCES = ("local_compute", "local_cache_hit")  # vLLM's prompt token sources that exist here
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -55,11 +66,14 @@ def one_two_five(limit: int) -> tuple[int, ...]:
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, engine: EngineConfig | None = None) -> None:
+        """``engine``: the served config, for ``cache_config_info`` and the speculation positions."""
         self.registry = r = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         self.model = model_name
+        self.key = (model_name, ENGINE)  # the label values of every series (``series.labels(*key)``)
         self._labels = labels
+        self._engine = engine
 
         def latency(name: str, doc: str, buckets: tuple[float, ...] = REQUEST_BUCKETS) -> Histogram:
             return Histogram(f"lockgate:{name}", doc, labels, buckets=buckets, registry=r)
@@ -72,6 +86,11 @@ class Metrics:
         self.inference = latency("request_inference_time_seconds", "Time from admission to the last token")
         self.prefill = latency("request_prefill_time_seconds", "Time from admission to the first token")
         self.decode = latency("request_decode_time_seconds", "Time from the first token to the last")
+        self.tpot = latency("request_time_per_output_token_seconds", "A request's decode time per output token "
+                            "after the first (its mean inter-token latency)", ITL_BUCKETS)
+        self.iteration_tokens = Histogram("lockgate:iteration_tokens_total", "Tokens per engine step (prompt tokens "
+                                          "prefilled + tokens generated)", labels, buckets=ITERATION_BUCKETS,
+                                          registry=r)
         self.params_n = Histogram("lockgate:request_params_n", "The n parameter of requests", labels,
                                   buckets=N_BUCKETS, registry=r)
         self.running = Gauge("lockgate:num_requests_running", "Requests in the running batch", labels, registry=r)
@@ -82,6 +101,11 @@ class Metrics:
         self.kv_capacity = Gauge("lockgate:kv_slots_capacity", "KV pool capacity in tokens", labels, registry=r)
         self.prompt_tokens = Counter("lockgate:prompt_tokens", "Prompt tokens of finished requests", labels,
                                      registry=r)
+        self.prompt_tokens_cached = Counter("lockgate:prompt_tokens_cached", "Prompt tokens of finished requests "
+                                            "taken from the prefix cache", labels, registry=r)
+        self.prompt_tokens_by_source = Counter("lockgate:prompt_tokens_by_source", "Prompt tokens of finished "
+                                               "requests by source: local_compute (prefilled), local_cache_hit "
+                                               "(from the prefix cache)", [*labels, "source"], registry=r)
         self.generation_tokens = Counter("lockgate:generation_tokens", "Generated tokens", labels, registry=r)
         self.requests = Counter("lockgate:request_success", "Finished requests by finish reason",
                                 [*labels, "finished_reason"], registry=r)
@@ -108,6 +132,10 @@ class Metrics:
                                     "first token, per tenant", tl, registry=r)
         self.tenant_ttft = Histogram("lockgate:tenant_time_to_first_token_seconds", "Time from request arrival to "
                                      "its first token, per tenant", tl, buckets=TTFT_BUCKETS, registry=r)
+        self.spec_drafts = Counter("lockgate:spec_decode_num_drafts", "Drafts: a request fed guesses in a step",
+                                   labels, registry=r)
+        self.spec_per_pos = Counter("lockgate:spec_decode_num_accepted_tokens_per_pos", "Accepted guesses by their "
+                                    "position in the draft (0: the first)", [*labels, "position"], registry=r)
         # LoRA: requests per adapter, slot traffic, and vLLM's info gauge (labels carry the names)
         self.lora_running = Gauge("lockgate:lora_requests_running", "Running requests per LoRA adapter",
                                   [*labels, "lora_name"], registry=r)
@@ -126,24 +154,47 @@ class Metrics:
         self.request_generation_tokens: Histogram | None = None
         self.max_generation_tokens: Histogram | None = None
         self.params_max_tokens: Histogram | None = None
-        self._spec_seen = (0, 0)  # the scheduler's running totals at the last update
-        for series in (self.spec_draft, self.spec_accepted, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens, self.prefix_queries, self.prefix_hits, self.lora_loads,
-                       self.lora_evictions):
-            series.labels(model_name)  # export zeros from the start
+        self.prefill_kv_computed: Histogram | None = None
+        self.cache_config_info: Gauge | None = None
+        self._spec_seen = (0, 0, 0)  # the scheduler's running totals at the last update
+        self._per_pos_seen: list[int] = []
+        self._steps_seen = 0
+        key = self.key
+        for series in (self.spec_draft, self.spec_accepted, self.spec_drafts, self.preemptions, self.prompt_tokens,
+                       self.prompt_tokens_cached, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                       self.lora_loads, self.lora_evictions):
+            series.labels(*key)  # export zeros from the start
         for reason in ("stop", "length", "abort", "error"):
-            self.requests.labels(model_name, reason)
+            self.requests.labels(*key, reason)
+        for source in PROMPT_SOURCES:
+            self.prompt_tokens_by_source.labels(*key, source)
+        for pos in range(engine.scheduler.speculative_tokens if engine is not None else 0):
+            self.spec_per_pos.labels(*key, str(pos))
 
-    def on_ready(self, max_model_len: int) -> None:
-        """Create the token-count histograms (1-2-5 buckets up to the context length); once."""
+    def on_ready(self, max_model_len: int, capacity: int | None = None, dtype: str | None = None) -> None:
+        """Create the token-count histograms (1-2-5 buckets up to the context length) and, given the pool's
+        ``capacity`` (tokens) and ``dtype``, ``cache_config_info``; once."""
         if self.request_prompt_tokens is not None:
             return
         buckets = one_two_five(max(max_model_len, 1))
 
         def tokens(name: str, doc: str) -> Histogram:
             h = Histogram(f"lockgate:{name}", doc, self._labels, buckets=buckets, registry=self.registry)
-            h.labels(self.model)
+            h.labels(*self.key)
             return h
+
+        self.prefill_kv_computed = tokens("request_prefill_kv_computed_tokens", "Prompt tokens a request prefilled "
+                                          "(its prompt less what the prefix cache held)")
+        if capacity is not None and self._engine is not None:
+            e = self._engine
+            info = {"engine": ENGINE, "block_size": "1", "num_gpu_blocks": str(capacity), "num_cpu_blocks": "0",
+                    "cache_dtype": "auto", "kv_dtype": dtype or "", "enable_prefix_caching":
+                    str(not e.scheduler.disable_prefix_cache), "gpu_memory_utilization":
+                    str(e.cache.gpu_memory_utilization or "")}
+            self.cache_config_info = Gauge("lockgate:cache_config_info", "The KV cache's configuration (vLLM's "
+                                           "info gauge: always 1; a block is one token)", list(info),
+                                           registry=self.registry)
+            self.cache_config_info.labels(**info).set(1)
 
         self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens per request")
         self.request_generation_tokens = tokens("request_generation_tokens", "Generated tokens per request")
@@ -151,64 +202,86 @@ class Metrics:
                                             "Most tokens generated by one sequence of a request (n > 1)")
         self.params_max_tokens = tokens("request_params_max_tokens", "The max_tokens parameter of requests")
 
-    def finished(self, prompt_tokens: int, generation_tokens: int, e2e: float, queue: float | None,
-                 first_token: float | None) -> None:
-        """One engine request finished: ``e2e`` seconds after arrival, admitted ``queue`` seconds after
-        it, its first token ``first_token`` seconds after it (None: it produced none)."""
-        m = self.model
-        self.e2e.labels(m).observe(e2e)
+    def finished(self, prompt_tokens: int, generation_tokens: int, cached_tokens: int, e2e: float,
+                 queue: float | None, first_token: float | None) -> None:
+        """One engine request finished: ``cached_tokens`` of its prompt came from the prefix cache; ``e2e``
+        seconds after arrival, admitted ``queue`` seconds after it, its first token ``first_token`` seconds
+        after it (None: it produced none)."""
+        k = self.key
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        self.prompt_tokens.labels(*k).inc(prompt_tokens)
+        self.prefix_queries.labels(*k).inc(prompt_tokens)
+        self.prefix_hits.labels(*k).inc(cached)
+        self.prompt_tokens_cached.labels(*k).inc(cached)
+        self.prompt_tokens_by_source.labels(*k, "local_cache_hit").inc(cached)
+        self.prompt_tokens_by_source.labels(*k, "local_compute").inc(prompt_tokens - cached)
+        self.e2e.labels(*k).observe(e2e)
         if queue is not None:
-            self.inference.labels(m).observe(max(e2e - queue, 0.0))
+            self.inference.labels(*k).observe(max(e2e - queue, 0.0))
             if first_token is not None:
-                self.prefill.labels(m).observe(max(first_token - queue, 0.0))
+                self.prefill.labels(*k).observe(max(first_token - queue, 0.0))
         if first_token is not None:
-            self.decode.labels(m).observe(max(e2e - first_token, 0.0))
+            decode = max(e2e - first_token, 0.0)
+            self.decode.labels(*k).observe(decode)
+            if generation_tokens > 1:
+                self.tpot.labels(*k).observe(decode / (generation_tokens - 1))
         if self.request_prompt_tokens is not None and self.request_generation_tokens is not None:
-            self.request_prompt_tokens.labels(m).observe(prompt_tokens)
-            self.request_generation_tokens.labels(m).observe(generation_tokens)
+            self.request_prompt_tokens.labels(*k).observe(prompt_tokens)
+            self.request_generation_tokens.labels(*k).observe(generation_tokens)
+        if self.prefill_kv_computed is not None:
+            self.prefill_kv_computed.labels(*k).observe(prompt_tokens - cached)
 
     def group_finished(self, n: int, max_tokens: int, most_generated: int) -> None:
         """Every sequence of one prompt's ``n`` (a parallel sampling group) finished."""
-        m = self.model
-        self.params_n.labels(m).observe(n)
+        k = self.key
+        self.params_n.labels(*k).observe(n)
         if self.max_generation_tokens is not None and self.params_max_tokens is not None:
-            self.max_generation_tokens.labels(m).observe(most_generated)
-            self.params_max_tokens.labels(m).observe(max_tokens)
+            self.max_generation_tokens.labels(*k).observe(most_generated)
+            self.params_max_tokens.labels(*k).observe(max_tokens)
 
     def update_stats(self, s: EngineStats) -> None:
-        m = self.model
-        self.running.labels(m).set(s.running)
-        self.waiting.labels(m).set(s.waiting)
-        self.kv_used.labels(m).set(s.slots_used)
-        self.kv_capacity.labels(m).set(s.capacity)
-        self.kv_usage.labels(m).set(s.slots_used / max(s.capacity, 1))
-        drafted, accepted = self._spec_seen
+        k = self.key
+        self.running.labels(*k).set(s.running)
+        self.waiting.labels(*k).set(s.waiting)
+        self.kv_used.labels(*k).set(s.slots_used)
+        self.kv_capacity.labels(*k).set(s.capacity)
+        self.kv_usage.labels(*k).set(s.slots_used / max(s.capacity, 1))
+        if s.num_steps > self._steps_seen:  # this batch reports a new step
+            self.iteration_tokens.labels(*k).observe(s.step_tokens)
+            self._steps_seen = s.num_steps
+        drafted, accepted, drafts = self._spec_seen
         if s.draft_tokens > drafted:
-            self.spec_draft.labels(m).inc(s.draft_tokens - drafted)
-            self.spec_accepted.labels(m).inc(s.accepted_tokens - accepted)
-            self._spec_seen = (s.draft_tokens, s.accepted_tokens)
+            self.spec_draft.labels(*k).inc(s.draft_tokens - drafted)
+            self.spec_accepted.labels(*k).inc(s.accepted_tokens - accepted)
+            self.spec_drafts.labels(*k).inc(s.drafts - drafts)
+            self._spec_seen = (s.draft_tokens, s.accepted_tokens, s.drafts)
+            seen = self._per_pos_seen + [0] * (len(s.accepted_per_pos) - len(self._per_pos_seen))
+            for pos, (now, before) in enumerate(zip(s.accepted_per_pos, seen, strict=True)):
+                if now > before:
+                    self.spec_per_pos.labels(*k, str(pos)).inc(now - before)
+            self._per_pos_seen = list(s.accepted_per_pos)
         self._update_lora(s)
 
     def keep_adapters(self, names: set[str]) -> None:
         """Only these adapters are loaded now: the per-adapter series of the others go."""
         for gone in self._lora_names - names:
-            self.lora_running.remove(self.model, gone)
-            self.lora_waiting.remove(self.model, gone)
+            self.lora_running.remove(*self.key, gone)
+            self.lora_waiting.remove(*self.key, gone)
         self._lora_names &= names
 
     def _update_lora(self, s: EngineStats) -> None:
-        m = self.model
+        k = self.key
         loads, evictions = self._lora_seen
         if s.lora_loads > loads or s.lora_evictions > evictions:
-            self.lora_loads.labels(m).inc(s.lora_loads - loads)
-            self.lora_evictions.labels(m).inc(s.lora_evictions - evictions)
+            self.lora_loads.labels(*k).inc(s.lora_loads - loads)
+            self.lora_evictions.labels(*k).inc(s.lora_evictions - evictions)
             self._lora_seen = (s.lora_loads, s.lora_evictions)
         names = set(s.lora_running) | set(s.lora_waiting)
         self.keep_adapters(names)
         self._lora_names = names
         for name in names:
-            self.lora_running.labels(m, name).set(s.lora_running.get(name, 0))
-            self.lora_waiting.labels(m, name).set(s.lora_waiting.get(name, 0))
+            self.lora_running.labels(*k, name).set(s.lora_running.get(name, 0))
+            self.lora_waiting.labels(*k, name).set(s.lora_waiting.get(name, 0))
         if s.max_loras:
             self.lora_info.clear()
             running = ",".join(sorted(n for n, k in s.lora_running.items() if k))
@@ -218,7 +291,7 @@ class Metrics:
     def set_tenant_queues(self, waiting: dict[str, int], labels: Iterable[str]) -> None:
         """The per-tenant waiting gauge as the API's streams are now, for every tenant label (0 when idle)."""
         for tenant in {*labels, *waiting}:
-            self.tenant_waiting.labels(self.model, tenant).set(waiting.get(tenant, 0))
+            self.tenant_waiting.labels(*self.key, tenant).set(waiting.get(tenant, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

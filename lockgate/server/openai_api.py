@@ -29,12 +29,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lockgate.ipc.messages import TextOut
-from lockgate.sampling import SamplingParams, StructuredOutput
+from lockgate.sampling import SamplingParams, StructuredOutput, per_choice_params
 from lockgate.server.context import APIError, ServerContext, usage_comment, usage_headers, wants_usage_comment
 from lockgate.server.context import parse_body as parse
 from lockgate.server.errors import openai_error
 from lockgate.server.frontend import RequestStream
-from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
+from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest
 from lockgate.server.tools import ToolCallStream, parse_tool_calls, render_conversation, tool_grammar
 from lockgate.tokenizer.tokenizer import Tokenizer
 
@@ -345,7 +345,7 @@ async def models(request: Request) -> Response:
                             "owned_by": "lockgate", "root": ctx.client.model_spec}
     if info is not None:
         card["max_model_len"] = info.max_model_len
-    cards = [card]
+    cards = [card] + [{**card, "id": alias} for alias in ctx.cfg.served_model_name[1:]]  # vLLM lists each name
     for a in sorted(ctx.client.adapters.values(), key=lambda a: a.name):  # vLLM's shape: root = path, parent = base
         cards.append({"id": a.name, "object": "model", "created": card["created"], "owned_by": "lockgate",
                       "root": a.path, "parent": ctx.model_name, "lora_rank": a.rank, "lora_modules": a.modules,

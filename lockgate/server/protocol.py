@@ -17,7 +17,6 @@ request into ``SamplingParams``, and which top-level fields a request model know
 
 from __future__ import annotations
 
-import dataclasses
 import unicodedata
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, cast
@@ -37,7 +36,6 @@ from lockgate.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from lockgate.server.constraints import CONSTRAINT_FIELDS, read_constraints, tgi_grammar
 
 MAX_N = 16
-_U64 = 2**64
 
 
 def _no_bool(v: Any) -> Any:
@@ -147,18 +145,6 @@ class _SamplingFields(_Model):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
-
-
-def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Params for choices 0..n-1 of one prompt: choice i gets ``seed + i`` (wrapped mod 2**64).
-
-    Unseeded params are shared as is. Numbering is per prompt, so a prompt gives the same
-    choices alone or inside a batch prompt.
-    """
-    if params.seed is None:
-        return [params] * n
-    seeds = [params.seed + i if params.seed + i < _U64 else params.seed + i - _U64 for i in range(n)]
-    return [dataclasses.replace(params, seed=s) for s in seeds]
 
 
 class CompletionRequest(_SamplingFields):
