@@ -115,6 +115,11 @@ class ModelConfig:
                                "they lose nothing (a Q4_0/Q4_1/Q8_0 GGUF's weights, e.g. the default model) unless "
                                "--dtype float32 is asked for explicitly (exact float32); int4 = every projection "
                                "(lossy for 16-bit checkpoints); none = dense weights only", choices=["auto", "none", "int4"])
+    activation_quant: str = option("none", "int8 = an inexact, faster tier: the activations entering each 4-bit "
+                                   "projection (a Q4 GGUF's, or --quantization int4) are rounded to int8 per row and "
+                                   "32 columns, as llama.cpp's Q8 blocks, and multiplied on byte dot products "
+                                   "(AVX2: VPMADDUBSW); its cost in quality: docs/serving.md. none = int16 "
+                                   "activations (2^8 times finer)", choices=["none", "int8"])
     fp32_matmul_rows: str = option("auto", "16-bit runs: a float32 copy of the weights (+4 bytes per parameter) "
                                    "for the calls where sgemm is faster than the 16-bit matmul: auto = a "
                                    "candidate the tuning measures (while the copies fit 1/4 of memory); off; or "
@@ -163,6 +168,9 @@ class ModelConfig:
         if self.deterministic and self.fp32_matmul_rows not in ("auto", "off"):
             raise ValueError(f"--deterministic runs every projection on one form at every row count; "
                              f"--fp32-matmul-rows {self.fp32_matmul_rows} contradicts it")
+        if self.activation_quant != "none" and self.cpu_kernels == "off":
+            raise ValueError(f"--activation-quant {self.activation_quant} runs on lockgate's CPU kernels; "
+                             "--cpu-kernels off contradicts it")
         if self.deterministic and self.cpu_kernels == "off":
             raise ValueError("--deterministic needs lockgate's CPU kernels; --cpu-kernels off contradicts it")
         if isinstance(self.max_model_len, str):  # vLLM's sizes (32k) given as text to LLM(...)

@@ -121,6 +121,31 @@ def test_preempted_and_resumed_requests_give_the_lone_answer(alone) -> None:
         assert answer(out) == alone(p, k, n), (PROMPTS[p], k, n)
 
 
+def test_int8_activation_tier_keeps_the_promise_and_changes_the_numbers(alone) -> None:
+    """--activation-quant int8 is an inexact tier with determinism of its own: on it, a batch with
+    prefix-cache hits, speculation and 5-token prompt chunks gives each request the lone answer of
+    the same tier, bitwise; and the tier does change the numbers (its logprobs are not the exact
+    path's)."""
+    tier = dict(deterministic=True, max_total_tokens=8192, activation_quant="int8", check_invariants=True)
+    lone = lone_answers(LLM("default", **tier, disable_prefix_cache=True, speculative_tokens=0,
+                            max_prefill_tokens=4096))
+    busy = LLM("default", **tier, max_prefill_tokens=5)
+    busy.generate([PROMPTS[0], PROMPTS[2]], params(0, 2))  # warm the cache: later prompts hit it
+    batch = [(p, k, 8) for p in range(len(PROMPTS)) for k in (0, 1)]
+    outs = busy.generate([PROMPTS[p] for p, _, _ in batch], [params(k, n) for _, k, n in batch])
+    for (p, k, n), out in zip(batch, outs, strict=True):
+        assert answer(out) == lone(p, k, n), (PROMPTS[p], k, n)
+    assert any(lone(p, k, n) != alone(p, k, n) for p, k, n in batch)
+
+
+def test_int8_activation_tier_needs_4_bit_integer_forms() -> None:
+    # explicit --dtype float32 keeps the weights dense: nothing the tier could apply to, said at start
+    with pytest.raises(ValueError, match=r"--activation-quant int8 applies to projections on 4-bit"):
+        LLM("default", dtype="float32", activation_quant="int8", max_total_tokens=256)
+    with pytest.raises(ValueError, match="--cpu-kernels off contradicts it"):
+        LLM("default", cpu_kernels="off", activation_quant="int8", max_total_tokens=256)
+
+
 # ---- the default engine: cache hits and chunking never change a result (--exact-prefill) ----
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,31 @@ def test_the_integer_gemm_form_multiplies_by_the_files_values(qtype: str) -> Non
     assert torch.equal(form(x[:1], None), y[:1])  # a row's result does not depend on the call's other rows
 
 
+@pytest.mark.parametrize("qtype", [t for t in DIRECT_TYPES if t in ("Q4_0", "Q4_1", "Q4_K")])
+def test_int8_activations_on_the_files_4_bit_blocks(qtype: str) -> None:
+    """``--activation-quant int8`` on a file's 4-bit blocks (float16 steps, or a K-quant's factored
+    ones): the vector path gives the plain C++ path's bits, near the exact product."""
+    from lockgate import kernels
+    from lockgate.layers.forms import int_gemm_available, int_gemm_isa, packed_forms
+
+    assert kernels.load(), f"lockgate CPU kernels did not build: {kernels.error()}"
+    if not int_gemm_available():
+        pytest.skip(f"int_linear has no vector path on this CPU ({int_gemm_isa()})")
+    n, k = 48, 512
+    qm = random_blocks(qtype, n, k, seed=3)
+    form = packed_forms(qm, kernels=True)["int-gemm"].with_int8_activations()
+    assert form.decode_layers_args()[0] == 114
+    want = torch.from_numpy(gguf_values(qm)).double()
+    torch.manual_seed(1)
+    for rows in (1, 2, 3, 5, 7, 40):
+        x = torch.randn(rows, k)
+        y = form(x, None)
+        ref = torch.ops.lockgate.int_linear_reference(x, form.packed, form.scales, form.zeros, 4, None, 8)
+        assert torch.equal(y, ref)
+        exact = x.double() @ want.T
+        assert ((y.double() - exact).norm() / exact.norm()) < 0.02  # int8 rounding of x: 0.5-1% here
+
+
 STACKS = [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q6_K"), ("Q6_K", "Q4_K"), ("Q4_K", "Q5_K"), ("Q4_0", "Q8_0"),
           ("Q4_1", "Q5_0", "Q4_0")]
 

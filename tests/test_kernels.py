@@ -432,6 +432,49 @@ def test_int_linear_on_16_bit_x_is_the_float32_call_rounded_once(ops, dtype: tor
         assert want.isinf().any() and want.isfinite().any() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 288), (960, 576), (48, 544)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 130])
+def test_int_linear_int8_activations(ops, n: int, k: int, m: int) -> None:
+    # --activation-quant int8 (act_bits 8) on 4-bit codes: x rounded to int8 per row and 32 columns.
+    # The vector path (AVX2: byte dot products; elsewhere the int16 ones on the same values) gives
+    # the plain C++ path's bits, within the bound of that rounding (half a step of absmax / 127),
+    # each row's result independent of the call's other rows (the tier's determinism promise).
+    q, w = _int_gemm_case(4, n, k, seed=n + k + m + 1)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4
+    x[0, :32] = 0
+    got = ops.int_linear(x, q.packed, q.scales, q.zeros, 4, None, 8)
+    assert torch.equal(got, ops.int_linear_reference(x, q.packed, q.scales, q.zeros, 4, None, 8))
+    want = x.double() @ w.double().t()
+    step = x.abs().view(m, k // 32, 32).amax(-1, keepdim=True).expand(m, k // 32, 32).reshape(m, k) / 127
+    # the rounding of x meets code * step = w - low, at most the group's range: 2 max |w|
+    span = 2 * w.abs().view(n, k // 32, 32).amax(-1, keepdim=True).expand(n, k // 32, 32).reshape(n, k)
+    bound = (0.51 * step.double()) @ span.double().t() + 1e-5 * (x.abs().double() @ span.double().t()) + 1e-7
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+    fine = (ops.int_linear(x, q.packed, q.scales, q.zeros, 4).double() - want).abs()
+    assert err.mean() > 20 * fine.mean() or not x[1:].any()  # coarser than int16 x: the tier is really on
+    assert torch.equal(ops.int_linear(x[-1:].contiguous(), q.packed, q.scales, q.zeros, 4, None, 8), got[-1:])
+
+
+def test_int_linear_int8_activations_do_not_depend_on_threads(ops) -> None:
+    q, _ = _int_gemm_case(4, 960, 576, seed=6)
+    x = torch.randn(200, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [ops.int_linear(x[:r].contiguous(), q.packed, q.scales, q.zeros, 4, None, 8) for r in (1, 3, 200)]
+        torch.set_num_threads(2)
+        two = [ops.int_linear(x[:r].contiguous(), q.packed, q.scales, q.zeros, 4, None, 8) for r in (1, 3, 200)]
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(one[0], one[2][:1]) and torch.equal(one[1], one[2][:3])
+    with pytest.raises(RuntimeError, match="act_bits must be 16 or 8"):
+        ops.int_linear(x, q.packed, q.scales, q.zeros, 4, None, 4)
+
+
 def test_int_linear_rejects_bad_input(ops) -> None:
     q, _ = _int_gemm_case(4, 48, 64, seed=5)
     x = torch.randn(2, 64)

@@ -539,9 +539,9 @@ def test_tenants_keys_per_tenant_limit_metrics_and_loads(tmp_path) -> None:
         assert all(h is not None and int(h) >= 1 for c_, h in zip(codes, retry, strict=True) if c_ == 429)
         text = httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer alicekey"}).text
         for tenant in ("alice", "bob", "carol", "dave"):
-            assert f'lockgate:tenant_generation_tokens_total{{model_name="sim",tenant="{tenant}"}}' in text, tenant
-            assert f'lockgate:tenant_time_to_first_token_seconds_count{{model_name="sim",tenant="{tenant}"}}' in text
-        assert 'lockgate:tenant_requests_waiting{model_name="sim",tenant="alice"} 0.0' in text
+            assert f'lockgate:tenant_generation_tokens_total{{engine="0",model_name="sim",tenant="{tenant}"}}' in text, tenant
+            assert f'lockgate:tenant_time_to_first_token_seconds_count{{engine="0",model_name="sim",tenant="{tenant}"}}' in text
+        assert 'lockgate:tenant_requests_waiting{engine="0",model_name="sim",tenant="alice"} 0.0' in text
         assert 'tenant="ignored"' not in text
     finally:
         s.stop()

@@ -27,7 +27,10 @@ give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and
   ``int-gemm`` (torch has int8 only per output row).
 * ``int-gemm`` (``IntGemmWeight``): the same grid packed for int16 dot products
   (``lockgate::int_linear``: AVX512-VNNI, AVX512BW or AVX2), x rounded to int16 per 32 columns
-  (2^8 times finer than bf16), float16 scales (exact for GGUF blocks).
+  (2^8 times finer than bf16), float16 scales (exact for GGUF blocks). ``--activation-quant int8``
+  (an inexact tier) rounds x to int8 instead for the 4-bit ones (``with_int8_activations``): AVX2
+  multiplies those bytes on VPMADDUBSW, the other paths run their int16 products on the same
+  values, so every CPU gives the tier the same result.
 
 What a weight gets (``make_forms``): ``quantization`` none gives no quantized form; auto gives
 them only on the smallest grid (4, then 8 bits) the checkpoint's values already lie on, so
@@ -333,6 +336,7 @@ class IntGemmWeight:
     #   columns), or a GGUF K-quant's factored table (uint8, see ``_factored`` and int_gemm.cpp)
     zeros: torch.Tensor | None  # the same dtype and shape (bits 4; bits 8 with lows: Q5_K) or None
     error: float  # largest |weight - dequantized| in quantization steps, float16 scales included
+    act_bits: int = 16  # x rounded to int16, or to int8 (``--activation-quant int8``, 4-bit codes only)
 
     @staticmethod
     def fits(shape: tuple[int, ...]) -> bool:
@@ -409,15 +413,24 @@ class IntGemmWeight:
         """x [M, K] -> [M, N] in x's dtype (the kernel widens a 16-bit x exactly, computes in
         float32 and rounds the biased result once to x's dtype)."""
         if x.dtype not in INT_LINEAR_DTYPES or (bias is not None and bias.dtype not in INT_LINEAR_DTYPES):
-            y = torch.ops.lockgate.int_linear(x.float().contiguous(), self.packed, self.scales, self.zeros, self.bits)
+            y = torch.ops.lockgate.int_linear(x.float().contiguous(), self.packed, self.scales, self.zeros, self.bits,
+                                              None, self.act_bits)
             return (y if bias is None else y + bias).to(x.dtype)  # (float64 and the like: not a run dtype)
         return torch.ops.lockgate.int_linear(x.contiguous(), self.packed, self.scales, self.zeros, self.bits,
-                                             None if bias is None else bias.contiguous())
+                                             None if bias is None else bias.contiguous(), self.act_bits)
+
+    def with_int8_activations(self) -> IntGemmWeight:
+        """This weight with x rounded to int8 per row and 32 columns (4-bit codes only: 8-bit codes
+        against int8 x would saturate VPMADDUBSW's int16 pair sums, so no byte kernel serves them)."""
+        if self.bits != 4:
+            raise ValueError(f"int8 activations are for 4-bit codes, this weight has {self.bits}")
+        return dataclasses.replace(self, act_bits=8)
 
     def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
         """Kind and tensors for ``lockgate::decode_layers_`` (as ``Int4Weight.decode_layers_args``;
         the operator widens a 16-bit x and rounds the result as here)."""
-        return 100 + self.bits, [self.packed, self.scales, _NONE if self.zeros is None else self.zeros]
+        kind = 100 + self.bits + (10 if self.act_bits == 8 else 0)
+        return kind, [self.packed, self.scales, _NONE if self.zeros is None else self.zeros]
 
     @staticmethod
     def _table(t: torch.Tensor, n: int, k: int, negate: bool = False) -> torch.Tensor:

@@ -55,7 +55,7 @@ from lockgate.kernel_choice import FORM_NAMES, FormChoice
 from lockgate.layers.attention import paged_attention, windowed_attention
 from lockgate.layers.attention_meta import AttentionMetadata
 from lockgate.layers.embedding import PackedEmbedding
-from lockgate.layers.forms import make_forms, packed_forms
+from lockgate.layers.forms import IntGemmWeight, make_forms, packed_forms
 from lockgate.layers.grid import INT4_MODES
 from lockgate.layers.linear import Linear
 from lockgate.layers.lora import LoraStep
@@ -265,6 +265,18 @@ class DecoderModel(nn.Module):
         out = [lin for layer in typing.cast(list[DecoderLayer], self.layers) for lin in layer.projections().values()]
         out += [lin for layer in typing.cast(list[DecoderLayer], self.layers) if layer.moe for lin in layer.moe.linears()]
         return [*out, self.head]
+
+    def use_int8_activations(self) -> tuple[int, int]:
+        """Every 4-bit integer-GEMM form rounds its x to int8 (``--activation-quant int8``):
+        (projections that now do, projections in all)."""
+        lins = self.all_linears()
+        changed = 0
+        for lin in lins:
+            form = lin.forms.get("int-gemm")
+            if isinstance(form, IntGemmWeight) and form.bits == 4:
+                lin.forms["int-gemm"] = form.with_int8_activations()
+                changed += 1
+        return changed, len(lins)
 
     def choose_forms(self, choices: dict[str, FormChoice], drop: bool = False) -> None:
         """Give each role's projections their choice (``Linear.choose``); roles not named keep

@@ -139,8 +139,10 @@ class FormPlan:
         # lockgate's bf16 kernel keeps its own packed copy (2 bytes a parameter; all forms are made
         # while the table is measured): only where it fits beside the float32 copies
         self.bf16_gemm_fits = weight_copies_fit((2 + (4 if fp32 else 0)) * args.matmul_parameters)
-        self.forms_key = tuning_key("forms", cfg, args, str(dtype).removeprefix("torch."), {
-            "checkpoint": checkpoint, "quantization": quantization, "fp32": fp32})
+        weights: dict[str, Any] = {"checkpoint": checkpoint, "quantization": quantization, "fp32": fp32}
+        if cfg.activation_quant != "none":  # the tier's forms run other kernels: a table of their own
+            weights["activation_quant"] = cfg.activation_quant
+        self.forms_key = tuning_key("forms", cfg, args, str(dtype).removeprefix("torch."), weights)
         self.stored_table = tuning_cache.peek(self.forms_key) \
             if cfg.tuning == "auto" and cfg.matmul_forms == "auto" else None
 

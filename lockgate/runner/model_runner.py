@@ -158,6 +158,15 @@ class ModelRunner:
         self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
                                                 fp32, self.cpu_kernels, plan.wanted_forms(), gguf=gguf,
                                                 packed_want=plan.forced_forms()).eval()
+        if model_cfg.activation_quant == "int8":
+            changed, total = self.model.use_int8_activations()
+            if not changed:
+                raise ValueError("--activation-quant int8 applies to projections on 4-bit integer-GEMM forms (a "
+                                 "Q4 GGUF, or --quantization int4) and lockgate's kernels; this model has none "
+                                 f"(--dtype {self.dtype}, --quantization {self.quantization}, kernels "
+                                 f"{'loaded' if self.cpu_kernels else 'not loaded'})")
+            log.info("--activation-quant int8: %d of %d projections (the 4-bit ones) round their activations to "
+                     "int8 per 32 columns (an inexact tier; the 8-bit and dense ones keep theirs)", changed, total)
         # plain greedy steps take the argmax on the LM head's own output (lockgate::argmax_rows,
         # vectorised); a final softcap could merge the largest logits, so those models keep the logits
         self._greedy_argmax = (self.cpu_kernels and self.device.type == "cpu" and self.model.args.final_softcap is None

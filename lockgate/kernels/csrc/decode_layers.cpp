@@ -17,7 +17,8 @@
 //              (a, b, c, bias); an empty tensor (numel 0) stands for "none"
 //   kinds      per layer and projection: 0 = torch's int4 (a: packed codes, b: scales_and_zeros,
 //              groups of 32, bf16 activations), 4 / 8 = lockgate::quant_linear with that many bits
-//              (a: codes, b: scales, c: zeros), 104 / 108 = lockgate::int_linear with 4 / 8 bits
+//              (a: codes, b: scales, c: zeros), 104 / 108 = lockgate::int_linear with 4 / 8 bits (114 / 118:
+//              with int8 activations, act_bits 8)
 //              (a: packed codes, b: scales, c: zeros; it widens a bf16 x and rounds its result itself), 200 = the dense weight packed for
 //              oneDNN (a: what mkldnn::_reorder_linear_weight made; run by mkldnn::_linear_pointwise with
 //              the bias fused, as lockgate.layers.forms.DenseWeight), 201 = the dense weight (a) by
@@ -85,6 +86,7 @@ namespace {
 constexpr int64_t kTensorsPerLayer = 2 + 4 * 4;
 constexpr int64_t kInt4Group = 32;
 constexpr int64_t kIntGemmKind = 100;  // kinds 104 / 108: int_linear with kind - 100 bits
+constexpr int64_t kInt8ActKind = 10;   // kinds 114 / 118: the same with int8 activations (act_bits 8)
 constexpr int64_t kOneDnnKind = 200;   // the oneDNN-packed dense weight
 constexpr int64_t kDenseKind = 201;    // the dense weight, at::linear
 constexpr int64_t kBf16GemmKind = 202; // the bf16 weight packed for lockgate::bf16_linear
@@ -122,8 +124,10 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
     if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
     return p[3].numel() ? y.add_(p[3]) : y;
   }
-  if (kind >= kIntGemmKind)  // x's dtype in and out (a 16-bit x widened exactly, the biased result rounded once)
-    return lockgate::int_linear(x, p[0], p[1], opt(p[2]), kind - kIntGemmKind, opt(p[3]));
+  if (kind >= kIntGemmKind) {  // x's dtype in and out (a 16-bit x widened exactly, the biased result rounded once)
+    const int64_t bits = (kind - kIntGemmKind) % kInt8ActKind;
+    return lockgate::int_linear(x, p[0], p[1], opt(p[2]), bits, opt(p[3]), kind - kIntGemmKind >= kInt8ActKind ? 8 : 16);
+  }
   return lockgate::quant_linear(x, p[0], p[1], opt(p[2]), opt(p[3]), kind);
 }
 
@@ -247,9 +251,9 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
               weights.size());
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers * 4, "kinds: expected 4 per layer");
   for (int64_t kind : kinds) {
-    TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108 || kind == kOneDnnKind ||
-                    kind == kDenseKind || kind == kBf16GemmKind,
-                "kinds must be 0, 4, 8, 104, 108, 200, 201 or 202");
+    TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108 || kind == 114 || kind == 118 ||
+                    kind == kOneDnnKind || kind == kDenseKind || kind == kBf16GemmKind,
+                "kinds must be 0, 4, 8, 104, 108, 114, 118, 200, 201 or 202");
   }
   TORCH_CHECK(parts == 1 || parts == 2, "decode_layers_: parts must be 1 or 2, got ", parts);
   TORCH_CHECK(parts == 1 || !q_offsets, "decode_layers_: parts = 2 takes decode steps only (one row per sequence, no "

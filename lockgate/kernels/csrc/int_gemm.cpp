@@ -128,7 +128,8 @@ constexpr int64_t kGemvPrefetchBytes = 512;
 constexpr int64_t kGemvPrefetchGroups = 2;
 
 struct Job {
-  const int16_t* xq;   // [M, K] int16
+  const int16_t* xq;   // [M, K] int16 (with int8 activations: their values, -127..127)
+  const int8_t* x8;    // [M, K] the same values as int8 (int8 activations), else nullptr
   const float* xs;     // [M, G] scale per row and group
   const float* xsum;   // [M, G] sum of x per row and group (bits 4), else nullptr
   int64_t m, k, g, nb; // rows, columns, groups, 16-row blocks of the output
@@ -181,10 +182,12 @@ inline const char* table_ptr(const Job& job, bool zero, int64_t nb, int64_t g, i
   return static_cast<const char*>(t) + scale_index(job, nb, g, s) * 2;
 }
 
-// Quantize x [M, K] to int16 per row and group of 32: scale = absmax / 32767. T: float, or a
+// Quantize x [M, K] to integers of at most qmax per row and group of 32: scale = absmax / qmax
+// (qmax 32767: int16; 127: int8 activations, also written to x8 when given). T: float, or a
 // 16-bit float widened exactly to float32 first.
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, bool sums, int16_t* xq, float* xs, float* xsum) {
+void quantize_rows(const T* x, int64_t m, int64_t k, bool sums, float qmax, int16_t* xq, int8_t* x8, float* xs,
+                   float* xsum) {
   const int64_t groups = k / kGroup;
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -199,15 +202,16 @@ void quantize_rows(const T* x, int64_t m, int64_t k, bool sums, int16_t* xq, flo
           amax = std::max(amax, a);
           sum += src[j];
         }
-        const bool used = finite && amax >= 1e-30f;  // 32767 / amax stays finite
-        const float inv = used ? 32767.f / amax : 0.f;
+        const bool used = finite && amax >= 1e-30f;  // qmax / amax stays finite
+        const float inv = used ? qmax / amax : 0.f;
         int16_t* dst = xq + r * k + g * kGroup;
         for (int64_t j = 0; j < kGroup; ++j) {
-          // |src * inv| <= 32767 up to rounding: clamped so the conversion is always defined
-          const float v = std::min(std::max(src[j] * inv, -32767.f), 32767.f);
+          // |src * inv| <= qmax up to rounding: clamped so the conversion is always defined
+          const float v = std::min(std::max(src[j] * inv, -qmax), qmax);
           dst[j] = static_cast<int16_t>(std::nearbyint(v));
+          if (x8) x8[r * k + g * kGroup + j] = static_cast<int8_t>(dst[j]);
         }
-        xs[r * groups + g] = finite ? (used ? amax / 32767.f : 0.f) : std::numeric_limits<float>::quiet_NaN();
+        xs[r * groups + g] = finite ? (used ? amax / qmax : 0.f) : std::numeric_limits<float>::quiet_NaN();
         if (sums) xsum[r * groups + g] = sum;
       }
     }
@@ -651,6 +655,138 @@ void gemv_tile_avx2(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefe
   gemv_tile_avx2_sub<MR, NB, 1>(job, m0, nb0, next);
 }
 
+// ---- int8 activations on 4-bit codes (AVX2's VPMADDUBSW: 32 unsigned-by-signed byte products,
+// adjacent pairs summed to int16, per instruction; twice VPMADDWD's 16). The int32 sums are the same
+// exact integers the int16 paths form from the same int8-valued x, so the result is bitwise theirs.
+// Bounds: a product is at most 15 * 127, an int16 lane sums at most 8 pairs of them (30,480 <
+// 32,767) before it is widened to int32, so nothing saturates. ----
+
+// Few rows: as gemv_tile_avx2 for 4-bit codes, on x8. A chunk's 32 bytes hold 16 rows x 4 columns;
+// its low nibbles are each row's first column pair (adjacent bytes), so one VPMADDUBSW against the
+// pair broadcast gives 16 rows' int16 sums; 4 chunks' sums stay in int16, then widen to int32.
+template <int MR, int NB>
+void gemv_tile_avx2_a8(const Job& job, int64_t m0, int64_t nb0, lockgate::TilePrefetch& next) {
+  constexpr int NH = 2 * NB;
+  const int64_t n = job.nb * kLanes;
+  __m256 f[MR][NH];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NH; ++j) f[i][j] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  for (int64_t g = 0; g < job.g; ++g) {
+    __m256i a[MR][NH];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NH; ++j) a[i][j] = _mm256_setzero_si256();
+    for (int q = 0; q < 2; ++q) {  // the group's two runs of 4 chunks (16 columns)
+      __m256i s16[MR][NB];
+      for (int i = 0; i < MR; ++i)
+        for (int b = 0; b < NB; ++b) s16[i][b] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int64_t cq = 0; cq < 4; ++cq) {
+        const int64_t c = g * kGroup / 4 + q * 4 + cq;
+        next.step();
+        __m256i lo[MR], hi[MR];
+        for (int i = 0; i < MR; ++i) {
+          int16_t pair[2];
+          std::memcpy(pair, job.x8 + (m0 + i) * job.k + 4 * c, sizeof pair);
+          lo[i] = _mm256_set1_epi16(pair[0]);
+          hi[i] = _mm256_set1_epi16(pair[1]);
+        }
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* src = job.packed + ((nb0 + b) * (job.k / 4) + c) * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(src + kGemvPrefetchBytes), _MM_HINT_T0);
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          const __m256i wl = _mm256_and_si256(w, nibble), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+          for (int i = 0; i < MR; ++i) {
+            s16[i][b] = _mm256_add_epi16(s16[i][b], _mm256_maddubs_epi16(wl, lo[i]));
+            s16[i][b] = _mm256_add_epi16(s16[i][b], _mm256_maddubs_epi16(wh, hi[i]));
+          }
+        }
+      }
+      for (int i = 0; i < MR; ++i)
+        for (int b = 0; b < NB; ++b) {  // int16 lane l = row l of the block: halves are its 128-bit lanes
+          a[i][2 * b] = _mm256_add_epi32(a[i][2 * b], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[i][b])));
+          a[i][2 * b + 1] = _mm256_add_epi32(a[i][2 * b + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[i][b], 1)));
+        }
+    }
+    for (int b = 0; b < NB; ++b) {
+      _mm_prefetch(table_ptr(job, false, nb0 + b, g + kGemvPrefetchGroups, 0), _MM_HINT_T0);
+      _mm_prefetch(table_ptr(job, true, nb0 + b, g + kGemvPrefetchGroups, 0), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = load_table8(job, false, nb0 + b, g, 0, 8 * h);
+        const __m256 z = load_table8(job, true, nb0 + b, g, 0, 8 * h);
+        for (int i = 0; i < MR; ++i) {
+          const int64_t xg = (m0 + i) * job.g + g;
+          f[i][2 * b + h] = scale_group(f[i][2 * b + h], a[i][2 * b + h], d, job.xs[xg], &z, job.xsum[xg]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NH; ++j) _mm256_storeu_ps(job.out + (m0 + i) * n + nb0 * kLanes + 8 * j, f[i][j]);
+}
+
+// Many rows: the 4-bit codes of blocks [nb0, nb0 + nt), columns [k0, k0 + kb), as bytes in
+// buf8[t][h][kb / 4][32]: per half h of block t and column quad q, 8 rows x 4 columns (byte 4 r + e
+// = code(row 16 (nb0 + t) + 8 h + r, column k0 + 4 q + e)), so one VPMADDUBSW against a row's 4
+// bytes of x broadcast gives 8 rows' sums in int16 pairs, and VPMADDWD by ones then adds each pair.
+void widen_block_a8(const Job& job, int64_t nb0, int nt, int64_t k0, int64_t kb, uint8_t* buf) {
+  const int64_t quads = kb / 4;
+  const __m128i nibble = _mm_set1_epi8(0xF);
+  for (int t = 0; t < nt; ++t) {
+    const uint8_t* src = job.packed + ((nb0 + t) * (job.k / 4) + k0 / 4) * 32;
+    for (int64_t q = 0; q < quads; ++q)
+      for (int h = 0; h < 2; ++h) {
+        // bytes 2 r, 2 r + 1 of the half: row r's columns 0, 1 (low nibbles) and 2, 3 (high)
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + q * 32 + 16 * h));
+        const __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+        uint8_t* dst = buf + ((t * 2 + h) * quads + q) * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi16(lo, hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_unpackhi_epi16(lo, hi));
+      }
+  }
+}
+
+// out[m0 .. m0 + MR, halves h0 .. h0 + NH of the tile at nb0] += the products of columns [k0, k0 + kb),
+// from buf8 (widen_block_a8); float32 totals in out between groups, as tile_avx2_sub.
+template <int MR, int NH>
+void tile_avx2_a8(const Job& job, int64_t m0, int64_t nb0, int h0, int64_t k0, int64_t kb, const uint8_t* buf,
+                  bool first) {
+  const int64_t quads = kb / 4, n = job.nb * kLanes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t gi = 0; gi < kb / kGroup; ++gi) {
+    const int64_t g = k0 / kGroup + gi;
+    __m256i a[MR][NH];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NH; ++j) a[i][j] = _mm256_setzero_si256();
+    const uint8_t* wp[NH];
+    for (int j = 0; j < NH; ++j) wp[j] = buf + ((h0 + j) * quads + gi * (kGroup / 4)) * 32;
+    const int8_t* xr[MR];
+    for (int i = 0; i < MR; ++i) xr[i] = job.x8 + (m0 + i) * job.k + g * kGroup;
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kGroup / 4; ++q) {
+      __m256i wv[NH];
+      for (int j = 0; j < NH; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[j] + q * 32));
+      for (int i = 0; i < MR; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xr[i] + 4 * q, sizeof quad);
+        const __m256i xv = _mm256_set1_epi32(quad);
+        for (int j = 0; j < NH; ++j) a[i][j] = _mm256_add_epi16(a[i][j], _mm256_maddubs_epi16(wv[j], xv));
+      }
+    }
+    for (int j = 0; j < NH; ++j) {
+      const int h = h0 + j;
+      const __m256 d = load_table8(job, false, nb0 + h / 2, g, 0, 8 * (h % 2));
+      const __m256 z = load_table8(job, true, nb0 + h / 2, g, 0, 8 * (h % 2));
+      for (int i = 0; i < MR; ++i) {
+        float* o = job.out + (m0 + i) * n + (nb0 + h / 2) * kLanes + 8 * (h % 2);
+        const __m256 f = first && gi == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+        const int64_t xg = (m0 + i) * job.g + g;
+        _mm256_storeu_ps(o, scale_group(f, _mm256_madd_epi16(a[i][j], ones), d, job.xs[xg], &z, job.xsum[xg]));
+      }
+    }
+  }
+}
+
 // Output-row blocks [b0, b1) for x rows [m0, m0 + MR): tiles of 2 blocks for one row, with the
 // next tile's codes, scales and offsets prefetched during each (as gemv_blocks), else tiles of
 // 1 block, where each stream's own prefetch already runs into the next block (measured under
@@ -663,10 +799,11 @@ void gemv_rows_avx2(const Job& job, int64_t m0, int64_t b0, int64_t b1) {
     const int64_t nt = std::min<int64_t>(tn, b1 - b);
     lockgate::TilePrefetch next = MR == 1 ? next_tile(job, b + nt, std::min<int64_t>(b + nt + tn, b1))
                                           : lockgate::TilePrefetch{};
+    const bool a8 = job.x8 && job.bits == 4;
     if (nt == 2) {
-      if constexpr (MR == 1) gemv_tile_avx2<1, 2>(job, m0, b, next);
+      if constexpr (MR == 1) a8 ? gemv_tile_avx2_a8<1, 2>(job, m0, b, next) : gemv_tile_avx2<1, 2>(job, m0, b, next);
     } else {
-      gemv_tile_avx2<MR, 1>(job, m0, b, next);
+      a8 ? gemv_tile_avx2_a8<MR, 1>(job, m0, b, next) : gemv_tile_avx2<MR, 1>(job, m0, b, next);
     }
     b += nt;
   }
@@ -721,6 +858,24 @@ void tile_generic(const Job& job, int64_t m0, int mr, int64_t nb0, int nr, int64
   }
 }
 
+#if defined(LOCKGATE_IG_256)
+// rows_of_tile for int8 activations on 4-bit codes (buf: widen_block_a8's bytes).
+template <int NR>
+void rows_of_tile_a8(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k0, int64_t kb, const uint8_t* buf,
+                     bool first) {
+  for (int h0 = 0; h0 < 2 * NR; h0 += 2) {
+    int64_t r = m0;
+    for (; r + kTileM256 <= m1; r += kTileM256) tile_avx2_a8<kTileM256, 2>(job, r, nb0, h0, k0, kb, buf, first);
+    switch (m1 - r) {
+      case 3: tile_avx2_a8<3, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
+      case 2: tile_avx2_a8<2, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
+      case 1: tile_avx2_a8<1, 2>(job, r, nb0, h0, k0, kb, buf, first); break;
+      default: break;
+    }
+  }
+}
+#endif
+
 template <int NR>
 void rows_of_tile(const Job& job, int64_t m0, int64_t m1, int64_t nb0, int64_t k0, int64_t kb, const int16_t* buf,
                   bool first) {
@@ -772,8 +927,20 @@ void run(const Job& job) {
         const int nt = static_cast<int>(std::min<int64_t>(kTileN, job.nb - nb0));
         for (int64_t k0 = 0; k0 < job.k; k0 += kBlockK) {
           const int64_t kb = std::min(kBlockK, job.k - k0);
-          widen_block(job, nb0, nt, k0, kb, buf.data());
           const bool first = k0 == 0;
+#if defined(LOCKGATE_IG_256)
+          if (!job.generic && job.x8 && job.bits == 4) {  // int8 activations: bytes, not int16
+            uint8_t* buf8 = reinterpret_cast<uint8_t*>(buf.data());
+            widen_block_a8(job, nb0, nt, k0, kb, buf8);
+            switch (nt) {
+              case 3: rows_of_tile_a8<3>(job, m0, m1, nb0, k0, kb, buf8, first); break;
+              case 2: rows_of_tile_a8<2>(job, m0, m1, nb0, k0, kb, buf8, first); break;
+              default: rows_of_tile_a8<1>(job, m0, m1, nb0, k0, kb, buf8, first); break;
+            }
+            continue;
+          }
+#endif
+          widen_block(job, nb0, nt, k0, kb, buf.data());
           switch (nt) {
             case 3: rows_of_tile<3>(job, m0, m1, nb0, k0, kb, buf.data(), first); break;
             case 2: rows_of_tile<2>(job, m0, m1, nb0, k0, kb, buf.data(), first); break;
@@ -824,8 +991,9 @@ void finish_out(const float* y, const std::optional<at::Tensor>& bias, int64_t m
 
 at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias,
-                           bool generic) {
+                           int64_t act_bits, bool generic) {
   TORCH_CHECK(bits == 4 || bits == 8, "int_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(act_bits == 16 || act_bits == 8, "int_linear: act_bits must be 16 or 8, got ", act_bits);
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
                   (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
@@ -868,19 +1036,22 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   std::vector<int16_t> xq(static_cast<size_t>(m * k));
+  std::vector<int8_t> x8(act_bits == 8 ? static_cast<size_t>(m * k) : 0);
   std::vector<float> xs(static_cast<size_t>(m * groups)), xsum(zeros ? static_cast<size_t>(m * groups) : 0);
   const bool sums = zeros.has_value();
+  const float qmax = act_bits == 8 ? 127.f : 32767.f;
+  int8_t* x8p = act_bits == 8 ? x8.data() : nullptr;
   if (dtype == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), m, k, sums, xq.data(), xs.data(), xsum.data());
+    quantize_rows(x.data_ptr<float>(), m, k, sums, qmax, xq.data(), x8p, xs.data(), xsum.data());
   } else if (dtype == at::kBFloat16) {
-    quantize_rows(x.data_ptr<at::BFloat16>(), m, k, sums, xq.data(), xs.data(), xsum.data());
+    quantize_rows(x.data_ptr<at::BFloat16>(), m, k, sums, qmax, xq.data(), x8p, xs.data(), xsum.data());
   } else {
-    quantize_rows(x.data_ptr<at::Half>(), m, k, sums, xq.data(), xs.data(), xsum.data());
+    quantize_rows(x.data_ptr<at::Half>(), m, k, sums, qmax, xq.data(), x8p, xs.data(), xsum.data());
   }
   // the float32 result: straight into out for a float32 x, else into a buffer rounded afterwards
   const at::Tensor wide = dtype == at::kFloat ? out : at::empty({m, n}, x.options().dtype(at::kFloat));
   float* y = wide.data_ptr<float>();
-  const Job job{xq.data(), xs.data(), sums ? xsum.data() : nullptr, m, k, groups, nb,
+  const Job job{xq.data(), x8p, xs.data(), sums ? xsum.data() : nullptr, m, k, groups, nb,
                 reinterpret_cast<const uint8_t*>(packed.data_ptr()), scales.data_ptr(),
                 sums ? zeros->data_ptr() : nullptr, static_cast<int>(bits), y, generic, factored,
                 static_cast<int>(sub), groups * sub * kLanes,
@@ -899,15 +1070,16 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
 }  // namespace
 
 at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias) {
-  return int_linear_impl(x, packed, scales, zeros, bits, bias, false);
+                      const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias,
+                      int64_t act_bits) {
+  return int_linear_impl(x, packed, scales, zeros, bits, bias, act_bits, false);
 }
 
 // The plain C++ path on any CPU (what a CPU without VNNI runs): for tests of the vector path.
 at::Tensor int_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                 const std::optional<at::Tensor>& zeros, int64_t bits,
-                                const std::optional<at::Tensor>& bias) {
-  return int_linear_impl(x, packed, scales, zeros, bits, bias, true);
+                                const std::optional<at::Tensor>& bias, int64_t act_bits) {
+  return int_linear_impl(x, packed, scales, zeros, bits, bias, act_bits, true);
 }
 
 bool int_linear_vectorized() {
@@ -936,9 +1108,10 @@ std::string int_linear_isa() {
 }  // namespace lockgate
 
 TORCH_LIBRARY_FRAGMENT(lockgate, m) {
-  m.def("int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits, Tensor? bias=None) -> Tensor");
+  m.def("int_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits, Tensor? bias=None, "
+        "int act_bits=16) -> Tensor");
   m.def("int_linear_reference(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int bits, "
-        "Tensor? bias=None) -> Tensor");
+        "Tensor? bias=None, int act_bits=16) -> Tensor");
   m.def("int_linear_vectorized() -> bool", &lockgate::int_linear_vectorized);
   m.def("int_linear_isa() -> str", &lockgate::int_linear_isa);
 }

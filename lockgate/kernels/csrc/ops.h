@@ -35,6 +35,7 @@ bool bf16_linear_available();
 
 // int_gemm.cpp
 at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias);
+                      const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias,
+                      int64_t act_bits = 16);
 
 }  // namespace lockgate
