@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lockgate"
 LAYERS: dict[str, int] = {
     "sampling": 0, "plan": 0, "kernel_choice": 0, "version": 0, "paths": 0,
     "config": 1, "jsonsafe": 1,
-    "kvcache": 2, "ipc": 2, "httpguard": 2, "httpserver": 2, "kernels": 2, "checkpoint": 2,
+    "vllm_compat": 2, "kvcache": 2, "ipc": 2, "httpguard": 2, "httpserver": 2, "kernels": 2, "checkpoint": 2,
     "tokenizer": 3, "scheduler": 3, "layers": 3,
     "models": 4, "grammar": 4,
     "runner": 5,
@@ -38,7 +38,7 @@ TORCH_FREE = ["lockgate.config", "lockgate.paths", "lockgate.sampling", "lockgat
               "lockgate.scheduler.speculate", "lockgate.engine.core", "lockgate.engine.process",
               "lockgate.checkpoint.loader", "lockgate.grammar", "lockgate.grammar.sandbox", "lockgate.grammar.worker",
               "lockgate.jsonsafe", "lockgate.httpserver", "lockgate.checkpoint.peft", "lockgate.engine.grammar_wait", "lockgate.server.app", "lockgate.server.launch", "lockgate.gateway.proxy",
-              "lockgate.gateway.command", "lockgate.bench.command", "lockgate.fleet.serve", "lockgate.fleet.ray_fleet", "lockgate.cli"]
+              "lockgate.gateway.command", "lockgate.bench.command", "lockgate.fleet.serve", "lockgate.fleet.ray_fleet", "lockgate.cli", "lockgate.vllm_compat"]
 
 
 def unit_of(module: str) -> str | None:
