@@ -1,4 +1,4 @@
-"""Command line: ``lockgate serve | gateway | generate | chat | bench | tune | cache``.
+"""Command line: ``lockgate serve | gateway | generate | chat | bench | tune | eval | cache``.
 
 Owns argument parsing only: engine flags come from the config tree (``config.py``), the
 sampling flags map onto ``SamplingParams`` (whose validation errors are printed as is),
@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "--tuning refresh measures again)")
     add_config_args(tune)
     tune.add_argument("--json", action="store_true", help="print the whole measurement as JSON")
+    ev = sub.add_parser("eval", parents=[common],
+                        help="measure a configuration's quality: perplexity over a text and top-1 agreement with "
+                             "the exact path (lockgate eval perplexity --activation-quant int8)")
+    from lockgate.eval import add_eval_args
+
+    add_eval_args(ev)
+    add_config_args(ev)
     bench = sub.add_parser("bench", parents=[common],
                            help="benchmark an OpenAI-compatible server (lockgate bench compare A.json B.json ...)")
     from lockgate.bench.command import add_bench_args
@@ -130,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(ns, list(sys.argv[1:] if argv is None else argv))
     if ns.command == "tune":
         return _tune(ns)
+    if ns.command == "eval":
+        from lockgate.eval import eval_main
+
+        return eval_main(ns)
     if ns.command == "cache":
         from lockgate.cache_admin import cache_main
 

@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     "models": 4, "grammar": 4,
     "runner": 5,
     "engine": 6,
-    "offline": 7, "server": 7, "gateway": 7, "bench": 7,
+    "offline": 7, "server": 7, "gateway": 7, "bench": 7, "eval": 7,
     "fleet": 8, "cache_admin": 8,
     "cli": 9, "__init__": 9,
 }

@@ -282,6 +282,27 @@ class ModelRunner:
         return ForwardResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
                              step_seconds=time.perf_counter() - t0)
 
+    def chunk_logits(self, ids: np.ndarray, start: int) -> torch.Tensor:
+        """float32 [len(ids), V]: the logits after each token of a chunk of one sequence (teacher
+        forcing, ``lockgate eval``), whose first ``start`` tokens' K/V are in pool slots 0 ..
+        start - 1; the chunk's K/V go to the next slots, so a later chunk reads them from the pool
+        as a prompt continued over several steps does. The rows are prompt rows (their forms)."""
+        n = int(ids.shape[0])
+        end = start + n
+        if n < 1 or end > self.capacity:
+            raise ValueError(f"a chunk of {n} tokens after {start} does not fit the pool of {self.capacity} tokens")
+        i64 = np.int64
+        meta = AttentionMetadata.build(np.array([n], i64), np.array([end], i64), np.arange(end, dtype=i64),
+                                       np.array([0, end], i64), np.arange(start, end, dtype=i64),
+                                       self.model.args.num_queries_per_kv, self.device, self.paths.decode_kernel,
+                                       self.paths.row_invariant, self.paths.prefill_kernel)
+        with torch.inference_mode():
+            out = self.model(torch.from_numpy(ids.astype(i64)).to(self.device),
+                             torch.arange(start, end, device=self.device), meta, self.k_cache, self.v_cache,
+                             torch.arange(n, device=self.device), None, 0 if self.paths.prompt_forms else None,
+                             self._logits_buffer(n), argmax=False)
+        return out[:n].clone()
+
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [>= rows, V] kept from step to step (grown, never shrunk) for the model's logits."""
         if self._logits.shape[0] < rows:
