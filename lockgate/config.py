@@ -299,6 +299,11 @@ class SchedulerConfig:
                           "reserve (prompt + max_tokens reserved up front, as TGI), ratio (optimistic SGLang-style "
                           "new-token ratio with retraction when decode runs out)",
                           choices=["peak", "reserve", "ratio"])
+    retract_victim: str = option("cost", "--admission ratio, when decode runs out of KV slots: which running request "
+                                 "gives its slots back: cost = the one whose recompute is cheapest (fewest of its "
+                                 "tokens no other running request holds: what the prefix cache may then evict), ties "
+                                 "to the tenant furthest over its share, then the last admitted; last = the last "
+                                 "admitted", choices=["cost", "last"])
     disable_prefix_cache: bool = option(False, "turn off the radix-tree prefix cache")
     fairness: str = option("vtc", "share between tenants (API key name, x-lockgate-tenant header or the "
                            "request's user field): vtc = admit the backlogged tenant with the least weighted "

@@ -314,7 +314,7 @@ class SchedulerProcess:
                             slots_free=st.slots_free, slots_evictable=st.slots_evictable, capacity=st.capacity,
                             headroom=st.headroom, num_steps=self.engine.num_steps,
                             draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens,
-                            drafts=st.drafts, accepted_per_pos=list(st.accepted_per_pos),
+                            retractions=st.retractions, recomputed_tokens=st.recomputed_tokens, drafts=st.drafts, accepted_per_pos=list(st.accepted_per_pos),
                             step_tokens=0 if self.engine.last_step is None else self.engine.last_step.tokens,
                             queue_eta_s=fc.queue_eta_s, drain_eta_s=fc.drain_eta_s,
                             prefill_backlog_tokens=fc.prefill_backlog_tokens,

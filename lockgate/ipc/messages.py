@@ -127,6 +127,8 @@ class EngineStats(_Msg):
     headroom: int  # capacity minus the admission peak estimate
     num_steps: int
     draft_tokens: int = 0  # speculation since start: guesses fed to the model
+    retractions: int = 0  # running requests retracted since start (--admission ratio)
+    recomputed_tokens: int = 0  # tokens retracted requests computed again, since start
     accepted_tokens: int = 0  # of those, the ones it agreed with
     drafts: int = 0  # (request, step) pairs fed at least one guess, since start
     accepted_per_pos: list[int] = []  # accepted guesses by their position in a draft, since start

@@ -125,7 +125,8 @@ class SchedulerStats:
     slots_evictable: int  # cached, unlocked: reclaimable on demand
     capacity: int
     headroom: int  # capacity - (admission estimate of the running batch + locked cache slots)
-    retractions: int = 0
+    retractions: int = 0  # running requests that gave their KV back (--admission ratio)
+    recomputed_tokens: int = 0  # tokens retracted requests computed again on resumption
     draft_tokens: int = 0  # speculation: guesses fed to the model so far
     accepted_tokens: int = 0  # of those, the ones it agreed with
     drafts: int = 0  # (request, step) pairs fed at least one guess
@@ -158,6 +159,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_retractions = 0
+        self.num_recomputed_tokens = 0  # tokens retracted requests computed again on resumption
         self._step_cached = 0  # prompt tokens new requests took from the cache in the step being built
         # the last admission left requests waiting for room (the KV estimate or --max-running-requests),
         # not for prefill budget: the queue moves only when a running request finishes
@@ -220,6 +222,7 @@ class Scheduler:
                               slots_used=self.capacity - free - evictable, slots_free=free,
                               slots_evictable=evictable, capacity=self.capacity,
                               headroom=self.capacity - self.usage_estimate(), retractions=self.num_retractions,
+                              recomputed_tokens=self.num_recomputed_tokens,
                               draft_tokens=spec.num_draft_tokens, accepted_tokens=spec.num_accepted_tokens,
                               drafts=spec.num_drafts, accepted_per_pos=tuple(spec.accepted_per_pos))
 
@@ -404,6 +407,8 @@ class Scheduler:
             cand.slots[:matched] = slots
             if cand.num_retractions == 0:
                 cand.cached_tokens = matched
+            else:  # a retracted request resumes: what the cache no longer holds is computed again
+                self.num_recomputed_tokens += cand.prefill_len - matched
             self._step_cached += matched
             cand.admit_time = cand.admit_time or now
             self.running.append(cand)
@@ -450,15 +455,15 @@ class Scheduler:
     # ---- retraction and finishing ----------------------------------------------------
     def _retract_if_short(self) -> None:
         """Ratio admission: while this step's decodes (one slot each) and the prefill chunks of
-        admitted prompts would not fit, retract the most recently admitted request (its KV
-        stays in the prefix cache) and re-queue it first."""
+        admitted prompts would not fit, retract a running request (``_victim``: by default the
+        cheapest to recompute; its KV stays in the prefix cache, evictable) and re-queue it first."""
         while len(self.running) > 1:
             decode = sum(1 for r in self.running if not r.is_prefilling)
             chunks = min(self.cfg.max_prefill_tokens,
                          sum(r.prefill_len - r.num_computed for r in self.running if r.is_prefilling))
             if decode + chunks <= self.ledger.num_free + self.ledger.evictable:
                 return
-            victim = self.running.pop()
+            victim = self.running.pop(self._victim())
             self._leave(victim)
             victim.prefill_len = victim.num_tokens  # resume: recompute prompt + output, then sample
             victim.num_retractions += 1
@@ -470,6 +475,34 @@ class Scheduler:
                                       sum(r.params.max_tokens for r in self.running))
             log.info("retracted request %s (%d tokens) to free KV slots; %d running, new-token ratio now %.2f",
                      victim.rid, victim.num_tokens, len(self.running), getattr(self.admission, "ratio", 1.0))
+
+    def exclusive_tokens(self, r: Request) -> int:
+        """Tokens of ``r``'s KV no other running request holds: its own slots and the cached nodes
+        only its lock keeps (``lock_ref`` 1 on its path). Retracting ``r`` makes them reclaimable,
+        and they are what it recomputes on resumption if the cache evicts them meanwhile."""
+        own = r.num_computed - r.tree_len
+        node = r.tree_node
+        while node is not None and node.parent is not None and node.lock_ref == 1:
+            own += node.size
+            node = node.parent
+        return own
+
+    def _victim(self) -> int:
+        """Index in ``running`` of the request to retract (``--retract-victim``): the last admitted,
+        or the cheapest to recompute (``exclusive_tokens``, above 0: one that frees nothing is no use),
+        ties to the tenant furthest over its share (the highest service counter per weight), then
+        the last admitted."""
+        if self.cfg.retract_victim == "last":
+            return len(self.running) - 1
+        best, key = len(self.running) - 1, None
+        for i, r in enumerate(self.running):
+            cost = self.exclusive_tokens(r)
+            if cost == 0:
+                continue
+            k = (cost, -self.share.counter(r.tenant), -i)
+            if key is None or k < key:
+                best, key = i, k
+        return best
 
     def _leave(self, r: Request) -> None:
         """``r`` leaves the running set: its KV to the tree (or pool), its adapter slot unpinned."""

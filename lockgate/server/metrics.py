@@ -16,8 +16,9 @@ counterpart: ``kv_slots_used`` / ``kv_slots_capacity`` (the token pool in tokens
 Per tenant (``tenant`` label, bounded: server/tenants.py): ``tenant_prompt_tokens``,
 ``tenant_generation_tokens``, ``tenant_requests_waiting`` (accepted, no first token yet: what
 ``--max-queued-per-tenant`` counts) and ``tenant_time_to_first_token_seconds``.
-``num_preemptions`` is always 0: peak admission never lets a running request run out of KV
-slots, so nothing is ever preempted (exported for the dashboards that plot it).
+``num_preemptions`` counts retracted requests: 0 under peak admission (the default), which never
+lets a running request run out of KV slots; ``--admission ratio`` retracts when decode runs short,
+and ``recomputed_prompt_tokens`` counts what those requests computed again on resumption.
 
 Labels: ``model_name`` (the first served name) and ``engine`` (``"0"``: one engine per server; a
 gateway adds ``replica``), as vLLM's. Every counter exists with 0 from the start (its label values
@@ -113,8 +114,10 @@ class Metrics:
                                         "sandbox, by outcome: ok, invalid, crash (the compiler died on it), "
                                         "timeout, busy (429: its queue was full), cached (answered from its cache)",
                                         [*labels, "outcome"], registry=r)
-        self.preemptions = Counter("lockgate:num_preemptions", "Preempted requests (always 0: peak admission "
-                                   "never lets a running request run out of KV slots)", labels, registry=r)
+        self.preemptions = Counter("lockgate:num_preemptions", "Running requests retracted for KV slots (0 under "
+                                   "peak admission; --admission ratio retracts)", labels, registry=r)
+        self.recomputed = Counter("lockgate:recomputed_prompt_tokens", "Tokens retracted requests computed again "
+                                  "on resumption (what the prefix cache no longer held)", labels, registry=r)
         self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels, registry=r)
         self.prefix_hits = Counter("lockgate:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
@@ -157,10 +160,12 @@ class Metrics:
         self.prefill_kv_computed: Histogram | None = None
         self.cache_config_info: Gauge | None = None
         self._spec_seen = (0, 0, 0)  # the scheduler's running totals at the last update
+        self._retract_seen = (0, 0)  # retractions, recomputed tokens at the last update
         self._per_pos_seen: list[int] = []
         self._steps_seen = 0
         key = self.key
-        for series in (self.spec_draft, self.spec_accepted, self.spec_drafts, self.preemptions, self.prompt_tokens,
+        for series in (self.spec_draft, self.spec_accepted, self.spec_drafts, self.preemptions, self.recomputed,
+                       self.prompt_tokens,
                        self.prompt_tokens_cached, self.generation_tokens, self.prefix_queries, self.prefix_hits,
                        self.lora_loads, self.lora_evictions):
             series.labels(*key)  # export zeros from the start
@@ -249,6 +254,11 @@ class Metrics:
         if s.num_steps > self._steps_seen:  # this batch reports a new step
             self.iteration_tokens.labels(*k).observe(s.step_tokens)
             self._steps_seen = s.num_steps
+        retracted, recomputed = self._retract_seen
+        if s.retractions > retracted or s.recomputed_tokens > recomputed:
+            self.preemptions.labels(*k).inc(max(s.retractions - retracted, 0))
+            self.recomputed.labels(*k).inc(max(s.recomputed_tokens - recomputed, 0))
+            self._retract_seen = (s.retractions, s.recomputed_tokens)
         drafted, accepted, drafts = self._spec_seen
         if s.draft_tokens > drafted:
             self.spec_draft.labels(*k).inc(s.draft_tokens - drafted)
