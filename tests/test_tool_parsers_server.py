@@ -4,8 +4,8 @@ No model the suite has teaches a format other than Hermes (the default model's t
 render tools), so the real-model test serves the default model's weights and tokenizer with a chat
 template written here, offline: the model's own ChatML frame with Llama 3.1's JSON tool section
 (``{"name": ..., "parameters": ...}``, earlier calls after ``<|python_tag|>``). ``auto`` must pick
-``llama3_json`` from it and say so in the start-up log. Then: ``tool_choice`` required and named give
-calls in that format, whole and streamed; ``auto`` with the model made to write a given text (a
+``llama3_json`` from it and say so in the start-up log. Then: ``tool_choice`` required gives a call in
+that format, whole and streamed; ``auto`` with the model made to write a given text (a
 one-choice ``guided_choice`` constraint, so the real tokenizer cuts the stream into its own pieces)
 streams the text before the call as content and the call as a ``tool_calls`` delta, with no markup
 in the content; a malformed call is a 200 whose content is the text; the call and its answer go back
@@ -89,16 +89,15 @@ def test_a_llama3_json_template_is_read_in_its_format(llama3_server) -> None:
     c = client(llama3_server)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     # forced: one call in the template's format, valid against the schema, whole and streamed alike
-    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
-        kw = dict(model="default", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0)
-        ch = c.chat.completions.create(**kw).choices[0]
-        assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
-        (call,) = ch.message.tool_calls
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-        assert isinstance(choice, str) or call.function.name == "add"
-        content, deltas, finish = stream_of(c, **kw)
-        assert finish == "tool_calls" and content == "" and len(deltas) == 1
-        assert (deltas[0].function.name, deltas[0].function.arguments) == (call.function.name, call.function.arguments)
+    # (named choices take the same path with one function: test_tools covers them on the default format)
+    kw = dict(model="default", messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0)
+    ch = c.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+    (call,) = ch.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    content, deltas, finish = stream_of(c, **kw)
+    assert finish == "tool_calls" and content == "" and len(deltas) == 1
+    assert (deltas[0].function.name, deltas[0].function.arguments) == (call.function.name, call.function.arguments)
     # auto: the model writes text, then a call after <|python_tag|>
     said = 'Let me check the weather for you. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", ' \
            '"unit": "celsius"}}'
@@ -111,16 +110,15 @@ def test_a_llama3_json_template_is_read_in_its_format(llama3_server) -> None:
     assert content.strip() == "Let me check the weather for you." and finish == "tool_calls"
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
         [(0, "get_weather", call.function.arguments)]
-    # malformed: text after the call's JSON: the whole answer is content, whole and streamed
+    # malformed: text after the call's JSON: the whole answer is content (streamed: test_hostile, sim model)
     bad = '{"name": "get_weather", "parameters": {"city": "Paris"}} is what I would call'
     kw = dict(model="default", messages=msgs, tools=TOOLS, max_tokens=80, extra_body={"guided_choice": [bad]})
     ch = c.chat.completions.create(**kw).choices[0]
     assert ch.finish_reason == "stop" and ch.message.content == bad and not ch.message.tool_calls
-    assert stream_of(c, **kw) == (bad, [], "stop")
     # the call and the tool's answer go back through the template
     back = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                    {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
-    r = c.chat.completions.create(model="default", messages=back, tools=TOOLS, max_tokens=4, temperature=0)
+    r = c.chat.completions.create(model="default", messages=back, tools=TOOLS, max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop")
 
 

@@ -357,7 +357,8 @@ class Qwen3Coder(BlockParser):
             return None
         name = m.group(1).strip()
         schema = tools[name] if isinstance(tools[name], dict) else {}
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        found = schema.get("properties")
+        props: dict[str, Any] = found if isinstance(found, dict) else {}
         args: dict[str, Any] = {}
         at, inner = 0, m.group(2)
         for p in _PARAMETER.finditer(inner):

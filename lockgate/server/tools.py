@@ -21,7 +21,6 @@ allows, the forced format's parser reads back as exactly one call.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from lockgate import jsonsafe
@@ -33,8 +32,8 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 
 def _calls_text(calls: list[dict[str, Any]], parser: ToolParser) -> str:
-    return parser.calls_text([((c.get("function") or {}).get("name"), _loads((c.get("function") or {}).get("arguments")))
-                              for c in calls])
+    return parser.calls_text([(str((c.get("function") or {}).get("name")),
+                               _loads((c.get("function") or {}).get("arguments"))) for c in calls])
 
 
 def render_conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
