@@ -370,7 +370,7 @@ FRAGMENTS = st.sampled_from([OPEN, CLOSE, "\n", "{", "}", "[", "]", '"name"', '"
 
 
 @pytest.mark.parametrize("fmt", sorted(PARSERS))
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.one_of(FRAGMENTS, st.text(max_size=6)), max_size=40), st.lists(st.integers(1, 9), max_size=20))
 def test_the_tool_call_parser_is_total_and_streams_what_it_parses(fmt, pieces, cuts) -> None:
     """Any text, every format: parsing never raises; every call names a known function with a JSON
