@@ -550,7 +550,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig.build(**flat)
 
 
-TOOL_CALL_PARSERS = ("hermes",)  # vLLM's names of the tool-call formats lockgate reads
+# vLLM's names of the tool-call formats lockgate reads (server.tool_parsers owns them), "auto" first
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "pythonic", "qwen3_xml", "llama4_json")
 
 
 @dataclass(frozen=True)
@@ -562,9 +563,9 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = option((), "model names clients use: each is accepted as a request's "
                                                 "model, the first is the one answers and /metrics report "
                                                 "(default: the --model value)", nargs="+")
-    tool_call_parser: str | None = option(None, "how tool calls are read from the model's text (vLLM's flag): "
-                                          f"{', '.join(TOOL_CALL_PARSERS)} (default: hermes, the format of the "
-                                          "tool prompt lockgate renders when the chat template has none)",
+    tool_call_parser: str | None = option(None, "the format tool calls are read from in the model's text (vLLM's "
+                                          f"flag): {', '.join(TOOL_CALL_PARSERS)} (default: auto, the format the "
+                                          "chat template teaches, hermes when the template does not render tools)",
                                           choices=list(TOOL_CALL_PARSERS))
     strict_model_name: bool = option(False, "answer 404 to a request naming another model (vLLM's behaviour); "
                                      "by default, serving one model, any name is taken as it (TGI's, SGLang's)")

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_util import ServerProc, pid_alive
 
-from lockgate.server.tools import CLOSE, OPEN, ToolCallStream, parse_tool_calls
+from lockgate.server.tool_parsers import PARSERS
 
 SIM = ("--model", "sim", "--max-model-len", "4096", "--sim-step-ms", "5", "--max-total-tokens", "65536")
 
@@ -326,6 +326,7 @@ def test_load_unload_churn_under_load_gives_404s_never_500s(server, roots) -> No
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 NESTED = "{\"a\": " * 70 + "1" + "}" * 70  # past jsonsafe's 64 levels
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the sim server's format (its template does not render tools: hermes)
 HOSTILE_OUTPUTS = [
     OPEN + '\n{"name": {"x": 1}, "arguments": {}}\n' + CLOSE,  # a name that is an object
     OPEN + '\n{"name": ["get_weather"], "arguments": {}}\n' + CLOSE,
@@ -360,22 +361,28 @@ def test_tool_call_output_the_parser_did_not_expect_is_text_whole_and_streamed(s
 
 FRAGMENTS = st.sampled_from([OPEN, CLOSE, "\n", "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', ":", ",",
                              '"get_weather"', '"other"', '"\\ud800"', '"city"', "1e400", "null", "<tool_", "</tool",
-                             '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\\", '"', "x"])
+                             '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\\", '"', "x",
+                             # the other formats' pieces
+                             "<function=get_weather>", "<parameter=city>", "</parameter>", "</function>", "<function=",
+                             "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "get_weather", "<|python_tag|>", ";", "</s>",
+                             "<|python_start|>", "<|python_end|>", "get_weather(", "city=", ")", "'Paris'", "(",
+                             " ", "1", "True", "x=1", "lambda: 0", "{1, 2}", "b'x'", "1j", "9" * 30])
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.one_of(FRAGMENTS, st.text(max_size=6)), max_size=40), st.lists(st.integers(1, 9), max_size=20))
-def test_the_tool_call_parser_is_total_and_streams_what_it_parses(pieces, cuts) -> None:
-    """Any text: parsing never raises; every call names a known function with a JSON object's text
-    as its arguments (valid UTF-8); fed in any chunks, the stream gives the same content and calls."""
+def test_the_tool_call_parser_is_total_and_streams_what_it_parses(fmt, pieces, cuts) -> None:
+    """Any text, every format: parsing never raises; every call names a known function with a JSON
+    object's text as its arguments (valid UTF-8); fed in any chunks, the stream gives the same content and calls."""
     text = "".join(pieces)
-    names = {"get_weather"}
-    content, calls = parse_tool_calls(text, names)
+    parser, tools = PARSERS[fmt], {"get_weather": TOOLS[0]["function"]["parameters"]}
+    content, calls = parser.parse(text, tools)
     for c in calls:
-        assert c.name in names
+        assert c.name in tools
         assert isinstance(json.loads(c.arguments), dict)
         c.arguments.encode("utf-8")
-    stream, shown, streamed = ToolCallStream(names), [], []
+    stream, shown, streamed = parser.stream(tools), [], []
     at = 0
     for n in [*cuts, len(text)]:
         piece, at = text[at:at + n], at + n

@@ -18,7 +18,8 @@ import pytest
 from server_util import ServerProc
 
 from lockgate.grammar import GrammarCompiler
-from lockgate.server.tools import ToolCallStream, parse_tool_calls, render_conversation, tool_grammar
+from lockgate.server.tool_parsers import PARSERS
+from lockgate.server.tools import render_conversation, tool_grammar
 from lockgate.tokenizer.tokenizer import SimTokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -31,8 +32,9 @@ ADD = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"], "additionalProperties": False}}}
 TOOLS = [WEATHER, ADD]
-NAMES = {"get_weather", "add"}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+NAMES = SCHEMAS
+HERMES = PARSERS["hermes"]
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -51,14 +53,14 @@ CALL_W = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "un
     ("a < b and <tool", "a < b and <tool", []),
 ])
 def test_parse_tool_calls(text, content, calls) -> None:
-    got_content, got = parse_tool_calls(text, NAMES)
+    got_content, got = HERMES.parse(text, NAMES)
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     assert got_content == (content if calls else text)
     assert all(c.id.startswith("call_") and len(c.id) == 29 for c in got)
     assert len({c.id for c in got}) == len(got)
     # streamed in pieces split anywhere: the same calls, the same content
     for step in (1, 3, 7):
-        stream = ToolCallStream(NAMES)
+        stream = HERMES.stream(NAMES)
         shown, streamed = "", []
         for i in range(0, len(text), step):
             s, c = stream.feed(text[i:i + step])

@@ -108,9 +108,10 @@ def test_gpu_memory_utilization_is_a_share_of_available_memory_for_the_engine() 
 def test_served_model_names_round_trip_and_accept_a_single_string() -> None:
     assert ServerConfig(served_model_name="m").served_model_name == ("m",)
     assert ServerConfig().model_name("default") == "default"
-    with pytest.raises(ValueError, match="--tool-call-parser 'pythonic' is not available: the supported parsers are "
-                                         "hermes"):
-        ServerConfig(tool_call_parser="pythonic")
+    assert ServerConfig(tool_call_parser="pythonic").tool_call_parser == "pythonic"
+    with pytest.raises(ValueError, match="--tool-call-parser 'granite' is not available: the supported parsers are "
+                                         "auto, hermes"):
+        ServerConfig(tool_call_parser="granite")
 
 
 # ---- the offline API ------------------------------------------------------------------------

@@ -24,6 +24,8 @@ Invariant: no route answers 500 for bad input. Every outside input is parsed by
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -73,7 +75,9 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: Mapping[str, st
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
+        announced = asyncio.create_task(announce_tool_parser())
         yield
+        announced.cancel()
         await app.state.ctx.close()
         if on_stopping is not None:
             on_stopping()
@@ -85,6 +89,12 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: Mapping[str, st
         if client.failed is None:
             client.to_scheduler.send_nowait(Shutdown())
         await client.close()
+
+    async def announce_tool_parser() -> None:
+        """The tool-call format in the start-up log, once the tokenizer (and its chat template) is loaded."""
+        await client.ready.wait()
+        with contextlib.suppress(Exception):  # a failed engine says so itself; the format is resolved again on use
+            _ = app.state.ctx.tool_parser
 
     app = FastAPI(title="lockgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     known = [n for n in (api_key or {}).values() if n]

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
@@ -38,10 +39,12 @@ from lockgate.server.frontend import AdapterGone, EngineClient, EngineUnavailabl
 from lockgate.server.metrics import Metrics
 from lockgate.server.protocol import request_fields
 from lockgate.server.tenants import TENANT_HEADER, TenantError, Tenants
+from lockgate.server.tool_parsers import ToolParser, resolve
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
+log = logging.getLogger("lockgate.api")
 
 
 # ---- cached-token attribution (the gateway joins it with its own prediction) ---------------------
@@ -128,6 +131,7 @@ class ServerContext:
     api_key: Mapping[str, str | None] | None  # key -> its tenant name; None: no key required
     tenants: Tenants = field(default_factory=Tenants)
     _sandbox: GrammarSandbox | None = field(default=None, init=False)  # made on the first constrained request
+    _tool_parser: ToolParser | None = field(default=None, init=False)  # resolved once the tokenizer is loaded
 
     # ---- readiness and limits ------------------------------------------------------------
     @property
@@ -145,6 +149,15 @@ class ServerContext:
         _ = self.info
         assert self.client.tokenizer is not None
         return self.client.tokenizer
+
+    @property
+    def tool_parser(self) -> ToolParser:
+        """The tool-call format of this server (``--tool-call-parser``; ``auto``: the chat template's),
+        resolved and logged once the model is loaded."""
+        if self._tool_parser is None:
+            self._tool_parser, why = resolve(self.cfg.tool_call_parser, self.tokenizer.chat_template)
+            log.info("%s", why)
+        return self._tool_parser
 
     # ---- text -> ids, off the event loop when large ----------------------------------------
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -35,7 +35,7 @@ from lockgate.server.context import parse_body as parse
 from lockgate.server.errors import openai_error
 from lockgate.server.frontend import RequestStream
 from lockgate.server.protocol import ChatCompletionRequest, CompletionRequest
-from lockgate.server.tools import ToolCallStream, parse_tool_calls, render_conversation, tool_grammar
+from lockgate.server.tools import render_conversation, tool_grammar
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -246,17 +246,20 @@ async def chat_completions(request: Request) -> Response:
     mode = body.tool_mode  # none, auto, required, named
     choice = "required" if mode == "required" else \
         {"function": {"name": body.tool_choice.name}} if mode == "named" else mode  # type: ignore[union-attr]
+    parser = ctx.tool_parser
 
     def prepare() -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]] | None,
                            StructuredOutput | None]:
         tools = body.tool_dicts() if mode != "none" else None
-        conversation, template_tools = render_conversation(body.conversation(), tools, tok.supports_tools)
-        forced = tool_grammar(tools, choice) if tools and mode in ("required", "named") else None
+        conversation, template_tools = render_conversation(body.conversation(), tools, tok.supports_tools, parser)
+        forced = tool_grammar(tools, choice, parser) if tools and mode in ("required", "named") else None
         return tools, conversation, template_tools, forced
 
     # tool definitions can be megabytes: rendered off the event loop
     tools, conversation, template_tools, forced = await asyncio.to_thread(prepare) if body.tools else prepare()
-    names = {t["function"]["name"] for t in tools or []}
+    # function name -> its parameters' schema; a forced call is read in the format its grammar wrote
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or []}
+    reader = parser.forced if forced is not None else parser
     ids = await ctx.chat_ids(conversation, body.add_generation_prompt, template_tools)
     max_tokens = ctx.check_prompt(ids, body.requested_max_tokens())
     params, constraint_field = dataclasses.replace(body.sampling_params(max_tokens), lora=lora), body.structured_field
@@ -280,8 +283,8 @@ async def chat_completions(request: Request) -> Response:
         for i, outs in enumerate(results):
             text, reason = "".join(o.text for o in outs), outs[-1].finish_reason
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if names:
-                content, calls = parse_tool_calls(text, names)
+            if schemas:
+                content, calls = reader.parse(text, schemas)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": [c.wire() for c in calls]}
                     reason = "tool_calls"
@@ -297,7 +300,7 @@ async def chat_completions(request: Request) -> Response:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": lora or ctx.model_name,
                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
 
-    parsers = [ToolCallStream(names) for _ in streams] if names else []
+    parsers = [reader.stream(schemas) for _ in streams] if schemas else []
     num_calls = [0] * len(streams)
 
     def render(i: int, o: TextOut) -> str | None:
@@ -309,7 +312,9 @@ async def chat_completions(request: Request) -> Response:
         # With tools: text that may begin a call is held back until it is one (or is not)
         content, calls = parsers[i].feed(o.text)
         if o.finish_reason is not None:
-            content += parsers[i].finish()[0]
+            rest, more = parsers[i].finish()
+            content += rest
+            calls += more
         events = []
         if content or (body.logprobs and o.text):
             events.append(chunk(i, {"content": content} if content else {}, None,

@@ -35,6 +35,11 @@ class Tokenizer(Protocol):
         """The chat template renders ``tools`` itself (else the server writes them into the prompt)."""
         ...
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text (None: the model has none)."""
+        ...
+
 
 def _takes_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template  # type: ignore[operator]
@@ -72,7 +77,12 @@ class HFTokenizer:
 
     @property
     def supports_tools(self) -> bool:
-        return _takes_tools(getattr(self.tok, "chat_template", None))
+        return _takes_tools(self.chat_template)
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tok, "chat_template", None)
+        return template if isinstance(template, str) else None
 
 
 NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template (a Jinja file or the "
@@ -127,6 +137,10 @@ class FastTokenizer:
     @property
     def supports_tools(self) -> bool:
         return _takes_tools(self.template)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.template
 
 
 def load_fast(model_dir: Path) -> FastTokenizer | None:
@@ -185,6 +199,10 @@ class SimTokenizer:
     @property
     def supports_tools(self) -> bool:
         return _takes_tools(self.template)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.template
 
 
 def render_template(template: str, messages: list[Message], add_generation_prompt: bool,
