@@ -85,7 +85,7 @@ def test_unsupported_vllm_values_are_errors_naming_the_flag(argv: str, message: 
 def test_argparse_errors_print_serves_usage_and_serve_has_version(capsys) -> None:
     for argv, said in ((["serve", "--bogus"], "unrecognized arguments: --bogus"),
                        (["serve", "--max-model-len", "3.5K"], "argument --max-model-len: '3.5K': no decimals"),
-                       (["serve", "--tool-call-parser", "mistral"], "invalid choice: 'mistral' (choose from 'hermes')")):
+                       (["serve", "--tool-call-parser", "nonesuch"], "invalid choice: 'nonesuch' (choose from 'auto', 'hermes'")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
