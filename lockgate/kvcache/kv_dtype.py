@@ -23,6 +23,7 @@ has it. Capacity is counted honestly: ``bytes_per_token`` includes the scales.
 from __future__ import annotations
 
 from lockgate.config import KV_CACHE_DTYPES
+
 QUANTIZED = ("int8", "fp8")  # canonical names of the 8-bit tiers
 ALIASES = {"fp8_e4m3": "fp8"}
 SCALE_BYTES = 4  # each row's float32 scale, stored after its D codes
