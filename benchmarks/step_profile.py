@@ -15,7 +15,7 @@ Usage:  .venv/bin/python benchmarks/step_profile.py [--dtypes bfloat16,float32] 
         [--fp32-matmul-rows auto,off] [--cpu-kernels auto,off] [--matmul-forms "auto;dense;int-gemm:64,dense"]
         [--tuning auto,off] [--exact-prefill off,on] [--threads 2,1] [--mixed 256]
         [--batches 1,32,64] [--prompt-len 256] [--decoded 64] [--prefill 1024] [--rounds 5] [--profile]
-        [--shared-prefix 1024 --group-size 8 [--no-prefix-attention]]
+        [--shared-prefix 1024 --group-size 8 [--no-prefix-attention]] [--kv-cache-dtypes auto,int8]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from _common import command, machine
 
 from lockgate.config import CacheConfig, ModelConfig
-from lockgate.layers import attention_meta
+from lockgate.layers import attention_meta, kv_quant
 from lockgate.plan import ForwardPlan, SamplingBatch
 from lockgate.runner.model_runner import ModelRunner
 
@@ -169,6 +169,7 @@ def main() -> None:
     ap.add_argument("--tuning", default="auto", help="comma list of --tuning settings (auto, off, refresh)")
     ap.add_argument("--deterministic", default="off", help="comma list of --deterministic settings (off,on)")
     ap.add_argument("--exact-prefill", default="on", help="comma list of --exact-prefill settings (off,on)")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of --kv-cache-dtype settings (auto,int8,fp8)")
     ap.add_argument("--mixed", type=int, default=0,
                     help="add a case: the largest decode batch and a prefill chunk of this many tokens in one step")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list of torch thread counts")
@@ -196,17 +197,23 @@ def main() -> None:
     seq = args.prompt_len + args.decoded + 1
     capacity = max(batches) * seq + max(batches) + args.prefill + args.mixed + 8
     runners = {f"{d}/{q}/fp32-{f}/kernels-{k}/forms-{m}/tuning-{t}" + ("/deterministic" if det == "on" else "")
-               + ("/inexact" if ex == "off" else ""):
+               + ("/inexact" if ex == "off" else "") + ("" if kv == "auto" else f"/kv-{kv}"):
                ModelRunner(ModelConfig(model=args.model, dtype=d, quantization=q, fp32_matmul_rows=f, cpu_kernels=k,
                                        matmul_forms=m, tuning=t, deterministic=det == "on", exact_prefill=ex == "on"),
-                           CacheConfig(max_total_tokens=capacity))
+                           CacheConfig(max_total_tokens=capacity, kv_cache_dtype=kv))
                for d in args.dtypes.split(",") for q in args.quantization.split(",")
                for f in args.fp32_matmul_rows.split(",") for k in args.cpu_kernels.split(",")
                for m in args.matmul_forms.split(";") for t in args.tuning.split(",")
-               for det in args.deterministic.split(",") for ex in args.exact_prefill.split(",")}
-    for r in runners.values():  # the pool is torch.empty: give the synthetic contexts finite K/V
-        r.k_cache.normal_()
-        r.v_cache.normal_()
+               for det in args.deterministic.split(",") for ex in args.exact_prefill.split(",")
+               for kv in args.kv_cache_dtypes.split(",")}
+    for r in runners.values():  # give the synthetic contexts finite K/V (an 8-bit pool: quantized normal values)
+        for pool in (r.k_cache, r.v_cache):
+            for layer in pool:
+                if kv_quant.is_quantized(layer):
+                    kind = "int8" if layer.dtype == torch.int8 else "fp8"
+                    layer.copy_(kv_quant.quantize(torch.randn(*layer.shape[:-1], kv_quant.head_dim(layer)), kind))
+                else:
+                    layer.normal_()
     vocab = next(iter(runners.values())).vocab_size
     cases: dict[str, ForwardPlan] = {f"decode_b{b}": decode_plan(b, args.prompt_len, args.decoded, vocab,
                                                                   args.shared_prefix, args.group_size)

@@ -217,6 +217,8 @@ def read_chat_template(value: str) -> str:
 
 
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
+# --kv-cache-dtype's values, vLLM's names (fp8 = fp8_e4m3); what each stores: lockgate.kvcache.kv_dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 
 
 @dataclass(frozen=True)
@@ -232,8 +234,16 @@ class CacheConfig:
         None, "vLLM's flag, on CPU: the share in (0, 1] of the memory available at start (MemAvailable) that "
         "the engine may take; the KV pool gets what the weights and the overhead of the memory plan leave of "
         "it. Instead of --kv-cache-memory / --max-total-tokens")
+    kv_cache_dtype: str = option("auto", "how the KV pool stores K and V (vLLM's flag): auto = the model's dtype "
+                                 "(--dtype; exact); bfloat16 / float16 = that dtype, which must be the model's; "
+                                 "int8 or fp8 (= fp8_e4m3) = an inexact tier: 8-bit codes with a float32 scale per "
+                                 "token and head, ~2x the tokens of bf16 in the same --kv-cache-memory (its cost in "
+                                 "quality: docs/serving.md); needs lockgate's CPU kernels",
+                                 choices=list(KV_CACHE_DTYPES))
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens}")
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) < 1:

@@ -6,11 +6,12 @@ option lands in one of four places:
 
 * a config field under vLLM's name or as an alias of lockgate's (``--max-num-seqs`` is
   ``--max-running-requests``, ``--max-num-batched-tokens`` is ``--max-prefill-tokens``,
-  ``--gpu-memory-utilization``, ``--served-model-name``, ``--tool-call-parser``): nothing here;
+  ``--gpu-memory-utilization``, ``--kv-cache-dtype``, ``--served-model-name``,
+  ``--tool-call-parser``): nothing here;
 * ``INVERTED``: a switch that is a lockgate switch the other way round
   (``--enable-prefix-caching`` is ``not --disable-prefix-cache``);
-* ``ONLY``: an option with one supported value (``--tensor-parallel-size 1``,
-  ``--kv-cache-dtype auto``); any other value is an error saying why, never ignored;
+* ``ONLY``: an option with one supported value (``--tensor-parallel-size 1``); any other value is
+  an error saying why, never ignored;
 * ``NO_EFFECT``: an option that changes nothing here (``--enforce-eager``: there are no CUDA
   graphs); accepted, and one log line says so.
 
@@ -36,8 +37,6 @@ ONLY: dict[str, tuple[Any, str]] = {
     "tensor_parallel_size": (1, "tensor parallelism is not available yet: one process runs the whole model "
                                 "(for more throughput run replicas: serve --dp N)"),
     "pipeline_parallel_size": (1, "pipeline parallelism is not available yet: one process runs the whole model"),
-    "kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype (--dtype); other KV dtypes are not "
-                               "implemented"),
 }
 
 # vLLM option -> why it changes nothing here (logged once when given)
@@ -83,7 +82,6 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None, help="only 1")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="the radix prefix cache (on by default; --no-enable-prefix-caching = --disable-prefix-cache)")
-    g.add_argument("--kv-cache-dtype", default=None, help="only auto (the model's dtype)")
     g.add_argument("--tokenizer", default=None, help="only the model's own tokenizer (the --model value)")
     for name in CLI_NO_EFFECT:
         g.add_argument(_flag(name), action="store_true", default=None, help=f"no effect: {NO_EFFECT[name]}")

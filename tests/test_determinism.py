@@ -138,6 +138,35 @@ def test_int8_activation_tier_keeps_the_promise_and_changes_the_numbers(alone) -
     assert any(lone(p, k, n) != alone(p, k, n) for p, k, n in batch)
 
 
+def test_int8_kv_tier_keeps_the_promise_and_changes_the_numbers(alone) -> None:
+    """--kv-cache-dtype int8 is an inexact tier with determinism of its own (each token's K/V is
+    quantized when written, from its own values): a batch with prefix-cache hits, speculation and
+    5-token prompt chunks gives each request the lone answer of the same tier, bitwise; and the tier
+    does change the numbers (its logprobs are not the exact pool's)."""
+    tier = dict(deterministic=True, max_total_tokens=8192, kv_cache_dtype="int8", check_invariants=True)
+    lone = lone_answers(LLM("default", **tier, disable_prefix_cache=True, speculative_tokens=0,
+                            max_prefill_tokens=4096))
+    busy = LLM("default", **tier, max_prefill_tokens=5)
+    busy.generate([PROMPTS[0], PROMPTS[2]], params(0, 2))  # warm the cache: later prompts hit it
+    batch = [(p, k, 8) for p in range(len(PROMPTS)) for k in (0, 1)]
+    outs = busy.generate([PROMPTS[p] for p, _, _ in batch], [params(k, n) for _, k, n in batch])
+    for (p, k, n), out in zip(batch, outs, strict=True):
+        assert answer(out) == lone(p, k, n), (PROMPTS[p], k, n)
+    assert any(lone(p, k, n) != alone(p, k, n) for p, k, n in batch)
+
+
+def test_fp8_kv_tier_default_engine_cache_state_and_chunking_give_the_lone_answer() -> None:
+    """The default engine's promise (exact prefill) on the fp8 tier: one request at a time, its prompt
+    cached in full, in part or not at all, prefilled in chunks of 3 tokens, gives bitwise the answer
+    of a cold whole-prompt run on the same tier."""
+    tier = dict(max_total_tokens=8192, kv_cache_dtype="fp8")
+    whole = lone_answers(LLM("default", **tier, disable_prefix_cache=True, max_prefill_tokens=4096))
+    llm = LLM("default", **tier, max_prefill_tokens=3, check_invariants=True)
+    llm.generate([PROMPTS[0]], params(0, 2))  # PROMPTS[1] starts with it: a partial hit
+    for p, k in ((1, 1), (3, 0), (3, 0), (6, 2)):  # (3 twice: the second run finds its whole prompt cached)
+        assert answer(llm.generate([PROMPTS[p]], params(k, 6))[0]) == whole(p, k, 6), (PROMPTS[p], k)
+
+
 def test_int8_activation_tier_needs_4_bit_integer_forms() -> None:
     # explicit --dtype float32 keeps the weights dense: nothing the tier could apply to, said at start
     with pytest.raises(ValueError, match=r"--activation-quant int8 applies to projections on 4-bit"):

@@ -32,7 +32,7 @@ LAYERS: dict[str, int] = {
 # Units whose modules must import without torch (torch is for the model: layers, models' architectures,
 # runner, kernels). The entries are modules to import in a fresh interpreter.
 TORCH_FREE = ["lockgate.config", "lockgate.paths", "lockgate.sampling", "lockgate.plan", "lockgate.kernel_choice",
-              "lockgate.kvcache.allocator", "lockgate.kvcache.radix", "lockgate.ipc.messages", "lockgate.ipc.channel",
+              "lockgate.kvcache.allocator", "lockgate.kvcache.radix", "lockgate.kvcache.kv_dtype", "lockgate.ipc.messages", "lockgate.ipc.channel",
               "lockgate.ipc.child", "lockgate.httpguard", "lockgate.tokenizer.tokenizer", "lockgate.tokenizer.output",
               "lockgate.tokenizer.process", "lockgate.scheduler.scheduler", "lockgate.scheduler.policy",
               "lockgate.scheduler.speculate", "lockgate.engine.core", "lockgate.engine.process",

@@ -66,7 +66,6 @@ def test_token_counts_as_vllm_writes_them() -> None:
 
 @pytest.mark.parametrize("argv, message", [
     ("serve -tp 2", "--tensor-parallel-size 2: tensor parallelism is not available yet"),
-    ("serve --kv-cache-dtype fp8", "--kv-cache-dtype fp8: the KV cache is kept in the model's dtype"),
     ("serve --gpu-memory-utilization 0.5 --kv-cache-memory 1GiB",
      "--gpu-memory-utilization and --kv-cache-memory both size the KV pool: give one"),
     ("serve --gpu-memory-utilization 0.5 --max-total-tokens 4096",
@@ -136,8 +135,9 @@ def test_llm_takes_vllms_keyword_arguments_and_refuses_unknown_ones_as_vllm_does
         LLM(model="sim", speculative_model="x")
     with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism is not available yet"):
         LLM(model="sim", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
-        LLM(model="sim", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, bfloat16, float16, fp8, fp8_e4m3, "
+                                         "int8; got 'fp4'"):
+        LLM(model="sim", kv_cache_dtype="fp4")
     llm = LLM(model="sim", **VLLM_KWARGS)
     assert llm.engine.cfg.scheduler.max_running_requests == 4
 

@@ -178,7 +178,8 @@ class SchedulerProcess:
         self.out.send(Ready(model=args.model_name, model_dir=str(getattr(r, "model_dir", "") or "") or None,
                             max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,
                             eos_token_ids=list(r.eos_token_ids), dtype=str(getattr(r, "dtype", "sim")),
-                            scheduler_pid=os.getpid(), adapters=self._adapter_cards()))
+                            scheduler_pid=os.getpid(), adapters=self._adapter_cards(),
+                            kv_cache_dtype=str(getattr(r, "kv_cache_dtype_name", "auto"))))
 
     def _heartbeats(self) -> None:
         """A side thread with its own socket tells the detokenizer (and so the API) every second that

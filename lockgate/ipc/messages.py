@@ -166,6 +166,7 @@ class Ready(_Msg):
     dtype: str
     scheduler_pid: int
     adapters: list[AdapterCard] = []  # LoRA adapters loaded at start (--lora-modules)
+    kv_cache_dtype: str = "auto"  # what the KV pool stores: the run dtype's name, int8 or fp8_e4m3
 
 
 class Fatal(_Msg):

@@ -53,6 +53,13 @@ decodes on the decode kernel over each sequence's last ``window`` keys, anything
 window, and float32 scores). Windowed layers keep
 every key in the pool (the window decides what is read, not what is kept).
 
+An 8-bit pool (``--kv-cache-dtype int8 / fp8``: [capacity, Hkv, D + 4] int8 or float8_e4m3fn, each
+row D codes and its float32 scale, ``lockgate.layers.kv_quant``) is read only by lockgate's kernels,
+in place: the runner then puts every token's attention on them (``AttentionMetadata.build`` with
+``prefill_kernel``: one kernel group, no SDPA path), and ``masked_attention`` de-quantizes the rows it
+gathers for the step. ``write_kv`` quantizes each row as it is written (the kernels' write path,
+``rope_write_kv``, does the same in C++).
+
 GQA without expanding K/V: query heads h = kv * G + g (G = H // Hkv) share kv head ``kv``, so
 the queries are reshaped to [Bg, Hkv, G * Q, D] (the G heads of a kv group become extra query
 rows) and attend to K/V [Bg, Hkv, L, D] directly. For decode (Q == 1) this reshape is a free
@@ -68,6 +75,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lockgate.layers import kv_quant
 from lockgate.layers.attention_meta import (
     AttentionGroup,
     AttentionMetadata,
@@ -79,7 +87,11 @@ from lockgate.layers.attention_meta import (
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """k_cache/v_cache [capacity, Hkv, D] (one layer), slots [T], k/v [T, Hkv, D]."""
+    """k_cache/v_cache [capacity, Hkv, D] (one layer; an 8-bit pool's [capacity, Hkv, D + 4]: each
+    row quantized as written, ``kv_quant``), slots [T], k/v [T, Hkv, D]."""
+    if kv_quant.is_quantized(k_cache):
+        kind = "int8" if k_cache.dtype == torch.int8 else "fp8"
+        k, v = kv_quant.quantize(k, kind), kv_quant.quantize(v, kind)
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
 
@@ -218,8 +230,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
     qp = q.new_zeros(b * qmax, h, d)
     qp.index_copy_(0, lay.q_pad, q.index_select(0, lay.q_rows))
     qp = qp.view(b, qmax, h, d).transpose(1, 2).float()  # [B, H, Q, D]
-    keys = k_cache[lay.gather].float().repeat_interleave(h // hkv, dim=2).transpose(1, 2)  # [B, H, L, D]
-    vals = v_cache[lay.gather].float().repeat_interleave(h // hkv, dim=2).transpose(1, 2)
+    # the step's contexts as float32 (an 8-bit pool's gathered rows de-quantized: these rows only)
+    keys = kv_quant.read_rows(k_cache, lay.gather).repeat_interleave(h // hkv, dim=2).transpose(1, 2)  # [B, H, L, D]
+    vals = kv_quant.read_rows(v_cache, lay.gather).repeat_interleave(h // hkv, dim=2).transpose(1, 2)
     scores = torch.matmul(qp, keys.transpose(-1, -2)) * scale  # [B, H, Q, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -236,7 +249,8 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         kv_offsets: np.ndarray, scale: float) -> torch.Tensor:
     """Loop-over-sequences causal attention in float32 (the step's K/V must already be written).
 
-    q [T, H, D], k_cache/v_cache [capacity, Hkv, D] -> [T, H, D] in q's dtype.
+    q [T, H, D], k_cache/v_cache [capacity, Hkv, D] (an 8-bit pool: its rows de-quantized) -> [T, H, D]
+    in q's dtype.
     """
     h, hkv = q.shape[1], k_cache.shape[1]
     outs = []
@@ -244,8 +258,8 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for b in range(len(query_lens)):
         ql, sl = int(query_lens[b]), int(seq_lens[b])
         slots = torch.as_tensor(kv_slots[kv_offsets[b]:kv_offsets[b + 1]], dtype=torch.long, device=q.device)
-        k = k_cache[slots].float().repeat_interleave(h // hkv, dim=1)  # [L, H, D]
-        v = v_cache[slots].float().repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+        k = kv_quant.read_rows(k_cache, slots).repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+        v = kv_quant.read_rows(v_cache, slots).repeat_interleave(h // hkv, dim=1)  # [L, H, D]
         qb = q[t:t + ql].float()  # [ql, H, D]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [H, ql, L]
         pos = torch.arange(sl - ql, sl, device=q.device)[:, None]  # [ql, 1] absolute query positions

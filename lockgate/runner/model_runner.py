@@ -1,7 +1,10 @@
 """ModelRunner: owns the weights and the KV pool; turns a ForwardPlan into a ForwardResult.
 
 Owns: the model (``DecoderModel``), the KV pool tensors ``k_cache`` / ``v_cache`` of shape
-[num_layers, capacity, Hkv, D] (slot s = one token's K/V in every layer), the run dtype and
+[num_layers, capacity, Hkv, D] (slot s = one token's K/V in every layer; with ``--kv-cache-dtype
+int8 / fp8`` [num_layers, capacity, Hkv, D + 4] of 8-bit codes and per-row scales,
+``lockgate.kvcache.kv_dtype``, its capacity counted at those bytes, every token's attention on the
+kernels, which read it in place), the run dtype and
 device, and the torch.Generator used for unseeded sampling (seeded from ``--seed``). The choices
 read from the flags stay here (an explicit ``--dtype``, ``--quantization auto`` kept dense under an
 explicit float32, whether float32 copies are made, ``--deterministic`` without tuning on the integer
@@ -45,6 +48,8 @@ from lockgate.checkpoint.gguf_tensors import GgufWeights
 from lockgate.checkpoint.loader import checkpoint_fingerprint, gguf_weights_of, prepare_model_dir_apart
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import DETERMINISTIC_FORM, CacheConfig, ModelConfig
+from lockgate.kvcache import kv_dtype
+from lockgate.layers import kv_quant
 from lockgate.layers.attention_meta import AttentionMetadata
 from lockgate.layers.forms import weight_copies_fit
 from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
@@ -133,7 +138,18 @@ class ModelRunner:
         fp32 = (self.dtype != torch.float32 and model_cfg.fp32_matmul_rows != "off"
                 and (model_cfg.fp32_matmul_rows != "auto" or weight_copies_fit(4 * args.matmul_parameters)))
         elem = torch.empty((), dtype=self.dtype).element_size()
-        bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * elem
+        run_dtype = str(self.dtype).removeprefix("torch.")
+        # the pool's format: the run dtype (auto), or 8-bit codes with per token and head scales
+        self.kv_cache_dtype: str = kv_dtype.resolve(cache_cfg.kv_cache_dtype, run_dtype)
+        if self.kv_cache_dtype != "auto" and not self.cpu_kernels:
+            raise ValueError(f"--kv-cache-dtype {cache_cfg.kv_cache_dtype}: the 8-bit KV pool is read by lockgate's "
+                             f"CPU kernels, which this run lacks ({kernels.error() or 'not loaded'}; --dtype "
+                             f"{run_dtype}, device {self.device}; they need a CPU, float32 or bfloat16, and "
+                             "--cpu-kernels auto)")
+        self.kv_cache_dtype_name: str = run_dtype if self.kv_cache_dtype == "auto" else (
+            "fp8_e4m3" if self.kv_cache_dtype == "fp8" else self.kv_cache_dtype)
+        bytes_per_token = kv_dtype.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
+                                                   self.kv_cache_dtype, elem)
         gguf_path = gguf_weights_of(self.model_dir)
         gguf = GgufWeights(gguf_path) if gguf_path is not None else None  # read once: planned, then loaded
 
@@ -178,16 +194,23 @@ class ModelRunner:
         self._logits = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)  # _logits_buffer
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir)
         self.max_model_len: int = self._context_length(model_cfg)
-        shape = self.model.kv_shape(self.capacity)  # [layers, capacity, Hkv, D]
+        if self.kv_cache_dtype != "auto":  # the 8-bit pool is read by the kernels only: every token's attention there
+            self.paths.decode_kernel = self.paths.prefill_kernel = True
+            self.paths.tuned.update(decode_attention="kernel", prefill_attention="kernel",
+                                    kv_cache_dtype=self.kv_cache_dtype_name)
+        # [layers, capacity, Hkv, D], or [layers, capacity, Hkv, D + 4] int8 / float8_e4m3fn (codes, then the scale)
+        shape = kv_quant.pool_shape(self.model.kv_shape(self.capacity), self.kv_cache_dtype)
         t_pool = time.perf_counter()
-        self.k_cache, self.v_cache = allocate_pool(shape, self.dtype, self.device, cache_cfg.sized_by)
+        self.k_cache, self.v_cache = allocate_pool(shape, kv_quant.POOL_DTYPES.get(self.kv_cache_dtype, self.dtype),
+                                                   self.device, cache_cfg.sized_by)
         t_pool = time.perf_counter() - t_pool
         return_freed_memory()  # loading's scratch (blocks, codes) goes back to the system
         log.info("model %s (%s, %d layers) on %s in %s, loaded in %.2fs; max_model_len %d",
                  self.model_dir, args.model_type, args.num_layers, self.device, self.dtype,
                  time.perf_counter() - t0, self.max_model_len)
-        log.info("KV pool: %d tokens x %d bytes = %.1f MiB (allocated and faulted in in %.2fs)", self.capacity,
-                 bytes_per_token, self.capacity * bytes_per_token / 2**20, t_pool)
+        log.info("KV pool: %d tokens x %d bytes = %.1f MiB, --kv-cache-dtype %s: %s (allocated and faulted in in "
+                 "%.2fs)", self.capacity, bytes_per_token, self.capacity * bytes_per_token / 2**20,
+                 cache_cfg.kv_cache_dtype, kv_dtype.describe(self.kv_cache_dtype, run_dtype), t_pool)
         self.lora_slots: LoraSlots | None = None  # LoRA: the adapters the scheduler put in slots
         self.max_lora_rank = 0
         self._adapters: dict[int, AdapterWeights] = {}  # uid -> weights of every loaded adapter

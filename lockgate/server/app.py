@@ -7,7 +7,8 @@ starts the engine client and, on shutdown, aborts what is still running and tell
 scheduler to stop.
 
 ``/v1/loads`` is what a gateway routes on: requests in flight (``in_flight``, ``queued_in_api``), the
-engine's running / waiting counts, KV slots and admission ``headroom`` (tokens it could admit now),
+engine's running / waiting counts, KV slots (``capacity`` in tokens; ``kv_cache_dtype``: what the pool
+stores, the run dtype's name or int8 / fp8_e4m3) and admission ``headroom`` (tokens it could admit now),
 and the queue forecast (engine/forecast.py, carried by every step batch): ``queue_eta_s`` (seconds
 before a request sent now would start its prefill: the prompt tokens queued ahead of it, shared spans
 and cached prefixes counted once, at the measured prefill rate, plus the decode steps riding along
@@ -246,6 +247,8 @@ async def loads(request: Request) -> Response:
                     prefill_backlog_tokens=0, decode_backlog_tokens=0, prefill_tokens_per_s=None, decode_step_s=None,
                     queue_blocked=False, forecast_age_s=0.0)
     # per tenant (metrics label): waiting for a first token, in flight
+    if c.info is not None:  # what the pool stores (its capacity in tokens is counted at those bytes)
+        body["kv_cache_dtype"] = c.info.kv_cache_dtype
     body["tenants"] = {t: {"queued": q, "in_flight": f} for t, (q, f) in sorted(c.tenant_load().items())}
     body["adapters"] = sorted(c.adapters)  # LoRA adapters loaded (the gateway prefers a replica that has one)
     return JSONResponse(body)

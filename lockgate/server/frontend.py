@@ -320,12 +320,12 @@ class EngineClient:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir, template)
         self.info = info
         self.adapters = {a.name: a for a in info.adapters}
-        self.metrics.on_ready(info.max_model_len, info.capacity, info.dtype)
+        self.metrics.on_ready(info.max_model_len, info.capacity, info.dtype, info.kv_cache_dtype)
         self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}
         freeze_heap()
         self.ready.set()
-        log.info("ready: model %s (%s), context %d tokens, KV capacity %d tokens", info.model, info.dtype,
-                 info.max_model_len, info.capacity)
+        log.info("ready: model %s (%s), context %d tokens, KV capacity %d tokens (KV stored as %s)", info.model,
+                 info.dtype, info.max_model_len, info.capacity, info.kv_cache_dtype)
 
     def _deliver(self, out: TextOut) -> None:
         stream = self.streams.get(out.rid)

@@ -176,9 +176,10 @@ class Metrics:
         for pos in range(engine.scheduler.speculative_tokens if engine is not None else 0):
             self.spec_per_pos.labels(*key, str(pos))
 
-    def on_ready(self, max_model_len: int, capacity: int | None = None, dtype: str | None = None) -> None:
+    def on_ready(self, max_model_len: int, capacity: int | None = None, dtype: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         """Create the token-count histograms (1-2-5 buckets up to the context length) and, given the pool's
-        ``capacity`` (tokens) and ``dtype``, ``cache_config_info``; once."""
+        ``capacity`` (tokens), the model's ``dtype`` and what the pool stores, ``cache_config_info``; once."""
         if self.request_prompt_tokens is not None:
             return
         buckets = one_two_five(max(max_model_len, 1))
@@ -193,7 +194,8 @@ class Metrics:
         if capacity is not None and self._engine is not None:
             e = self._engine
             info = {"engine": ENGINE, "block_size": "1", "num_gpu_blocks": str(capacity), "num_cpu_blocks": "0",
-                    "cache_dtype": "auto", "kv_dtype": dtype or "", "enable_prefix_caching":
+                    "cache_dtype": kv_cache_dtype if kv_cache_dtype in ("int8", "fp8_e4m3") else "auto",
+                    "kv_dtype": kv_cache_dtype if kv_cache_dtype != "auto" else dtype or "", "enable_prefix_caching":
                     str(not e.scheduler.disable_prefix_cache), "gpu_memory_utilization":
                     str(e.cache.gpu_memory_utilization or "")}
             self.cache_config_info = Gauge("lockgate:cache_config_info", "The KV cache's configuration (vLLM's "

@@ -57,11 +57,22 @@
 //     head sizes without a vector path.
 // Vector paths exist for head sizes 32, 64, 96, 128 and 256 (AVX-512) and 32, 64, 128 and 256
 // (AVX2). Paths differ in rounding (last-bit differences between CPU types), never within one build.
+//
+// An 8-bit pool (--kv-cache-dtype int8 / fp8: k_cache / v_cache [C, Hkv, D + 4] int8 or
+// float8_e4m3fn, each row D codes then its float32 scale, kv_quant.h) is read in place too, one
+// token at a time on every CPU (the per-token paths: AVX2 + FMA + F16C vectors for head sizes 32, 64,
+// 128 and 256, else plain loops), with float32 or bf16 queries. Codes are widened to float32 in
+// registers (int8: sign-extended and converted; e4m3fn: its bits moved into a float16's, an exact
+// 2^-8 multiple, converted by F16C); a key's score is (q . codes) * its K scale, and a value row
+// enters the sum as codes times (probability * its V scale). No de-quantized copy of the pool or of
+// a sequence's keys is made. The chunking, statistics and merge are the ones above, so a token's
+// result still depends on its own query and keys only.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "steal.h"
 #include "vec_math.h"
@@ -351,6 +362,138 @@ void attend_avx2(const float* qf, const TKV* kc, const TKV* vc, const int64_t* s
   }
 }
 #endif
+
+// ---- 8-bit pools (kv_quant.h): one token's G query heads over n keys, one kv head ----
+using lockgate::QFp8;
+using lockgate::QInt8;
+using lockgate::kQuantized;
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOCKGATE_ATTN_Q8 1
+// 8 codes -> 8 float lanes: int8 exactly; e4m3fn as its value times 2^-8 (kCodeUnit undoes it).
+inline __m256 load8_codes(const QInt8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8_codes(const QFp8* p) {
+  // s eeee mmm -> float16 s 0eeee mmm0000000: the same exponent field with bias 15 instead of 7
+  // (subnormals too), so the float16's value is the e4m3fn value times 2^-8 exactly
+  const __m128i t = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(t, _mm_set1_epi16(0x80)), 8);
+  const __m128i mag = _mm_slli_epi16(_mm_and_si128(t, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_cvtph_ps(_mm_or_si128(sign, mag));
+}
+#endif
+template <typename Code>
+constexpr float kCodeUnit = std::is_same_v<Code, QFp8> ? 256.f : 1.f;
+
+#if defined(LOCKGATE_ATTN_Q8)
+inline float hsum8q(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R (<= 4) query rows x keys sl[0..n) of an 8-bit pool: scores, softmax, probabilities x values
+// -> part. D = 8 * NV, NV even. Rows are D codes + a float32 scale (rb bytes).
+template <int NV, int R, typename Code>
+void attend_rows_q8(const float* qf, const char* kc, const char* vc, const int64_t* sl, int64_t n, int64_t hkv,
+                    int64_t kv, float* sc, float* vs, float* part) {
+  constexpr int64_t d = 8 * NV, rb = d + lockgate::kScaleBytes;
+  constexpr int kHeld = NV < 8 ? NV : 8;  // key vectors held at a time
+  constexpr int kAhead = 8;               // rows ahead (slots are scattered)
+  for (int64_t j = 0; j < n; ++j) {
+    const char* kr = kc + (sl[j] * hkv + kv) * rb;
+    if (j + kAhead < n) {  // this key's row ahead, and its value row for the second pass
+      const int64_t row = (sl[j + kAhead] * hkv + kv) * rb;
+      for (int64_t o = 0; o < rb; o += 64) {
+        _mm_prefetch(kc + row + o, _MM_HINT_T0);
+        _mm_prefetch(vc + row + o, _MM_HINT_T1);
+      }
+      _mm_prefetch(kc + row + rb - 1, _MM_HINT_T0);
+      _mm_prefetch(vc + row + rb - 1, _MM_HINT_T1);
+    }
+    const Code* codes = reinterpret_cast<const Code*>(kr);
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int v0 = 0; v0 < NV; v0 += kHeld) {
+      __m256 k[kHeld];
+      for (int v = 0; v < kHeld; ++v) k[v] = load8_codes(codes + 8 * (v0 + v));
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kHeld; ++v)
+          acc[r][v & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * d + 8 * (v0 + v)), k[v], acc[r][v & 1]);
+    }
+    const float ks = lockgate::row_scale(kr, d) * kCodeUnit<Code>;
+    for (int r = 0; r < R; ++r) sc[r * n + j] = hsum8q(_mm256_add_ps(acc[r][0], acc[r][1])) * ks;
+  }
+  softmax_rows(sc, R, n, part, d);
+  for (int64_t j = 0; j < n; ++j) vs[j] = lockgate::row_scale(vc + (sl[j] * hkv + kv) * rb, d) * kCodeUnit<Code>;
+  for (int v0 = 0; v0 < NV; v0 += 2) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {  // (the scores pass prefetched every value row)
+      const Code* vr = reinterpret_cast<const Code*>(vc + (sl[j] * hkv + kv) * rb) + 8 * v0;
+      const __m256 v_lo = load8_codes(vr), v_hi = load8_codes(vr + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_set1_ps(sc[r * n + j] * vs[j]);
+        acc[r][0] = _mm256_fmadd_ps(w, v_lo, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v_hi, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(part + r * (d + 2) + 2 + 8 * v0, acc[r][0]);
+      _mm256_storeu_ps(part + r * (d + 2) + 2 + 8 * v0 + 8, acc[r][1]);
+    }
+  }
+}
+
+template <int NV, typename Code>
+void attend_q8(const float* qf, const char* kc, const char* vc, const int64_t* sl, int64_t n, int64_t hkv, int64_t kv,
+               int64_t g, float* sc, float* vs, float* part) {
+  constexpr int64_t d = 8 * NV;
+  for (int64_t r0 = 0; r0 < g; r0 += 4) {
+    const float* q = qf + r0 * d;
+    float* pr = part + r0 * (d + 2);
+    switch (std::min<int64_t>(4, g - r0)) {
+      case 1: attend_rows_q8<NV, 1, Code>(q, kc, vc, sl, n, hkv, kv, sc, vs, pr); break;
+      case 2: attend_rows_q8<NV, 2, Code>(q, kc, vc, sl, n, hkv, kv, sc, vs, pr); break;
+      case 3: attend_rows_q8<NV, 3, Code>(q, kc, vc, sl, n, hkv, kv, sc, vs, pr); break;
+      default: attend_rows_q8<NV, 4, Code>(q, kc, vc, sl, n, hkv, kv, sc, vs, pr); break;
+    }
+  }
+}
+#endif
+
+// Any head size, any CPU, an 8-bit pool: plain loops (the arithmetic of attend_rows_q8, in scalar order).
+template <typename Code>
+void attend_generic_q8(const float* qf, const char* kc, const char* vc, const int64_t* sl, int64_t n, int64_t hkv,
+                       int64_t kv, int64_t g, int64_t d, float* sc, float* row, float* part) {
+  const int64_t rb = d + lockgate::kScaleBytes;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* kr = kc + (sl[j] * hkv + kv) * rb;
+    const Code* codes = reinterpret_cast<const Code*>(kr);
+    for (int64_t i = 0; i < d; ++i) row[i] = lockgate::code_value(codes[i]);
+    const float ks = lockgate::row_scale(kr, d);
+    for (int64_t r = 0; r < g; ++r) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < d; ++i) acc = mul_add(qf[r * d + i], row[i], acc);
+      sc[r * n + j] = acc * ks;
+    }
+  }
+  softmax_rows(sc, g, n, part, d);
+  for (int64_t r = 0; r < g; ++r) std::fill(part + r * (d + 2) + 2, part + r * (d + 2) + 2 + d, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const char* vr = vc + (sl[j] * hkv + kv) * rb;
+    const Code* codes = reinterpret_cast<const Code*>(vr);
+    for (int64_t i = 0; i < d; ++i) row[i] = lockgate::code_value(codes[i]);
+    const float vs = lockgate::row_scale(vr, d);
+    for (int64_t r = 0; r < g; ++r) {
+      float* acc = part + r * (d + 2) + 2;
+      const float w = sc[r * n + j] * vs;
+      for (int64_t i = 0; i < d; ++i) acc[i] = mul_add(w, row[i], acc[i]);
+    }
+  }
+}
 
 // Any head size, any CPU: plain loops (auto-vectorised where the compiler can).
 template <typename TKV>
@@ -995,10 +1138,11 @@ void item_per_token(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0,
                     const TKV* vc, const int64_t* slots, int64_t h, int64_t hkv, int64_t d, float scale,
                     float* parts, std::vector<float>& scratch) {
   const int64_t g = h / hkv, begin = it.chunk * kChunkKeys;
-  scratch.resize(static_cast<size_t>(g * d + d + g * kChunkKeys));
+  scratch.resize(static_cast<size_t>(g * d + d + g * kChunkKeys + kChunkKeys));
   float* qf = scratch.data();  // [G, D] scaled queries
   float* row = qf + g * d;     // [D] one key or value row, widened (generic path)
   float* sc = row + d;         // [G, n] scores, then probabilities
+  float* vs = sc + g * kChunkKeys;  // [n] the value rows' scales (8-bit pools)
   for (int64_t t = it.t0; t < it.t1; ++t) {
     const int64_t n = std::min(kChunkKeys, tk.count[t] - begin);
     const int64_t* sl = slots + tk.base[t] + begin;
@@ -1008,6 +1152,18 @@ void item_per_token(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0,
         for (int64_t i = 0; i < d; ++i) qf[r * d + i] = widen(src[i]) * scale;
       }
       float* part = part_of(parts, tk, t, it.chunk, h, kv * g, d);
+      if constexpr (kQuantized<TKV>) {
+        const char* kq = reinterpret_cast<const char*>(kc);
+        const char* vq = reinterpret_cast<const char*>(vc);
+#if defined(LOCKGATE_ATTN_Q8)
+        if (d == 64) { attend_q8<8, TKV>(qf, kq, vq, sl, n, hkv, kv, g, sc, vs, part); continue; }
+        if (d == 128) { attend_q8<16, TKV>(qf, kq, vq, sl, n, hkv, kv, g, sc, vs, part); continue; }
+        if (d == 256) { attend_q8<32, TKV>(qf, kq, vq, sl, n, hkv, kv, g, sc, vs, part); continue; }
+        if (d == 32) { attend_q8<4, TKV>(qf, kq, vq, sl, n, hkv, kv, g, sc, vs, part); continue; }
+#endif
+        attend_generic_q8<TKV>(qf, kq, vq, sl, n, hkv, kv, g, d, sc, row, part);
+        continue;
+      } else {
 #if defined(LOCKGATE_ATTN_256)
       if (d == 64) { attend_avx2<8>(qf, kc, vc, sl, n, hkv, kv, g, sc, part); continue; }
       if (d == 128) { attend_avx2<16>(qf, kc, vc, sl, n, hkv, kv, g, sc, part); continue; }
@@ -1015,6 +1171,7 @@ void item_per_token(const Item& it, const Tokens& tk, const TQ* q, int64_t q_s0,
       if (d == 32) { attend_avx2<4>(qf, kc, vc, sl, n, hkv, kv, g, sc, part); continue; }
 #endif
       attend_generic(qf, kc, vc, sl, n, hkv, kv, g, d, sc, row, part);
+      }
     }
   }
 }
@@ -1079,8 +1236,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // every partial is written by the item that owns it before the merge reads it: no zeroing
   const std::unique_ptr<float[]> parts(new float[static_cast<size_t>(tk.parts * h * (d + 2))]);
   const TQ* qp = q.data_ptr<TQ>();
-  const TKV* kc = k_cache.data_ptr<TKV>();
-  const TKV* vc = v_cache.data_ptr<TKV>();
+  const TKV* kc = static_cast<const TKV*>(k_cache.data_ptr());  // (an 8-bit pool: its bytes, rows of D + 4)
+  const TKV* vc = static_cast<const TKV*>(v_cache.data_ptr());
   const int64_t* sl = slots.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   // Stripes of items are taken from a shared counter; which thread runs an item changes nothing in
@@ -1100,6 +1257,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t st = next++; st < ns; st = next++)
     for (int64_t i = stripe[st]; i < stripe[st + 1]; ++i) {
       const Item& it = items[i];
+      if constexpr (!kQuantized<TKV>) {  // (an 8-bit pool: one token at a time, below)
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
@@ -1129,6 +1287,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         default: break;
       }
 #endif
+      }
       item_per_token<TQ, TKV>(it, tk, qp, q.stride(0), q.stride(1), kc, vc, sl, h, hkv, d, sc, parts.get(),
                               token_scratch);
     }
@@ -1159,7 +1318,8 @@ void check_pool(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                   v_cache.sizes() == k_cache.sizes(),
               name, ": k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), name, ": k_cache and v_cache dtypes differ");
-  TORCH_CHECK(q.size(2) == k_cache.size(2), name, ": head dim of q and the pool differ");
+  TORCH_CHECK(q.size(2) == pool_head_dim(k_cache), name, ": head dim of q and the pool differ",
+              is_quantized_pool(k_cache) ? " (an 8-bit pool's rows are D codes + a 4-byte scale)" : "");
   TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
               name, ": query heads must be a positive multiple of kv heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
@@ -1212,6 +1372,14 @@ std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& q, const at::Tenso
     run<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, slots, tk, scale, out, lse);
   } else if (qt == at::kFloat && kt == at::kBFloat16) {
     run<float, c10::BFloat16>(q, k_cache, v_cache, slots, tk, scale, out, lse);
+  } else if (qt == at::kFloat && kt == at::kChar) {
+    run<float, QInt8>(q, k_cache, v_cache, slots, tk, scale, out, lse);
+  } else if (qt == at::kBFloat16 && kt == at::kChar) {
+    run<c10::BFloat16, QInt8>(q, k_cache, v_cache, slots, tk, scale, out, lse);
+  } else if (qt == at::kFloat && kt == at::kFloat8_e4m3fn) {
+    run<float, QFp8>(q, k_cache, v_cache, slots, tk, scale, out, lse);
+  } else if (qt == at::kBFloat16 && kt == at::kFloat8_e4m3fn) {
+    run<c10::BFloat16, QFp8>(q, k_cache, v_cache, slots, tk, scale, out, lse);
   } else {
     TORCH_CHECK(false, name, ": unsupported dtypes q ", qt, " / pool ", kt);
   }

@@ -8,7 +8,8 @@
 //   x          [T, hidden] the step's embeddings (run dtype: float32 or bf16); used as the residual
 //              stream, returned after the last layer (every MLP output added)
 //   cos, sin   [T, D] rope (cos, signed sin) in the run dtype
-//   k_cache, v_cache  [L, C, Hkv, D] the pool; the step's K/V are written at out_slots [T]
+//   k_cache, v_cache  [L, C, Hkv, D] the pool (or an 8-bit pool [L, C, Hkv, D + 4]: kv_quant.h); the
+//              step's K/V are written at out_slots [T]
 //   slots, offsets    each sequence's keys (CSR, as lockgate::decode_attention)
 //   q_offsets  None: one token per sequence (lockgate::decode_attention); else each sequence's new
 //              tokens (CSR over x's rows, as lockgate::prefill_attention: prompt chunks, decode
@@ -79,6 +80,7 @@
 #include <optional>
 #include <vector>
 
+#include "kv_quant.h"
 #include "ops.h"
 
 namespace {
@@ -193,7 +195,7 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
                 int64_t heads, int64_t kv_heads, double eps, double scale, int64_t s0, int64_t s1, int64_t r0,
                 int64_t r1, const std::optional<Wanted>& wanted) {
   using lockgate::add_rms_norm_, lockgate::decode_attention, lockgate::prefill_attention, lockgate::rope_write_kv;
-  const int64_t layers = k_cache.size(0), t = r1 - r0, d = k_cache.size(3);
+  const int64_t layers = k_cache.size(0), t = r1 - r0, d = lockgate::pool_head_dim(k_cache);
   at::Tensor xp = x.narrow(0, r0, t);
   const at::Tensor cp = cos.narrow(0, r0, t), sp = sin.narrow(0, r0, t), osp = out_slots.narrow(0, r0, t);
   const at::Tensor offp = offsets.narrow(0, s0, s1 - s0 + 1);  // the kernels read slots[off[s] .. off[s + 1])

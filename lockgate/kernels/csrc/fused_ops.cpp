@@ -14,9 +14,13 @@
 //                           Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor
 //       qkv [T, (H + 2 Hkv) D]; cos / signed sin [T, D] (rotate-half form, as lockgate.layers.rope);
 //       writes rotated k and v into the pool [C, Hkv, D] at slots [T] (distinct, as the scheduler
-//       hands them out: rows are written in parallel); returns rotated q [T, H, D]
+//       hands them out: rows are written in parallel); returns rotated q [T, H, D]. An 8-bit pool
+//       ([C, Hkv, D + 4] int8 or float8_e4m3fn, kv_quant.h) gets each (token, kv head) row of k (as
+//       rotated and rounded to the run dtype: the values an exact pool would hold) and of v
+//       quantized with its own scale
 //
-// Supported dtypes: float32 and bfloat16 (all tensors of one call in the same dtype, float32 math).
+// Supported dtypes: float32 and bfloat16 (all tensors of one call in the same dtype, float32 math;
+// rope_write_kv's pool may be 8-bit instead).
 // Rows are split over threads only when there are enough of them to pay for waking the threads,
 // in pieces an idle thread can take from a descheduled one (lockgate::steal_for, steal.h). On
 // AVX-512 silu_mul (both dtypes) and, for bf16, add_rms_norm_ and rope_write_kv run 16 lanes at a
@@ -29,6 +33,7 @@
 
 #include "steal.h"
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "vec_math.h"
 
@@ -36,6 +41,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -183,9 +189,48 @@ inline void rope_row(const T* x, const T* cos, const T* ssin, int64_t d, T* dst)
   }
 }
 
+// The 8-bit pool's rows of token i (Code: QInt8 / QFp8): k rotated into a run-dtype row, then each
+// kv head's k and v rows quantized (kv_quant.h).
+template <typename Code, typename T>
+void rope_write_kv_quantized(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t h,
+                             int64_t hkv, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                             at::Tensor& q_out) {
+  const int64_t t = qkv.size(0), d = lockgate::pool_head_dim(k_cache), width = qkv.size(1);
+  const int64_t row_bytes = d + lockgate::kScaleBytes;
+  const T* in = qkv.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  T* q = q_out.data_ptr<T>();
+  lockgate::steal_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+    std::vector<T> krow(static_cast<size_t>(d));
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = in + i * width;
+      const T* ci = c + i * d;
+      const T* si = s + i * d;
+      for (int64_t hh = 0; hh < h; ++hh) rope_row(row + hh * d, ci, si, d, q + (i * h + hh) * d);
+      for (int64_t hh = 0; hh < hkv; ++hh) {
+        rope_row(row + (h + hh) * d, ci, si, d, krow.data());
+        lockgate::quantize_row<Code>(krow.data(), d, kc + (sl[i] * hkv + hh) * row_bytes);
+        lockgate::quantize_row<Code>(row + (h + hkv + hh) * d, d, vc + (sl[i] * hkv + hh) * row_bytes);
+      }
+    }
+  });
+}
+
 template <typename T>
 void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t h, int64_t hkv,
                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, at::Tensor& q_out) {
+  if (k_cache.scalar_type() == at::kChar) {
+    rope_write_kv_quantized<lockgate::QInt8, T>(qkv, cos, sin, h, hkv, k_cache, v_cache, slots, q_out);
+    return;
+  }
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    rope_write_kv_quantized<lockgate::QFp8, T>(qkv, cos, sin, h, hkv, k_cache, v_cache, slots, q_out);
+    return;
+  }
   const int64_t t = qkv.size(0), d = k_cache.size(2), width = qkv.size(1);
   const T* in = qkv.data_ptr<T>();
   const T* c = cos.data_ptr<T>();
@@ -233,8 +278,8 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == kv_heads,
               "k_cache/v_cache must be contiguous [C, Hkv, D] of the same shape");
-  const int64_t d = k_cache.size(2), t = qkv.size(0);
-  TORCH_CHECK(d % 2 == 0, "head dim must be even");
+  const int64_t d = lockgate::pool_head_dim(k_cache), t = qkv.size(0);
+  TORCH_CHECK(d > 0 && d % 2 == 0, "head dim must be even");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * d,
               "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == t && cos.size(1) == d && cos.is_contiguous() &&
@@ -243,9 +288,10 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "slots must be contiguous int64 [T]");
   const auto dt = qkv.scalar_type();
-  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && k_cache.scalar_type() == dt &&
-                  v_cache.scalar_type() == dt,
-              "qkv, cos, sin and the pool must share one dtype");
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt &&
+                  (k_cache.scalar_type() == dt || lockgate::is_quantized_pool(k_cache)) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "qkv, cos, sin and the pool must share one dtype (or the pool be 8-bit: int8, float8_e4m3fn)");
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK(sl[i] >= 0 && sl[i] < k_cache.size(0), "slot ", sl[i], " is outside the pool of ",
