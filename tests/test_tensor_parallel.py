@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import openai
 import pytest

@@ -30,6 +30,10 @@ Invariants:
 * The one-call fused step (``LayerOps.whole_step``) runs only for the plain Llama layout
   (``ModelArgs.plain``) and steps without LoRA adapters; a windowed layer whose step has a context
   longer than its window, or a soft-capped one, attends with ``windowed_attention``.
+* Tensor parallelism (``from_pretrained(shard=...)``, ``models/shard.py``): a rank's model holds
+  its heads and MLP columns, its ``args`` are that part's, and ``reduce`` (set by the runner) sums
+  the O projection's and the MLP's (or MoE block's) output over the ranks in place, before any norm
+  reads them; with ``reduce`` set the one-call fused step is not taken.
 * Unsupported architectures or features raise ``ValueError`` at load naming the key, and a
   missing or misshapen tensor names the tensor and the shape config.json implies.
 
