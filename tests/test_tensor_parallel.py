@@ -17,6 +17,7 @@ import threading
 
 import openai
 import pytest
+import torch
 from family_util import PROMPTS, assert_lockgate_matches, hf_greedy
 from server_util import ServerProc, pid_alive
 from test_families import FAMILIES, N_NEW, build, tokenizer_files  # noqa: F401  (a fixture)
@@ -75,8 +76,13 @@ CHAT = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        r
 
 def test_the_default_model_on_two_ranks_is_the_one_rank_model(smol_fp32) -> None:
     """float32: the same greedy tokens and log-probs within 1e-4 as one rank (speculation on in both;
-    the counting prompt is guessed ahead), the same constrained output; LoRA is refused by name."""
+    the counting prompt is guessed ahead), the same constrained output; LoRA is refused by name.
+    Rank 0 (this process) runs on its CPU group while the ranks run, and gets its CPUs back after."""
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
     llm = LLM("default", dtype="float32", max_total_tokens=8192, check_invariants=True, tensor_parallel_size=2)
+    rank = llm.engine.runner.tensor_parallel.procs[1]
+    if len(cpus) >= 2:
+        assert len(os.sched_getaffinity(0)) < len(cpus) and torch.get_num_threads() == len(os.sched_getaffinity(0))
     try:
         greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
         schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
@@ -95,6 +101,8 @@ def test_the_default_model_on_two_ranks_is_the_one_rank_model(smol_fp32) -> None
             llm.load_lora("a", "/nonexistent")
     finally:
         llm.engine.runner.close()
+    assert rank.poll() == 0  # stopped by its message, not killed
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cpus, threads)
 
 
 def test_the_default_models_quantized_forms_on_two_ranks() -> None:
@@ -117,6 +125,10 @@ def test_the_default_models_quantized_forms_on_two_ranks() -> None:
 
 def test_a_killed_rank_ends_the_server_naming_it_and_nothing_is_left(tmp_path, tokenizer_files) -> None:  # noqa: F811
     build(tmp_path, "mistral_sliding", tokenizer_files)
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3: the model has 4 attention heads in 2 KV groups"):
+        LLM(str(tmp_path), dtype="float32", max_total_tokens=512, tensor_parallel_size=3)
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cpus, threads)  # a failed start gives them back
     prompt = PROMPTS[2]
     want = LLM(str(tmp_path), dtype="float32", max_total_tokens=512).generate(
         prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

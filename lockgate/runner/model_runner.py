@@ -111,7 +111,17 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, rank: int = 0) -> None:
         """``rank``: with ``--tensor-parallel-size`` N > 1, which rank this process is: 0 starts
         the others (``runner/tensor_parallel.py``) and runs the steps; a rank > 0 is started by it
-        with rank 0's dtype, quantization and KV capacity, and runs ``run_part``."""
+        with rank 0's dtype, quantization and KV capacity, and runs ``run_part``. A start that fails
+        stops the ranks it started and gives back the CPUs it took."""
+        self.tensor_parallel: TensorParallelGroup | None = None  # rank 0's group (the other ranks)
+        self._before_tp: tuple[set[int], int] | None = None  # rank 0's CPUs and threads before it took its group
+        try:
+            self._load(model_cfg, cache_cfg, rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, rank: int) -> None:
         t0 = time.perf_counter()
         if model_cfg.deterministic and model_cfg.tuning == "off" and model_cfg.matmul_forms == "auto":
             # one batch-invariant form for every call; nothing measured to choose by: the integer GEMM
@@ -119,10 +129,10 @@ class ModelRunner:
         self.cfg = model_cfg
         tp = model_cfg.tensor_parallel_size
         self.shard: Shard | None = Shard(rank, tp) if tp > 1 else None
-        self.tensor_parallel: TensorParallelGroup | None = None  # rank 0's group (the other ranks)
         tp_cpus: list[list[int]] = []
         if self.shard is not None and rank == 0:
             tp_cpus = cpu_groups(tp, model_cfg.tp_cpus, os.sched_getaffinity(0))
+            self._before_tp = (os.sched_getaffinity(0), torch.get_num_threads())
             take_cpus(tp_cpus[0], model_cfg.num_threads)
         elif model_cfg.num_threads is not None:
             torch.set_num_threads(model_cfg.num_threads)
@@ -383,9 +393,15 @@ class ModelRunner:
                        head=False)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (rank 0; also done at exit)."""
+        """Stop the other tensor-parallel ranks (rank 0; also done at exit) and give this process
+        back the CPUs and threads it had (an offline ``LLM`` lives in the caller's process)."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+        if self._before_tp is not None:
+            cpus, threads = self._before_tp
+            os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(threads)
+            self._before_tp = None
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [>= rows, V] kept from step to step (grown, never shrunk) for the model's logits."""
