@@ -87,7 +87,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def bench(url: str, conc: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     n = max(4, conc * a.requests_per_slot)
     argv = [sys.executable, "-m", "lockgate.cli", "bench", "--url", url, "--workload", "random", "--input-len",
-            str(a.input_len), "--output-len", str(a.output_len), "--range-ratio", "1.0", "--num-requests", str(n),
+            str(a.input_len), "--output-len", str(a.output_len), "--range-ratio", "0", "--num-requests", str(n),
             "--max-concurrency", str(conc), "--warmup-requests", "1", "--seed", "7", "--no-progress",
             "--log-level", "WARNING", "--out", str(out)]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))

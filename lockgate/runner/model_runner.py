@@ -22,6 +22,12 @@ Invariants:
   greedy on unchanged logits, no logprobs: ``sampler.plain_greedy``) gets its tokens from the
   model's argmax path and never builds float32 logits; the tokens are the ones ``sample`` picks.
 
+* Tensor parallelism (``--tensor-parallel-size`` N > 1, ``runner/tensor_parallel.py``): rank 0's
+  runner owns the group; it computes the pool capacity every rank holds (the budget shared by all
+  ranks' pools, KV heads replicated on several ranks counted on each), starts the other ranks with
+  it and with its own dtype and quantization, loads its part while they load theirs, and sends each
+  step before running it. A rank > 0 is a ``ModelRunner(rank=r)`` driven by ``run_part``.
+
 Called by the scheduler process loop (``lockgate.engine.core``) and the offline ``LLM``
 through ``lockgate.runner.make_runner``.
 """
