@@ -133,9 +133,9 @@ def fused_bypass(a: argparse.Namespace) -> dict[str, Any]:
     from lockgate.plan import ForwardPlan, SamplingBatch
     from lockgate.runner.model_runner import ModelRunner
 
-    runner = ModelRunner(ModelConfig(model="default"), CacheConfig(max_total_tokens=16384))
+    runner = ModelRunner(ModelConfig(model="default", num_threads=a.step_threads), CacheConfig(max_total_tokens=16384))
     model = runner.model
-    out: dict[str, Any] = {"fused_step_available": model.fused_ops and model.args.plain}
+    out: dict[str, Any] = {"fused_step_available": model.fused_ops and model.args.plain, "threads": a.step_threads}
 
     def decode_plan(b: int, ctx: int) -> ForwardPlan:
         i64 = np.int64
@@ -181,6 +181,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--step-rounds", type=int, default=8)
+    p.add_argument("--step-threads", type=int, default=1, help="torch threads of the fused-step comparison (a TP rank "
+                   "on this machine has one)")
     p.add_argument("--skip-servers", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args()
