@@ -228,6 +228,9 @@ def _serve(ns: argparse.Namespace) -> int:
         if engine.cache.gpu_memory_utilization is not None and (server.dp > 1 or server.ray):
             raise ValueError("--gpu-memory-utilization is a share of this machine's memory for one engine; with "
                              "several replicas size each one's pool with --kv-cache-memory")
+        if engine.model.tensor_parallel_size > 1 and (server.dp > 1 or server.ray):
+            raise ValueError("--tensor-parallel-size with replicas (--dp / --ray) is not supported yet: each "
+                             "replica's ranks would share the same CPUs; give one of the two")
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2

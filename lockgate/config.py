@@ -144,6 +144,14 @@ class ModelConfig:
     seed: int = option(0, "global seed for unseeded sampling")
     num_threads: int | None = option(None, "torch intra-op threads of the scheduler process (default: torch's "
                                    "choice, one per core); 'serve --dp N' gives each replica cores/N")
+    tensor_parallel_size: int = option(1, "tensor parallelism: N processes, each holding 1/N of the attention heads "
+                                       "and MLP columns (KV heads replicated where fewer than N), summed by a gloo "
+                                       "all-reduce twice per layer; rank 0 schedules and samples. Pays only when each "
+                                       "rank has its own cores (--tp-cpus): docs/serving.md", aliases=("tp",))
+    tp_cpus: str | None = option(None, "with --tensor-parallel-size N: each rank's CPUs, one group per rank separated "
+                                 "by '|' (e.g. '0-31|32-63', one group per socket or NUMA node); default: the "
+                                 "process's CPUs cut into N contiguous groups. A rank runs one torch thread per CPU "
+                                 "of its group unless --num-threads says otherwise")
     sim_step_ms: float = option(2.0, "sim model only: fixed cost of one step, milliseconds")
     sim_token_ms: float = option(0.05, "sim model only: cost per token in a step, milliseconds")
     deterministic: bool = option(False, "bitwise the same tokens and logprobs for a request whatever else is in "
@@ -189,6 +197,15 @@ class ModelConfig:
             FormChoice.parse(self.matmul_forms)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_cpus is not None and self.tensor_parallel_size == 1:
+            raise ValueError("--tp-cpus gives the CPU groups of tensor-parallel ranks; it needs --tensor-parallel-size > 1")
+        if self.tensor_parallel_size > 1 and self.model == "sim":
+            raise ValueError("--tensor-parallel-size: the simulated model (--model sim) has no weights to split")
+        if self.tensor_parallel_size > 1 and self.device != "cpu":
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: only on the CPU (gloo) so far; "
+                             f"--device {self.device} is not supported with it")
         if self.sim_step_ms < 0 or self.sim_token_ms < 0:
             raise ValueError("--sim-step-ms and --sim-token-ms must be >= 0")
 

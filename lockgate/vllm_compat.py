@@ -10,7 +10,7 @@ option lands in one of four places:
   ``--tool-call-parser``): nothing here;
 * ``INVERTED``: a switch that is a lockgate switch the other way round
   (``--enable-prefix-caching`` is ``not --disable-prefix-cache``);
-* ``ONLY``: an option with one supported value (``--tensor-parallel-size 1``); any other value is
+* ``ONLY``: an option with one supported value (``--pipeline-parallel-size 1``); any other value is
   an error saying why, never ignored;
 * ``NO_EFFECT``: an option that changes nothing here (``--enforce-eager``: there are no CUDA
   graphs); accepted, and one log line says so.
@@ -34,8 +34,6 @@ INVERTED = {"enable_prefix_caching": "disable_prefix_cache"}
 
 # vLLM option -> (the one value supported, why no other)
 ONLY: dict[str, tuple[Any, str]] = {
-    "tensor_parallel_size": (1, "tensor parallelism is not available yet: one process runs the whole model "
-                                "(for more throughput run replicas: serve --dp N)"),
     "pipeline_parallel_size": (1, "pipeline parallelism is not available yet: one process runs the whole model"),
 }
 
@@ -51,7 +49,7 @@ NO_EFFECT = {
     "enable_chunked_prefill": "prompts are always prefilled in chunks of --max-prefill-tokens, and results do "
                               "not depend on the chunking",
     "max_seq_len_to_capture": "lockgate has no CUDA graphs",
-    "disable_custom_all_reduce": "one process runs the whole model: there is no all-reduce",
+    "disable_custom_all_reduce": "tensor parallelism's all-reduce is always gloo's (there is no custom one)",
 }
 CLI_NO_EFFECT = ("trust_remote_code", "enforce_eager", "disable_log_requests", "enable_auto_tool_choice",
                  "disable_log_stats")
@@ -77,8 +75,8 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                    help="the model to serve, as vLLM's positional argument (the same as --model)")
     g = p.add_argument_group("vLLM's flags", "accepted with vLLM's meaning; the ones with no effect here log why")
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, help="only 1 (tensor parallelism is "
-                   "not available yet)")
+    g.add_argument("-tp", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS,
+                   help="--tensor-parallel-size (vLLM's short flag)")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None, help="only 1")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="the radix prefix cache (on by default; --no-enable-prefix-caching = --disable-prefix-cache)")

@@ -33,15 +33,21 @@ def hf_greedy(hf, prompt: list[int], n_new: int) -> tuple[list[int], list[float]
     return ids, lps
 
 
-def assert_lockgate_matches(model_dir, want: list[tuple[list[int], list[float]]], n_new: int, what: str) -> None:
-    """lockgate (float32, prompts prefilled in chunks of 8) gives ``want``'s tokens, and log-probs
-    within 1e-4, for every prompt alone, all in one batch, and again from the prefix cache."""
+def assert_lockgate_matches(model_dir, want: list[tuple[list[int], list[float]]], n_new: int, what: str,
+                            **options) -> None:
+    """lockgate (float32, prompts prefilled in chunks of 8; ``options``: more engine options) gives
+    ``want``'s tokens, and log-probs within 1e-4, for every prompt alone, all in one batch, and again
+    from the prefix cache."""
     assert len({tuple(w[0]) for w in want}) > 1, "the prompts should lead to different outputs"
-    llm = LLM(str(model_dir), dtype="float32", max_total_tokens=2048, max_prefill_tokens=8, check_invariants=True)
+    llm = LLM(str(model_dir), dtype="float32", max_total_tokens=2048, max_prefill_tokens=8, check_invariants=True,
+              **options)
     params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True, logprobs=0)
-    runs = {"alone": [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in PROMPTS],
-            "batched": llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)}
-    runs["cached"] = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    try:
+        runs = {"alone": [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in PROMPTS],
+                "batched": llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)}
+        runs["cached"] = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    finally:
+        llm.engine.runner.close()  # tensor-parallel ranks stop now, not at the test session's exit
     assert all(o.num_cached_tokens > 0 for o in runs["cached"])  # the prefix cache served these prompts
     for how, outs in runs.items():
         for prompt, out, (ids, lps) in zip(PROMPTS, outs, want, strict=True):

@@ -65,7 +65,9 @@ def test_token_counts_as_vllm_writes_them() -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    ("serve -tp 2", "--tensor-parallel-size 2: tensor parallelism is not available yet"),
+    ("serve -tp 0", "--tensor-parallel-size must be >= 1, got 0"),
+    ("serve -pp 2", "--pipeline-parallel-size 2: pipeline parallelism is not available yet"),
+    ("serve -tp 2 --dp 2", "--tensor-parallel-size with replicas"),
     ("serve --gpu-memory-utilization 0.5 --kv-cache-memory 1GiB",
      "--gpu-memory-utilization and --kv-cache-memory both size the KV pool: give one"),
     ("serve --gpu-memory-utilization 0.5 --max-total-tokens 4096",
@@ -133,8 +135,8 @@ def test_llm_takes_vllms_keyword_arguments_and_refuses_unknown_ones_as_vllm_does
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'speculative_model'"):
         LLM(model="sim", speculative_model="x")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism is not available yet"):
-        LLM(model="sim", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--tensor-parallel-size: the simulated model"):
+        LLM(model="sim", tensor_parallel_size=2)  # vLLM's keyword reaches the config (a real model splits)
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, bfloat16, float16, fp8, fp8_e4m3, "
                                          "int8; got 'fp4'"):
         LLM(model="sim", kv_cache_dtype="fp4")

@@ -92,6 +92,15 @@ class QuantMatrix:
         """The rows ``index`` (in that order), copied out of the file's map."""
         return QuantMatrix(self.qtype, (len(index), self.shape[1]), np.ascontiguousarray(self.raw[index]))
 
+    def columns(self, lo: int, hi: int) -> QuantMatrix:
+        """Columns [lo, hi), whole blocks only (ValueError naming the block size otherwise), copied."""
+        per, size = BLOCK_VALUES[self.qtype], BLOCK_BYTES[self.qtype]
+        if lo % per or hi % per or not 0 <= lo < hi <= self.shape[1]:
+            raise ValueError(f"{self.qtype} blocks hold {per} columns each: columns [{lo}, {hi}) of a "
+                             f"{list(self.shape)} matrix do not start and end on a block")
+        return QuantMatrix(self.qtype, (self.shape[0], hi - lo),
+                           np.ascontiguousarray(self.raw[:, lo // per * size:hi // per * size]))
+
     @staticmethod
     def vstack(parts: list[QuantMatrix]) -> QuantMatrix:
         """Matrices of one type and width, one under the other (fused projections)."""
@@ -255,6 +264,31 @@ class QuantStack:
 
 
 Blocks = QuantMatrix | QuantStack  # a matrix held in a GGUF's blocks, of one type or stacked
+
+
+def select_rows(m: Blocks, index: np.ndarray) -> Blocks:
+    """Rows ``index`` (ascending) of a matrix in blocks, each row as its own part's blocks give it."""
+    if isinstance(m, QuantMatrix):
+        return m.rows(index)
+    parts, start = [], 0
+    for p in m.parts:
+        own = index[(index >= start) & (index < start + p.shape[0])] - start
+        if own.size:
+            parts.append(p.rows(own))
+        start += p.shape[0]
+    return stack(parts)
+
+
+def select_columns(m: Blocks, lo: int, hi: int) -> Blocks:
+    """Columns [lo, hi) of a matrix in blocks (whole blocks of every part)."""
+    if isinstance(m, QuantMatrix):
+        return m.columns(lo, hi)
+    return QuantStack(tuple(p.columns(lo, hi) for p in m.parts))
+
+
+def block_columns(m: Blocks) -> int:
+    """How many columns one block of ``m`` holds (the largest of its parts')."""
+    return max(BLOCK_VALUES[p.qtype] for p in (m.parts if isinstance(m, QuantStack) else (m,)))
 
 
 def stack(parts: list[QuantMatrix]) -> Blocks:

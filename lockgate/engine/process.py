@@ -40,7 +40,13 @@ import zmq
 from lockgate.config import HEARTBEAT_SECONDS
 from lockgate.engine.core import EngineCore
 from lockgate.ipc.channel import Receiver, Sender
-from lockgate.ipc.child import WATCHDOG_EXIT_CODE, SchedulerProcArgs, child_startup, freeze_heap
+from lockgate.ipc.child import (
+    TENSOR_PARALLEL_EXIT_CODE,
+    WATCHDOG_EXIT_CODE,
+    SchedulerProcArgs,
+    child_startup,
+    freeze_heap,
+)
 from lockgate.ipc.messages import (
     AbortRequest,
     AdapterCard,
@@ -59,6 +65,7 @@ from lockgate.ipc.messages import (
     UnloadAdapter,
     Wake,
 )
+from lockgate.runner.threads import PIN_ENV, cpus_to_pin, pin_opted_out, pin_torch_threads  # noqa: F401  (re-exported)
 from lockgate.scheduler.request import FinishReason, Request
 from lockgate.scheduler.scheduler import RequestRejected, StepOutput
 
@@ -100,51 +107,6 @@ class Watchdog:
             os._exit(WATCHDOG_EXIT_CODE)
 
 
-PIN_ENV = "LOCKGATE_PIN_THREADS"  # "0": leave torch's threads where Linux puts them
-
-
-def pin_opted_out(env: str | None) -> bool:
-    """``LOCKGATE_PIN_THREADS``: unset or "1" pins where ``cpus_to_pin`` says, "0" never; anything
-    else is a ValueError naming the variable (checked when the scheduler process starts)."""
-    if env is None or env.strip() == "1":
-        return False
-    if env.strip() == "0":
-        return True
-    raise ValueError(f"{PIN_ENV} must be 0 or 1, got {env!r}")
-
-
-def cpus_to_pin(threads: int, allowed: set[int], env: str | None) -> list[int] | None:
-    """The CPU for each of torch's ``threads`` intra-op threads, or None to leave them unpinned:
-    pinned only when they are as many as the process's ``allowed`` CPUs (the whole of what it may
-    use: ``serve --dp N`` gives each replica fewer threads, and then nothing is pinned), at least
-    two, and ``LOCKGATE_PIN_THREADS`` (``env``) is not "0"."""
-    if pin_opted_out(env) or threads < 2 or threads != len(allowed):
-        return None
-    return sorted(allowed)
-
-
-def pin_torch_threads() -> None:
-    """Pin torch's intra-op threads one per CPU (``lockgate::bind_threads`` says why: two of them
-    woken onto one CPU while another idles made c = 1's slow first tokens) where ``cpus_to_pin``
-    says so and lockgate's kernels are loaded; called once the scheduler process has started its
-    own threads (they keep every CPU). A process without torch (the sim runner) has nothing to pin
-    and must not load it."""
-    if "torch" not in sys.modules:
-        return
-    import torch
-
-    from lockgate import kernels
-
-    cpus = cpus_to_pin(torch.get_num_threads(), os.sched_getaffinity(0), os.environ.get(PIN_ENV))
-    if cpus is None or not kernels.loaded():
-        return
-    tids = torch.ops.lockgate.bind_threads(cpus)
-    if tids:
-        log.info("pinned torch's %d threads to CPUs %s (%s=0 to leave them unpinned)", len(cpus), cpus, PIN_ENV)
-    else:
-        log.warning("could not pin torch's threads to CPUs %s; they stay unpinned", cpus)
-
-
 class SchedulerProcess:
     def __init__(self, args: SchedulerProcArgs) -> None:
         self.args = args
@@ -172,6 +134,9 @@ class SchedulerProcess:
         self.decode_tokens = 0
         self.decode_t0 = time.monotonic()
         r = self.engine.runner
+        self.tensor_parallel = getattr(r, "tensor_parallel", None)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.on_death = self._rank_died
         self._heartbeats()
         pin_torch_threads()
         freeze_heap()
@@ -194,6 +159,17 @@ class SchedulerProcess:
                 time.sleep(HEARTBEAT_SECONDS)
 
         threading.Thread(target=run, name="heartbeat", daemon=True).start()
+
+    def _rank_died(self, message: str) -> None:
+        """A tensor-parallel rank is gone (called on its watcher thread): the model cannot run, so
+        the server ends, with a message naming the rank (``Fatal``, then the exit code)."""
+        assert self.tensor_parallel is not None
+        self.tensor_parallel.kill()  # the other ranks too: nothing is left running
+        log.critical("%s; ending the server", message)
+        Sender(self.ctx, self.args.detok_endpoint).send(Fatal("scheduler", message))  # this thread's own socket
+        time.sleep(0.5)  # let it leave: os._exit does not flush ZeroMQ's queues
+        logging.shutdown()
+        os._exit(TENSOR_PARALLEL_EXIT_CODE)
 
     def _wake(self) -> None:
         """Called from side threads (a grammar compiled, an adapter read): wake the loop if it is
@@ -365,7 +341,8 @@ class SchedulerProcess:
     def _describe_batch(self) -> str:
         rows = [f"{r.rid}(prompt={r.num_prompt}, computed={r.num_computed}, out={r.num_output})"
                 for r in self.engine.running]
-        return f"{len(rows)} running: " + ", ".join(rows[:64]) + (" ..." if len(rows) > 64 else "")
+        tp = "" if self.tensor_parallel is None else f"; tensor-parallel {self.tensor_parallel.describe()}"
+        return f"{len(rows)} running: " + ", ".join(rows[:64]) + (" ..." if len(rows) > 64 else "") + tp
 
     def _log_step(self, st: EngineStats) -> None:
         info = self.engine.last_step

@@ -8,6 +8,7 @@ never imports a child's module (and with it the engine or the tokenizer stack):
 * ``SchedulerProcArgs`` / ``DetokProcArgs``: the typed JSON argument of each (and
   ``GrammarWorkerArgs``, the API process's grammar sandbox workers', ``GRAMMAR_WORKER_MODULE``);
 * ``WATCHDOG_EXIT_CODE``: the scheduler's exit code when its watchdog fired;
+  ``TENSOR_PARALLEL_EXIT_CODE``: when one of its tensor-parallel ranks died;
 * ``child_startup``: decode the argument, configure logging with the process name in each line,
   and ignore SIGINT/SIGTERM. Ctrl-C or a TERM sent to the whole process group reaches the
   children too; the API process coordinates shutdown (a Shutdown message, then SIGKILL), so
@@ -33,6 +34,7 @@ SCHEDULER_MODULE = "lockgate.engine.process"
 DETOKENIZER_MODULE = "lockgate.tokenizer.process"
 GRAMMAR_WORKER_MODULE = "lockgate.grammar.worker"
 WATCHDOG_EXIT_CODE = 70
+TENSOR_PARALLEL_EXIT_CODE = 71  # the scheduler's exit code when a tensor-parallel rank died
 
 
 class SchedulerProcArgs(msgspec.Struct, frozen=True):

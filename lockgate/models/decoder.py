@@ -30,6 +30,10 @@ Invariants:
 * The one-call fused step (``LayerOps.whole_step``) runs only for the plain Llama layout
   (``ModelArgs.plain``) and steps without LoRA adapters; a windowed layer whose step has a context
   longer than its window, or a soft-capped one, attends with ``windowed_attention``.
+* Tensor parallelism (``from_pretrained(shard=...)``, ``models/shard.py``): a rank's model holds
+  its heads and MLP columns, its ``args`` are that part's, and ``reduce`` (set by the runner) sums
+  the O projection's and the MLP's (or MoE block's) output over the ranks in place, before any norm
+  reads them; with ``reduce`` set the one-call fused step is not taken.
 * Unsupported architectures or features raise ``ValueError`` at load naming the key, and a
   missing or misshapen tensor names the tensor and the shape config.json implies.
 
@@ -42,7 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -66,6 +70,7 @@ from lockgate.layers.rope import RotaryEmbedding
 from lockgate.models.args import ModelArgs
 from lockgate.models.layout import LayerTensors
 from lockgate.models.registry import family_for
+from lockgate.models.shard import Part, Shard, shard_args, shard_layer, split, units
 from lockgate.models.weights import CheckpointReader, log_quantization
 
 log = logging.getLogger("lockgate.models")
@@ -208,6 +213,9 @@ class DecoderModel(nn.Module):
         dtype = dtype or (embed.dtype if isinstance(embed, torch.Tensor) else torch.float32)
         device = embed.device if isinstance(embed, torch.Tensor) else torch.device("cpu")
         self.args = args
+        # tensor parallelism (``models/shard.py``): sums the ranks' partial O / down / MoE outputs in
+        # place (the runner's all-reduce); None: this process holds the whole model
+        self.reduce: Callable[[torch.Tensor], None] | None = None
         self.packed_embed = embed if isinstance(embed, PackedEmbedding) else None
         self.embed: nn.Parameter | None = _frozen(embed.to(dtype)) if isinstance(embed, torch.Tensor) else None  # [V, hidden]
         self.layers = nn.ModuleList(layers)
@@ -313,7 +321,7 @@ class DecoderModel(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 logits_rows: torch.Tensor | None, lora: LoraStep | None = None,
                 decode_rows: int | None = None, logits_out: torch.Tensor | None = None,
-                argmax: bool = False) -> torch.Tensor | None:
+                argmax: bool = False, head: bool = True) -> torch.Tensor | None:
         """input_ids/positions [T] i64, k_cache/v_cache [layers, capacity, Hkv, D],
         logits_rows [S] i64 (rows of T, ascending) -> logits [S, V] f32, or None when logits_rows is None.
         ``lora``: the step's adapters (rows' low-rank updates of every projection), None for none.
@@ -326,6 +334,8 @@ class DecoderModel(nn.Module):
         ``argmax``: return each row's argmax (int64 [S], ``lockgate::argmax_rows``: torch's rules)
         instead of its logits, taken on the head's output in the run dtype block by block (greedy
         steps: no float32 [S, V] is written or read); needs lockgate's kernels and no final softcap.
+        ``head``: False stops after the layers and returns None (a tensor-parallel rank other than 0:
+        its layers run as rank 0's do, ``logits_rows`` deciding whether the last one runs whole).
         """
         a = self.args
         x = self.embed_tokens(input_ids)  # [T, hidden]
@@ -334,7 +344,7 @@ class DecoderModel(nn.Module):
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [T, 1, D] each
         layers = typing.cast(list[DecoderLayer], self.layers)
         prompt_rows = decode_rows is not None and decode_rows < x.shape[0]  # the step has prompt rows
-        whole = None if lora is not None or not a.plain else self.ops.whole_step(
+        whole = None if lora is not None or not a.plain or self.reduce is not None else self.ops.whole_step(
             x, cos, sin, meta, k_cache, v_cache, layers, a.num_heads, a.num_kv_heads, a.rms_norm_eps, self.scale,
             prompt_rows, _NO_ROWS if logits_rows is None else logits_rows)  # only those rows go on
         if whole is not None:
@@ -343,7 +353,7 @@ class DecoderModel(nn.Module):
             local = None if self.local_rope is None else self.local_rope.cos_sin(positions, x.dtype)
             x = self._layers(x, (cos, sin), local, meta, k_cache, v_cache, lora, prompt_rows,
                              sampled=logits_rows is not None and logits_rows.shape[0] > 0)
-        if logits_rows is None:
+        if logits_rows is None or not head:
             return None
         x = rms_norm(x.index_select(0, logits_rows), self.norm, a.rms_norm_eps)  # [S, hidden]
         sampled_prompt = decode_rows is not None and int(logits_rows[-1]) >= decode_rows  # ascending; decode rows first
@@ -411,6 +421,8 @@ class DecoderModel(nn.Module):
             else:
                 o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
             o = project(layer.o, o.reshape(t, h * d), i, "o")
+            if self.reduce is not None:
+                self.reduce(o)  # the ranks' partial sums of the O projection
             if layer.post_attn_norm is not None:
                 o = rms_norm(o, layer.post_attn_norm, a.rms_norm_eps)
             y = ops.add_norm(x, o, layer.mlp_norm, a.rms_norm_eps)
@@ -419,6 +431,8 @@ class DecoderModel(nn.Module):
             else:
                 assert layer.gate_up is not None and layer.down is not None
                 m = project(layer.down, act_mul(project(layer.gate_up, y, i, "gate_up")), i, "down")
+            if self.reduce is not None:
+                self.reduce(m)  # the ranks' partial sums of the down projection (or the experts')
             pending = m if layer.post_mlp_norm is None else rms_norm(m, layer.post_mlp_norm, a.rms_norm_eps)
         if pending is not None:
             x += pending
@@ -429,7 +443,7 @@ class DecoderModel(nn.Module):
                         device: torch.device | str = "cpu", quantization: str = "none",
                         fp32: bool = False, cpu_kernels: bool = False,
                         want: dict[str, set[str]] | None = None, gguf: GgufWeights | None = None,
-                        packed_want: dict[str, set[str]] | None = None) -> DecoderModel:
+                        packed_want: dict[str, set[str]] | None = None, shard: Shard | None = None) -> DecoderModel:
         """Load config.json + safetensors (all shards) from a Hugging Face model directory of any
         supported family (``models/registry.py``).
 
@@ -444,6 +458,8 @@ class DecoderModel(nn.Module):
         (``FormChoice.static``) until ``choose_forms``. ``gguf``: the directory's GGUF, already
         opened (a converted GGUF's weights are read from it; else opened here). ``packed_want``: per
         role the forms a GGUF's blocks get (a forced ``--matmul-forms``); None: one default form each.
+        ``shard``: load only this tensor-parallel rank's heads and MLP columns (``models/shard.py``);
+        the model's ``args`` are then that part's, and ``reduce`` must be set before a forward.
         """
         if quantization not in INT4_MODES:
             raise ValueError(f"quantization {quantization!r} is not one of {INT4_MODES}")
@@ -458,8 +474,16 @@ class DecoderModel(nn.Module):
         args = family.parse(cfg)
         table_shape = (args.vocab_size, args.hidden_size)
         with CheckpointReader(model_dir, dtype, torch.device(device), packed=quantization != "none", gguf=gguf) as w:
-            layers = [DecoderLayer(family.read_layer(w, args, i, source), dtype, quantization, fp32, cpu_kernels, want,
-                                   packed_want) for i in range(args.num_layers)]
+            layers = []
+            part: Part | None = None
+            for i in range(args.num_layers):
+                tensors = family.read_layer(w, args, i, source)
+                if shard is not None:
+                    if part is None:
+                        part = split(args, shard, *units(tensors))
+                    tensors = shard_layer(tensors, args, part, shard, i)
+                layers.append(DecoderLayer(tensors, dtype, quantization, fp32, cpu_kernels, want, packed_want))
+                del tensors
             embed: torch.Tensor | PackedEmbedding | None = None
             head_blocks: QuantMatrix | None = None
             table = w.gguf.table("model.embed_tokens.weight") if w.gguf is not None and w.packed else None
@@ -480,7 +504,7 @@ class DecoderModel(nn.Module):
             norm = w.get("model.norm.weight", torch.float32, shape=(args.hidden_size,))
             if args.norm_offset:
                 norm = norm + 1.0
-            model = DecoderModel(args, embed, layers, norm, lm_head, dtype, fp32, quantization, cpu_kernels,
+            model = DecoderModel(args if part is None else shard_args(args, part), embed, layers, norm, lm_head, dtype, fp32, quantization, cpu_kernels,
                                  None if want is None else want.get("head", set()), head_blocks,
                                  None if packed_want is None else packed_want.get("head", set()))
             unused = w.unused()

@@ -19,6 +19,10 @@ class Runner(Protocol):
 
     def execute(self, plan: ForwardPlan) -> ForwardResult: ...
 
+    def close(self) -> None:
+        """Release what outlives the object (tensor-parallel ranks); also done at exit."""
+        ...
+
     # LoRA adapters: the engine numbers them (uid >= 1), the scheduler puts them into slots
     def enable_lora(self, max_loras: int, max_rank: int) -> None: ...
 

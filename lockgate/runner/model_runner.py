@@ -25,6 +25,12 @@ Invariants:
   greedy on unchanged logits, no logprobs: ``sampler.plain_greedy``) gets its tokens from the
   model's argmax path and never builds float32 logits; the tokens are the ones ``sample`` picks.
 
+* Tensor parallelism (``--tensor-parallel-size`` N > 1, ``runner/tensor_parallel.py``): rank 0's
+  runner owns the group; it computes the pool capacity every rank holds (the budget shared by all
+  ranks' pools, KV heads replicated on several ranks counted on each), starts the other ranks with
+  it and with its own dtype and quantization, loads its part while they load theirs, and sends each
+  step before running it. A rank > 0 is a ``ModelRunner(rank=r)`` driven by ``run_part``.
+
 Called by the scheduler process loop (``lockgate.engine.core``) and the offline ``LLM``
 through ``lockgate.runner.make_runner``.
 """
@@ -36,6 +42,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,11 +63,20 @@ from lockgate.layers.lora import AdapterWeights, LoraSlots, LoraStep
 from lockgate.models.decoder import DecoderModel
 from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
+from lockgate.models.shard import Shard, shard_args, split
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
 from lockgate.runner import form_choice
 from lockgate.runner.memory_plan import MemoryPlan, plan_memory
 from lockgate.runner.pool_memory import allocate_pool
 from lockgate.runner.sampler import argmax_kernel, greedy_output, plain_greedy, sample
+from lockgate.runner.tensor_parallel import (
+    RankStep,
+    TensorParallelGroup,
+    cpu_groups,
+    decode_array,
+    encode_step,
+    take_cpus,
+)
 
 log = logging.getLogger("lockgate.runner")
 
@@ -103,13 +119,33 @@ def read_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, rank: int = 0) -> None:
+        """``rank``: with ``--tensor-parallel-size`` N > 1, which rank this process is: 0 starts
+        the others (``runner/tensor_parallel.py``) and runs the steps; a rank > 0 is started by it
+        with rank 0's dtype, quantization and KV capacity, and runs ``run_part``. A start that fails
+        stops the ranks it started and gives back the CPUs it took."""
+        self.tensor_parallel: TensorParallelGroup | None = None  # rank 0's group (the other ranks)
+        self._before_tp: tuple[set[int], int] | None = None  # rank 0's CPUs and threads before it took its group
+        try:
+            self._load(model_cfg, cache_cfg, rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, rank: int) -> None:
         t0 = time.perf_counter()
         if model_cfg.deterministic and model_cfg.tuning == "off" and model_cfg.matmul_forms == "auto":
             # one batch-invariant form for every call; nothing measured to choose by: the integer GEMM
             model_cfg = dataclasses.replace(model_cfg, matmul_forms=DETERMINISTIC_FORM)
         self.cfg = model_cfg
-        if model_cfg.num_threads is not None:
+        tp = model_cfg.tensor_parallel_size
+        self.shard: Shard | None = Shard(rank, tp) if tp > 1 else None
+        tp_cpus: list[list[int]] = []
+        if self.shard is not None and rank == 0:
+            tp_cpus = cpu_groups(tp, model_cfg.tp_cpus, os.sched_getaffinity(0))
+            self._before_tp = (os.sched_getaffinity(0), torch.get_num_threads())
+            take_cpus(tp_cpus[0], model_cfg.num_threads)
+        elif model_cfg.num_threads is not None:
             torch.set_num_threads(model_cfg.num_threads)
         self.model_dir: Path = prepare_model_dir_apart(model_cfg.model, model_cfg.revision, model_cfg.gguf_file)
         self.device = torch.device(model_cfg.device)
@@ -130,7 +166,7 @@ class ModelRunner:
         # auto keeps an explicit --dtype float32 dense: what one asks for to match a reference exactly.
         # float32 chosen by --dtype auto still takes the lossless quantized forms.
         self.quantization = "none" if model_cfg.quantization == "auto" and model_cfg.dtype == "float32" \
-            and not model_cfg.deterministic else model_cfg.quantization
+            and not model_cfg.deterministic and rank == 0 else model_cfg.quantization  # a rank > 0 takes rank 0's
         if self.quantization != model_cfg.quantization:
             log.info("--dtype float32 asked for explicitly: dense float32 weights only (exact, and several times "
                      "slower at small batches: every step streams 4 bytes per parameter); --dtype auto (float32 where "
@@ -148,13 +184,19 @@ class ModelRunner:
                              "--cpu-kernels auto)")
         self.kv_cache_dtype_name: str = run_dtype if self.kv_cache_dtype == "auto" else (
             "fp8_e4m3" if self.kv_cache_dtype == "fp8" else self.kv_cache_dtype)
+        full_args = args
+        kv_heads_all = args.num_kv_heads  # KV heads over every rank (replicated ones counted on each)
+        if self.shard is not None:
+            parts = [split(args, Shard(r, tp)) for r in range(tp)]
+            kv_heads_all = sum(p.kv_heads[1] - p.kv_heads[0] for p in parts)
+            args = shard_args(args, parts[rank])  # this rank's shapes (the forms' tuning key)
         bytes_per_token = kv_dtype.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
-                                                   self.kv_cache_dtype, elem)
+                                                   self.kv_cache_dtype, elem)  # this process's pool
         gguf_path = gguf_weights_of(self.model_dir)
         gguf = GgufWeights(gguf_path) if gguf_path is not None else None  # read once: planned, then loaded
 
         def memory_for(pool_bytes: int) -> MemoryPlan:
-            return plan_memory(args, elem, pool_bytes, PLANNED_PREFILL_TOKENS,
+            return plan_memory(full_args, elem, pool_bytes, PLANNED_PREFILL_TOKENS,
                                gguf_tensors=None if gguf is None else gguf.table_of_contents(),
                                packed=self.quantization != "none", fp32_copies=fp32)
 
@@ -162,18 +204,26 @@ class ModelRunner:
             self.capacity: int = cache_cfg.max_total_tokens
         else:
             bare = memory_for(0)  # weights and overhead: what a share of the memory is left for the pool
-            self.capacity = cache_cfg.pool_bytes(bare.weights + bare.overhead, bare.available) // bytes_per_token
+            # with tensor parallelism every rank's pool comes out of the same budget
+            per_token_all = kv_dtype.bytes_per_token(full_args.num_layers, kv_heads_all, full_args.head_dim,
+                                                     self.kv_cache_dtype, elem)
+            self.capacity = cache_cfg.pool_bytes(bare.weights + bare.overhead, bare.available) // per_token_all
             if self.capacity < 1:
                 raise ValueError(f"{cache_cfg.sized_by} holds no token ({bytes_per_token} bytes per token)")
         memory = memory_for(self.capacity * bytes_per_token)
         log.info("%s", memory.describe())
         if self.device.type == "cpu":
             memory.check()
+        if self.shard is not None and rank == 0:  # the other ranks load while this one does
+            dtype_name = next(n for n, d in form_choice.DTYPES.items() if d == self.dtype)
+            self.tensor_parallel = TensorParallelGroup(
+                dataclasses.replace(model_cfg, dtype=dtype_name, quantization=self.quantization), self.capacity,
+                self.kv_cache_dtype, tp_cpus)
         plan = form_choice.FormPlan(model_cfg, args, self.dtype, self.cpu_kernels, self.quantization, fp32,
                                     checkpoint_fingerprint(self.model_dir))
         self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
                                                 fp32, self.cpu_kernels, plan.wanted_forms(), gguf=gguf,
-                                                packed_want=plan.forced_forms()).eval()
+                                                packed_want=plan.forced_forms(), shard=self.shard).eval()
         if model_cfg.activation_quant == "int8":
             changed, total = self.model.use_int8_activations()
             if not changed:
@@ -214,16 +264,26 @@ class ModelRunner:
         self.lora_slots: LoraSlots | None = None  # LoRA: the adapters the scheduler put in slots
         self.max_lora_rank = 0
         self._adapters: dict[int, AdapterWeights] = {}  # uid -> weights of every loaded adapter
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.wait_ready()
+            self.model.reduce = self.tensor_parallel.reduce  # after the tuning: it measures this rank alone
 
     # ---- LoRA adapters ----
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        if self.shard is not None:
+            log.info("LoRA adapters are off with --tensor-parallel-size %d (not sharded yet): loading one is refused",
+                     self.shard.size)
+            return
         self.lora_slots = LoraSlots(max_loras, self.model.args.num_layers)
         self.max_lora_rank = max_rank
 
     def read_adapter(self, name: str, path: str) -> tuple[AdapterInfo, object]:
         """Read and check a PEFT adapter (ValueError saying what is wrong); changes nothing here (it
         runs on the scheduler process's side thread while steps go on)."""
+        if self.shard is not None:
+            raise ValueError(f"LoRA adapters are not supported with --tensor-parallel-size {self.shard.size} yet "
+                             "(adapters are not sharded across ranks); serve them with --tensor-parallel-size 1")
         if self.lora_slots is None:
             raise ValueError("LoRA is not enabled (start without --no-enable-lora)")
         info, weights = load_adapter(name, path, self.model.args.lora_targets(), self.max_lora_rank, self.dtype)
@@ -286,6 +346,23 @@ class ModelRunner:
                             self.cpu_kernels and dev.type == "cpu")
         # plain greedy rows: the model hands back tokens, not float32 logits
         greedy = s > 0 and self._greedy_argmax and plain_greedy(plan.sampling)
+        if self.tensor_parallel is not None:
+            if lora is not None:
+                raise ValueError("a plan with LoRA adapters under tensor parallelism (adapters are refused at load)")
+            self.tensor_parallel.send(encode_step(
+                plan.input_ids, plan.positions, plan.out_slots, plan.query_lens, plan.seq_lens, plan.kv_slots,
+                plan.kv_offsets, np.zeros(0, np.int64) if rows is None else rows.numpy(),
+                plan.decode_rows if self.paths.prompt_forms else None))
+        try:
+            return self._forward(plan, t0, meta, rows, lora, greedy, s)
+        except Exception as e:
+            if self.tensor_parallel is not None:  # the other ranks may wait in an all-reduce: the group is lost
+                self.tensor_parallel.broken(f"rank 0's step failed ({type(e).__name__}: {e})")
+            raise
+
+    def _forward(self, plan: ForwardPlan, t0: float, meta: AttentionMetadata, rows: torch.Tensor | None,
+                 lora: LoraStep | None, greedy: bool, s: int) -> ForwardResult:
+        dev = self.device
         with torch.inference_mode():
             logits = self.model(torch.from_numpy(plan.input_ids.astype(np.int64, copy=False)).to(dev),
                                 torch.from_numpy(plan.positions.astype(np.int64, copy=False)).to(dev),
@@ -319,12 +396,43 @@ class ModelRunner:
                                        np.array([0, end], i64), np.arange(start, end, dtype=i64),
                                        self.model.args.num_queries_per_kv, self.device, self.paths.decode_kernel,
                                        self.paths.row_invariant, self.paths.prefill_kernel)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send(encode_step(
+                ids, np.arange(start, end, dtype=i64), np.arange(start, end, dtype=i64), np.array([n], i64),
+                np.array([end], i64), np.arange(end, dtype=i64), np.array([0, end], i64), np.arange(n, dtype=i64),
+                0 if self.paths.prompt_forms else None))
         with torch.inference_mode():
             out = self.model(torch.from_numpy(ids.astype(i64)).to(self.device),
                              torch.arange(start, end, device=self.device), meta, self.k_cache, self.v_cache,
                              torch.arange(n, device=self.device), None, 0 if self.paths.prompt_forms else None,
                              self._logits_buffer(n), argmax=False)
         return out[:n].clone()
+
+    def run_part(self, step: RankStep) -> None:
+        """A tensor-parallel rank > 0: rank 0's step on this rank's heads and columns (the layers
+        only: no LM head, no sampling); the all-reduces pair with rank 0's."""
+        def d(b: bytes) -> np.ndarray:
+            return decode_array(b).copy()  # writable: torch refuses read-only arrays
+        query_lens, seq_lens = d(step.query_lens), d(step.seq_lens)
+        meta = AttentionMetadata.build(query_lens, seq_lens, d(step.kv_slots), d(step.kv_offsets), d(step.out_slots),
+                                       self.model.args.num_queries_per_kv, self.device, self.paths.decode_kernel,
+                                       self.paths.row_invariant, self.paths.prefill_kernel)
+        rows = torch.from_numpy(d(step.rows))
+        with torch.inference_mode():
+            self.model(torch.from_numpy(d(step.input_ids)), torch.from_numpy(d(step.positions)), meta,
+                       self.k_cache, self.v_cache, rows, None, None if step.decode_rows < 0 else step.decode_rows,
+                       head=False)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; also done at exit) and give this process
+        back the CPUs and threads it had (an offline ``LLM`` lives in the caller's process)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+        if self._before_tp is not None:
+            cpus, threads = self._before_tp
+            os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(threads)
+            self._before_tp = None
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """float32 [>= rows, V] kept from step to step (grown, never shrunk) for the model's logits."""

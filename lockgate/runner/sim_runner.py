@@ -79,6 +79,9 @@ class SimRunner:
              + np.uint64(12345)) % np.uint64(SIM_VOCAB - 3)
         return (h + np.uint64(3)).astype(np.int64)
 
+    def close(self) -> None:
+        pass  # nothing outlives a simulated runner
+
     def execute(self, plan: ForwardPlan) -> ForwardResult:
         t0 = time.perf_counter()
         if __debug__:

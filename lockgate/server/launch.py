@@ -59,6 +59,7 @@ from lockgate.httpserver import uvicorn_config
 from lockgate.ipc.child import (
     DETOKENIZER_MODULE,
     SCHEDULER_MODULE,
+    TENSOR_PARALLEL_EXIT_CODE,
     WATCHDOG_EXIT_CODE,
     DetokProcArgs,
     SchedulerProcArgs,
@@ -153,6 +154,8 @@ class Supervisor:
 def describe_exit(code: int) -> str:
     if code == WATCHDOG_EXIT_CODE:
         return f"code {code} (watchdog: an engine step exceeded --watchdog-timeout)"
+    if code == TENSOR_PARALLEL_EXIT_CODE:
+        return f"code {code} (a tensor-parallel rank died: the scheduler's log names it)"
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
