@@ -1,7 +1,7 @@
 """Tensor parallelism (``--tensor-parallel-size``): the split, real ranks against references, a dead rank.
 
 Every run with two ranks starts a real second process (``lockgate.runner.tensor_parallel``) and sums
-over gloo: the tiny random checkpoint of every family against transformers (greedy tokens, log-probs
+over gloo: a tiny random checkpoint of each kind of split (sliding window, softcaps, experts) against transformers (greedy tokens, log-probs
 within 1e-4, float32, alone / batched / from the prefix cache), the default model against the
 same model on one rank (float32: the same tokens and log-probs within 1e-4, with speculation,
 structured output; its quantized forms: the same tokens), and a server whose rank 1 is killed.
@@ -20,7 +20,7 @@ import pytest
 import torch
 from family_util import PROMPTS, assert_lockgate_matches, hf_greedy
 from server_util import ServerProc, pid_alive
-from test_families import FAMILIES, N_NEW, build, tokenizer_files  # noqa: F401  (a fixture)
+from test_families import N_NEW, build, tokenizer_files  # noqa: F401  (a fixture)
 
 from lockgate import LLM, SamplingParams
 from lockgate.models.args import ModelArgs
@@ -63,8 +63,13 @@ def test_cpu_groups_from_the_flag_or_cut_evenly() -> None:
         LLM("sim", tp_cpus="0|1")
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_two_ranks_match_transformers_on_every_family(family, tmp_path, tokenizer_files) -> None:  # noqa: F811
+# one family per kind of split: grouped KV heads with a sliding window, softcaps and local/global
+# layers, experts cut by rows (the others share these code paths; tests/test_families.py covers each on one rank)
+TP_FAMILIES = ("mistral_sliding", "gemma2", "qwen3_moe")
+
+
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_two_ranks_match_transformers_on_each_kind_of_split(family, tmp_path, tokenizer_files) -> None:  # noqa: F811
     hf = build(tmp_path, family, tokenizer_files)
     assert_lockgate_matches(tmp_path, [hf_greedy(hf, p, N_NEW) for p in PROMPTS], N_NEW, family,
                             tensor_parallel_size=2)
