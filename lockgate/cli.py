@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="show which kernel serves which call on this CPU for a model (measured once, cached; "
                                "--tuning refresh measures again)")
     add_config_args(tune)
-    tune.add_argument("--json", action="store_true", help="print the whole measurement as JSON")
+    tune.add_argument("--json", action="store_true", help="print the kernel choice and every figure as JSON")
     ev = sub.add_parser("eval", parents=[common],
                         help="measure a configuration's quality: perplexity over a text and top-1 agreement with "
                              "the exact path (lockgate eval perplexity --activation-quant int8)")
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tune(ns: argparse.Namespace) -> int:
-    """Load the model as a server would (its tuning runs or is read from the cache), print the table."""
+    """Load the model as a server would (its tuning runs or is read from the cache), print the
+    kernel choice it applies (``Paths.table``, a ``kernel_choice.TuningTable``)."""
     import json
 
     from lockgate.config import CacheConfig
@@ -185,6 +186,7 @@ def _tune(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lockgate: error: {e}", file=sys.stderr)
         return 2
+    from lockgate.layers.forms import int_gemm_isa
     from lockgate.runner.model_runner import ModelRunner
     from lockgate.runner.tuning import report
 
@@ -193,11 +195,12 @@ def _tune(ns: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"lockgate: error: cannot load --model {cfg.model.model}: {e}", file=sys.stderr)
         return 2
+    table = runner.paths.table  # the kernel choice as this start applies it (kernel_choice.TuningTable)
     if ns.json:
         print(json.dumps({"dtype": str(runner.dtype).removeprefix("torch."), "dtype_choice": runner.dtype_info,
-                          **runner.paths.tuned}, indent=1, sort_keys=True))
+                          **table.to_json(), "int_gemm_isa": int_gemm_isa()}, indent=1, sort_keys=True))
     else:
-        print(report(runner.paths.tuned, runner.dtype_info, str(runner.dtype).removeprefix("torch.")))
+        print(report(table, runner.dtype_info, str(runner.dtype).removeprefix("torch.")))
     return 0
 
 

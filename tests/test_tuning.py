@@ -294,8 +294,9 @@ def test_lockgate_tune_measures_the_default_model_and_the_runner_follows_it(tmp_
     monkeypatch.setattr(llama, "make_forms", spy)
     monkeypatch.setattr(llama, "packed_forms", spy_packed)  # a GGUF's projections, kept in their blocks
     runner = ModelRunner(ModelConfig(model="default"), CacheConfig(max_total_tokens=64))
-    assert runner.paths.tuned["cached"] is True and runner.paths.tuned["choices"] == data["choices"]
-    assert runner.paths.tuned["attention_lookahead"] == data["attention_lookahead"]
+    table = runner.paths.table
+    assert table.cached is True and {role: str(c) for role, c in table.choices.items()} == data["choices"]
+    assert table.attention_lookahead == data["attention_lookahead"]
     on = data["attention_lookahead"] == "on"
     assert torch.ops.lockgate.set_attention_lookahead(on) is on  # the process runs what the table says
     called = set()

@@ -1,7 +1,8 @@
 """Linear projections (``y = x @ W^T + b``): a projection's forms and the table that picks one per call.
 
-Owns ``Linear`` (one projection's weight, bias, forms and ``FormChoice``: which form serves a
-call of r rows, ``lockgate.kernel_choice``). The forms themselves and
+Owns ``Linear`` (one projection's weight, bias, forms, ``FormChoice`` and ``PromptForm``, and
+the call: it runs the form ``kernel_choice.serving_form`` names, the one rule the whole-step
+operator's packs in ``lockgate.layers.ops`` follow too). The forms themselves and
 which ones a weight gets live in ``lockgate.layers.forms``; which form is fastest for which row
 counts on this CPU is measured by ``lockgate.runner.tuning`` and handed to ``Linear.choose``.
 Without a measured table a projection follows ``FormChoice.static`` (quantized forms for calls
@@ -33,21 +34,13 @@ Called by ``lockgate.models.decoder`` (every projection and the LM head).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice
+from lockgate.kernel_choice import QUANTIZED_FORMS, FormChoice, PromptForm, serving_form
 from lockgate.layers.forms import DenseWeight, Form
 
-
-@dataclass(frozen=True)
-class PromptForm:
-    """The form serving a projection's prompt rows and the fewest rows it is called with (smaller
-    calls are padded with zero rows: the form's rows agree bitwise from that many rows on)."""
-
-    name: str
-    min_rows: int = 1
+__all__ = ["Linear", "PromptForm"]
 
 
 class Linear:
@@ -92,9 +85,6 @@ class Linear:
         if "dense" not in called and isinstance(dense, DenseWeight):
             dense.packed = None
 
-    def form_for(self, rows: int) -> Form:
-        return self.forms[self.choice.pick(rows)]
-
     @property
     def quantized(self) -> list[Form]:
         """This projection's quantized forms (for logs and tests)."""
@@ -105,16 +95,11 @@ class Linear:
         docstring): the whole call runs on the prompt form; else the form by row count (padded
         when that is the prompt form)."""
         flat = x.reshape(-1, x.shape[-1])
-        p = self.prompt
-        if p is not None and (prompt_rows or self.choice.pick(flat.shape[0]) == p.name):
-            y = self._prompt_call(flat, p)  # its rows do not depend on the others; decode rows ride along
-        else:
-            y = self.form_for(flat.shape[0])(flat, self.bias)
+        rows = flat.shape[0]
+        name, run_rows = serving_form(self.choice, self.prompt, rows, prompt_rows)
+        form = self.forms[name]
+        if run_rows == rows:
+            y = form(flat, self.bias)
+        else:  # padded up to the prompt form's min_rows: a row's bits do not depend on the others from there
+            y = form(torch.cat([flat, flat.new_zeros(run_rows - rows, flat.shape[1])]), self.bias)[:rows]
         return y.view(*x.shape[:-1], y.shape[-1])
-
-    def _prompt_call(self, x: torch.Tensor, p: PromptForm) -> torch.Tensor:
-        rows = x.shape[0]
-        form = self.forms[p.name]
-        if rows >= p.min_rows:
-            return form(x, self.bias)
-        return form(torch.cat([x, x.new_zeros(p.min_rows - rows, x.shape[1])]), self.bias)[:rows]

@@ -13,7 +13,8 @@ against ``LayerOps`` and runs on either backend:
 
 and one fast path: ``whole_step(...)`` runs every layer of a step in one call, or returns None
 for the layer loop to run instead (always None on torch; on the kernels, a step whose attention is
-one kernel call and whose projections' forms ``lockgate::decode_layers_`` can run: decode steps,
+one kernel call and whose projections' forms (``kernel_choice.serving_form``: the very forms
+``Linear`` would call) ``lockgate::decode_layers_`` can run: decode steps,
 with or without guess rows, and steps with prompt rows alike). The kernel backend packs the
 layers' tensors for that operator once per step size (once for all prompt steps, when every
 projection serves prompt rows on one form); ``forget()`` drops the packs when the projections'
@@ -35,6 +36,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from lockgate.kernel_choice import serving_form
 from lockgate.layers.attention_meta import AttentionMetadata
 from lockgate.layers.linear import Linear
 from lockgate.layers.norm import rms_norm
@@ -220,19 +222,18 @@ class KernelOps:
     @classmethod
     def _pack(cls, layers: Iterable[LayerWeights], rows: int, prompt_rows: bool) -> Pack | tuple[()]:
         """The layers' tensors in ``decode_layers_``' order, and each projection's kind, for the
-        forms ``Linear`` calls at ``rows`` rows (``prompt_rows``: a step with prompt rows); () when
+        forms ``Linear`` calls at ``rows`` rows (``kernel_choice.serving_form``, the rule ``Linear``
+        follows; ``prompt_rows``: a step with prompt rows); () when
         some such form has no kind (the float32 copy of a 16-bit run) or the call would be padded."""
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
         for layer in layers:
             weights += [layer.attn_norm, layer.mlp_norm]
             for lin in layer.projections().values():
-                p = lin.prompt
-                on_prompt = p is not None and (prompt_rows or lin.choice.pick(rows) == p.name)
-                if on_prompt and rows < p.min_rows:  # type: ignore[union-attr]
+                name, run_rows = serving_form(lin.choice, lin.prompt, rows, prompt_rows)  # as Linear calls it
+                if run_rows != rows:
                     return ()  # the layer loop pads such calls (Linear), the operator would not
-                form = lin.forms[p.name] if on_prompt else lin.form_for(rows)  # type: ignore[union-attr]
-                args = form.decode_layers_args()
+                args = lin.forms[name].decode_layers_args()
                 if args is None:
                     return ()
                 kinds.append(args[0])

@@ -3,12 +3,13 @@ attention paths and the row-invariant prompt forms (``--exact-prefill``, ``--det
 
 Owns choosing, not running steps. ``auto_dtype`` picks the dtype before anything loads.
 ``FormPlan`` is made once the dtype is known and before the weights load: its cache key is known
-then, so a stored table (``tuning_cache.peek``) tells the loader which forms to build at all
-(``wanted_forms``). ``FormPlan.choose`` then applies the choices to the loaded ``DecoderModel``:
+then, so a stored ``TuningTable`` (``tuning_cache.peek_table``) tells the loader which forms to
+build at all (``wanted_forms``). ``FormPlan.choose`` then applies the table to the loaded ``DecoderModel``:
 every projection's ``FormChoice`` and, where asked, its ``PromptForm``; the forms nothing calls
 freed and the model's packed whole-step weights forgotten; the attention kernel's process-wide
 look-ahead switch set (the last model loaded in a process decides); one readable table logged.
-It returns ``Paths``, the facts ``ModelRunner.execute`` reads each step, or raises ValueError
+It returns ``Paths``, the facts ``ModelRunner.execute`` reads each step and ``Paths.table``, the
+``TuningTable`` as applied (what the log and ``lockgate tune`` show), or raises ValueError
 (``--deterministic`` where it cannot hold).
 
 Invariants:
@@ -38,9 +39,16 @@ import torch
 
 from lockgate import kernels
 from lockgate.config import ModelConfig
-from lockgate.kernel_choice import FORM_NAMES, QUANTIZED_FORMS, FormChoice, fallback_form
+from lockgate.kernel_choice import (
+    FORM_NAMES,
+    QUANTIZED_FORMS,
+    FormChoice,
+    PromptForm,
+    Samples,
+    TuningTable,
+    fallback_form,
+)
 from lockgate.layers.forms import int_gemm_available, int_gemm_isa, weight_copies_fit
-from lockgate.layers.linear import PromptForm
 from lockgate.models.args import ModelArgs
 from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
 from lockgate.runner import row_invariance, tuning, tuning_attention, tuning_cache
@@ -61,7 +69,8 @@ class Paths:
     row_invariant: bool = False  # --deterministic: every token's attention is a decode-kernel row
     prompt_forms: dict[str, PromptForm] = dataclasses.field(default_factory=dict)  # per role
     exact_prefill_problem: str | None = "off (--no-exact-prefill)"  # why prompt rows are not exact
-    tuned: dict[str, Any] = dataclasses.field(default_factory=dict)  # the table, for logs and `lockgate tune`
+    # the kernel choice as applied, for logs and `lockgate tune`
+    table: TuningTable = dataclasses.field(default_factory=lambda: TuningTable(choices={}))
 
     def describe_prompt_forms(self) -> str:
         if not self.prompt_forms:
@@ -143,7 +152,7 @@ class FormPlan:
         if cfg.activation_quant != "none":  # the tier's forms run other kernels: a table of their own
             weights["activation_quant"] = cfg.activation_quant
         self.forms_key = tuning_key("forms", cfg, args, str(dtype).removeprefix("torch."), weights)
-        self.stored_table = tuning_cache.peek(self.forms_key) \
+        self.stored_table: TuningTable | None = tuning_cache.peek_table(self.forms_key) \
             if cfg.tuning == "auto" and cfg.matmul_forms == "auto" else None
 
     # ---- before loading ----
@@ -178,8 +187,8 @@ class FormPlan:
             choices = {role: FormChoice.static(("dense", *QUANTIZED_FORMS)) for role in PROJECTION_ROLES}
             want = {role: set(QUANTIZED_FORMS) for role in PROJECTION_ROLES}
         elif self.stored_table is not None:
-            stored = self.stored_table.get("choices", {})
-            choices = {role: FormChoice.parse(stored.get(role, "dense")) for role in PROJECTION_ROLES}
+            stored = self.stored_table.choices
+            choices = {role: stored.get(role, FormChoice.single("dense")) for role in PROJECTION_ROLES}
             want = {role: c.names() for role, c in choices.items()}
         else:
             return None
@@ -202,18 +211,16 @@ class FormPlan:
         roles = model.projections()
         paths = Paths(decode_kernel=self.cpu_kernels, row_invariant=cfg.deterministic)
         choices: dict[str, FormChoice] = {}
-        source = "static rule (--tuning off)"
-        info: dict[str, Any] = {}
+        table = TuningTable(choices={}, source="static rule (--tuning off)")
         if cfg.matmul_forms != "auto":
             choices = {role: FormChoice.parse(cfg.matmul_forms) for role in roles}
-            source = f"--matmul-forms {cfg.matmul_forms}"
+            table = TuningTable(choices={}, source=f"--matmul-forms {cfg.matmul_forms}")
         elif cfg.tuning != "off":
-            info = self._measured(model, cfg.tuning == "refresh")
-            choices = {role: FormChoice.parse(text) for role, text in info["choices"].items()}
-            paths.decode_kernel = self.cpu_kernels and info.get("attention", "kernel") == "kernel"
-            paths.prefill_kernel = paths.decode_kernel and info.get("prefill_attention", "sdpa") == "kernel"
-            paths.attention_lookahead = paths.decode_kernel and info.get("attention_lookahead") == "on"
-            source = ("cached " if info["cached"] else f"measured in {info.get('seconds', 0):.1f}s, ") + info["path"]
+            table = self._measured(model, cfg.tuning == "refresh")
+            choices = dict(table.choices)
+            paths.decode_kernel = self.cpu_kernels and table.decode_attention == "kernel"
+            paths.prefill_kernel = paths.decode_kernel and table.prefill_attention == "kernel"
+            paths.attention_lookahead = paths.decode_kernel and table.attention_lookahead == "on"
         if self.cpu_kernels:  # process-wide: the last model loaded in a process decides
             torch.ops.lockgate.set_attention_lookahead(paths.attention_lookahead)
         model.choose_forms(choices)
@@ -223,47 +230,34 @@ class FormPlan:
                 if "fp32" in lin.forms:
                     lin.choose(lin.choice.from_rows(rows, "fp32"))
         if cfg.exact_prefill or cfg.deterministic:
-            self._choose_row_forms(model, paths, info)
+            self._choose_row_forms(model, paths, table.samples)
         model.choose_forms({}, drop=True)  # free the forms no projection calls
-        self._log_table(model, paths, source)
+        self._log_table(_applied(table, model, paths))
         if paths.exact_prefill_problem and cfg.exact_prefill:
             log.warning("prefix-cache hits and prompt chunking may change results in the last bits on this "
                         "machine: %s", paths.exact_prefill_problem)
         if cfg.deterministic:
             check_deterministic(model, cfg, self.dtype, self.cpu_kernels)
             paths.decode_kernel = True
-        paths.tuned = {
-            **info, "choices": {role: str(lins[0].choice) for role, lins in roles.items()},
-            "prompt_forms": {role: {"form": p.name, "min_rows": p.min_rows} for role, p in paths.prompt_forms.items()},
-            "exact_prefill": paths.describe_prompt_forms(),
-            "decode_attention": "kernel" if paths.decode_kernel else "sdpa",
-            "prefill_attention": "kernel" if paths.prefill_kernel else "sdpa",
-            "attention_lookahead": "on" if paths.attention_lookahead else "off", "source": source,
-            "int_gemm_isa": int_gemm_isa()}
+        paths.table = _applied(table, model, paths)
         return paths
 
-    def _log_table(self, model: DecoderModel, paths: Paths, source: str) -> None:
-        roles = model.projections()
+    def _log_table(self, table: TuningTable) -> None:
         cpu = tuning_cache.cpu_description()
-        lines = [f"matmul forms ({source}; {cpu['cpu']}, {tuning_cache.notable_flags(cpu['flags'])}, "
+        lines = [f"matmul forms ({table.source}; {cpu['cpu']}, {tuning_cache.notable_flags(cpu['flags'])}, "
                  f"{torch.get_num_threads()} threads, {self.dtype}, int-gemm path {int_gemm_isa() or 'not built'}):"]
-        lines += [f"  {role:<8} {roles[role][0].choice.describe()}" for role in roles]
-        lines.append(f"  decode attention: {'lockgate kernel' if paths.decode_kernel else 'gathers + SDPA'}"
-                     f"{' (look-ahead on)' if paths.attention_lookahead else ''}; "
-                     f"prefill attention: {'lockgate kernel' if paths.prefill_kernel or paths.row_invariant else 'SDPA'}")
-        lines.append(f"  prompt rows: {paths.describe_prompt_forms()}")
-        log.info("\n".join(lines))
+        log.info("\n".join(lines + table.describe()))
 
-    def _measured(self, model: DecoderModel, refresh: bool) -> dict[str, Any]:
-        """The table for ``forms_key``: the one ``peek`` found before loading, else the cached or
-        a new measurement of the forms the model now has (all it can have: ``wanted_forms``)."""
+    def _measured(self, model: DecoderModel, refresh: bool) -> TuningTable:
+        """The table for ``forms_key``: the one ``peek_table`` found before loading, else the cached
+        or a new measurement of the forms the model now has (all it can have: ``wanted_forms``)."""
         if self.stored_table is not None and not refresh:
-            return {**self.stored_table, "cached": True}
+            return self.stored_table
         roles = model.projections()
         args = model.args
         forms = {role: sorted({f for lin in lins for f in lin.forms}) for role, lins in roles.items()}
 
-        def measure() -> dict[str, Any]:
+        def measure() -> TuningTable:
             log.info("measuring the matmul forms at this model's shapes (once per CPU, threads and shape)")
             samples = tuning.measure_forms(roles, self.dtype) if any(len(f) > 1 for f in forms.values()) else {}
             heads = (args.num_heads, args.num_kv_heads, args.head_dim, self.dtype)
@@ -272,17 +266,15 @@ class FormPlan:
             lookahead = (tuning_attention.measure_attention_lookahead(*heads, args.num_layers)
                          if self.cpu_kernels else {})
             choices = tuning.decide(samples)
-            return {"samples": samples, "choices": {r: str(choices.get(r, FormChoice.single(fallback_form(forms[r]))))
-                                                    for r in roles},
-                    "attention_ms": attention, "attention": tuning_attention.decide_attention(attention),
-                    "prefill_attention_ms": prefill,
-                    "prefill_attention": tuning_attention.decide_prefill_attention(prefill),
-                    "attention_lookahead_ms": lookahead,
-                    "attention_lookahead": tuning_attention.decide_attention_lookahead(lookahead),
-                    "forms": forms}
+            return TuningTable(
+                choices={r: choices.get(r, FormChoice.single(fallback_form(forms[r]))) for r in roles},
+                decode_attention=tuning_attention.decide_attention(attention),
+                prefill_attention=tuning_attention.decide_prefill_attention(prefill),
+                attention_lookahead=tuning_attention.decide_attention_lookahead(lookahead),
+                forms=forms, samples=samples, attention_ms=attention, prefill_attention_ms=prefill,
+                attention_lookahead_ms=lookahead)
 
-        data, hit = tuning_cache.cached(self.forms_key, measure, refresh=refresh)
-        return {**data, "cached": hit}
+        return tuning_cache.cached_table(self.forms_key, measure, refresh=refresh)
 
     # ---- row-invariant forms (--exact-prefill, --deterministic; issue 19) ----
 
@@ -300,7 +292,7 @@ class FormPlan:
             return {role: sorted(FormChoice.parse(self.cfg.matmul_forms).names()) for role in choices}
         return row_invariance.candidates_for(choices)
 
-    def _choose_row_forms(self, model: DecoderModel, paths: Paths, info: dict[str, Any]) -> None:
+    def _choose_row_forms(self, model: DecoderModel, paths: Paths, samples: Samples) -> None:
         """Give every projection its ``PromptForm`` from the cached row-invariance check: with
         --deterministic the cheapest invariant form, which then serves every call; else (exact
         prefill) the first invariant candidate, for prompt rows. Every token's attention goes to the
@@ -316,7 +308,6 @@ class FormPlan:
             return
         roles = model.projections()
         candidates = self._candidates({role: lins[0].choice for role, lins in roles.items()})
-        samples = info.get("samples") or {}
 
         def check(refresh: bool) -> tuple[dict[str, dict[str, int | None]], dict[str, PromptForm | None], bool]:
             """The cached (or new) floors, each role's pick among the forms built, and whether a
@@ -348,6 +339,17 @@ class FormPlan:
         paths.decode_kernel = paths.prefill_kernel = True  # every token's attention: one kernel row over its keys
         model.ops.forget()
         paths.exact_prefill_problem = _inexact_layers(model.args)
+
+
+def _applied(table: TuningTable, model: DecoderModel, paths: Paths) -> TuningTable:
+    """``table`` as this start runs it: every role's choice as its projections now have it, the
+    prompt forms and attention paths ``paths`` holds."""
+    return dataclasses.replace(
+        table, choices={role: lins[0].choice for role, lins in model.projections().items()},
+        prompt_forms=dict(paths.prompt_forms), exact_prefill=paths.describe_prompt_forms(),
+        decode_attention="kernel" if paths.decode_kernel else "sdpa",
+        prefill_attention="kernel" if paths.prefill_kernel or paths.row_invariant else "sdpa",
+        attention_lookahead="on" if paths.attention_lookahead else "off")
 
 
 def _inexact_layers(a: Any) -> str | None:

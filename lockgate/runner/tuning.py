@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
-from lockgate.kernel_choice import FORM_NAMES, FormChoice
-from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight
+from lockgate.kernel_choice import FORM_NAMES, FormChoice, TuningTable
+from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, int_gemm_isa
 from lockgate.layers.grid import quantize_int4
 from lockgate.runner.tuning_attention import (
     LOOKAHEAD_BATCH,
@@ -308,37 +308,34 @@ def figures_table(samples: dict[str, dict[str, dict[str, list[float]]]], choices
     return "\n".join(lines)
 
 
-def report(tuned: dict[str, Any], dtype_info: dict[str, Any], dtype: str) -> str:
-    """What ``lockgate tune`` prints: the machine, how the dtype was chosen, the table per role,
-    the decode attention path, and every figure measured."""
+def report(table: TuningTable, dtype_info: dict[str, Any], dtype: str) -> str:
+    """What ``lockgate tune`` prints: the machine, how the dtype was chosen, the kernel choice
+    (``TuningTable``: the table per role, the attention paths, the prompt rows' forms), and every
+    figure measured."""
     cpu = cpu_description()
     lines = [f"CPU: {cpu['cpu']} ({notable_flags(cpu['flags'])}), {torch.get_num_threads()} threads, "
-             f"torch {torch.__version__}, int_linear path {tuned.get('int_gemm_isa') or 'not built'}",
+             f"torch {torch.__version__}, int_linear path {int_gemm_isa() or 'not built'}",
              f"dtype: {dtype} ({dtype_info.get('how', '')})"]
     for rows, at in dtype_info.get("ms_per_layer_pass", {}).items():
         lines.append(f"  one layer's projections at {rows} rows: "
                      + ", ".join(f"{c} {ms:.2f} ms" for c, ms in at.items()))
-    lines.append(f"matmul forms ({tuned.get('source', '')}):")
-    lines += [f"  {role:<8} {FormChoice.parse(text).describe()}" for role, text in tuned.get("choices", {}).items()]
-    att = tuned.get("attention_ms") or {}
-    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in att.items() if ts)
-    lines.append(f"decode attention: {'lockgate kernel' if tuned.get('decode_attention') == 'kernel' else 'gathers + SDPA'}"
+    lines.append(f"matmul forms ({table.source}):")
+    lines += [f"  {role:<8} {choice.describe()}" for role, choice in table.choices.items()]
+    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in table.attention_ms.items() if ts)
+    lines.append(f"decode attention: {'lockgate kernel' if table.decode_attention == 'kernel' else 'gathers + SDPA'}"
                  + (f" (a decode step's layers at batch 16 x 256 keys: {figures})" if figures else ""))
-    look = tuned.get("attention_lookahead_ms") or {}
-    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in look.items() if ts)
+    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in table.attention_lookahead_ms.items()
+                        if ts)
     if figures:
-        lines.append(f"  its look-ahead (next item's K/V rows prefetched): {tuned.get('attention_lookahead', 'off')} "
+        lines.append(f"  its look-ahead (next item's K/V rows prefetched): {table.attention_lookahead} "
                      f"(a decode step's layers at batch {LOOKAHEAD_BATCH} x {LOOKAHEAD_CONTEXT} keys: {figures})")
-    pre = tuned.get("prefill_attention_ms") or {}
-    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in pre.items() if ts)
-    lines.append(f"prefill attention: {'lockgate kernel' if tuned.get('prefill_attention') == 'kernel' else 'SDPA'}"
+    figures = ", ".join(f"{name} {statistics.median(ts):.1f} ms" for name, ts in table.prefill_attention_ms.items() if ts)
+    lines.append(f"prefill attention: {'lockgate kernel' if table.prefill_attention == 'kernel' else 'SDPA'}"
                  + (f" (4 layers of fresh {' + '.join(map(str, PREFILL_ATTENTION_TOKENS))}-token prompts: {figures})"
                     if figures else ""))
-    if tuned.get("exact_prefill"):
-        lines.append(f"prompt rows (row-invariant forms, --exact-prefill): {tuned['exact_prefill']}")
-    samples = tuned.get("samples") or {}
-    if samples:
-        choices = {role: FormChoice.parse(text) for role, text in tuned.get("choices", {}).items()}
+    if table.exact_prefill:
+        lines.append(f"prompt rows (row-invariant forms, --exact-prefill): {table.exact_prefill}")
+    if table.samples:
         lines += ["", "median ms per call (* = chosen; - = not measured: pruned, or beyond the head's rows):",
-                  figures_table(samples, choices)]
+                  figures_table(table.samples, table.choices)]
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 Owns describing the CPU (``cpu_description``: model name with family, model and stepping numbers,
 and the full flag list), torch's build with any instruction-set switches (``torch_build``),
 ``TuningKey`` and its cache files: ``peek`` reads a stored result, ``cached`` reads it or measures
-and stores it; ``TABLE_NAME``, ``lock_of`` and ``stored_key`` tell ``lockgate cache`` which files
+and stores it, ``peek_table`` and ``cached_table`` do the same for the matmul forms' and attention
+paths' ``kernel_choice.TuningTable`` (the one place such a table is loaded and saved); ``TABLE_NAME``, ``lock_of`` and ``stored_key`` tell ``lockgate cache`` which files
 are tables, their locks, and what each was keyed by. What is measured and how it is decided are ``lockgate.runner.tuning``'s (matmul
 forms, dtype), ``tuning_attention``'s and ``row_invariance``'s; ``form_choice`` builds the keys.
 
@@ -18,7 +19,9 @@ which forms to build at all. One process measures at a time under an ``flock`` (
 start together: the second finds the first's result).
 
 Invariants: a stored result is returned only for a key equal to the one it was stored under (a
-corrupt or foreign file reads as missing, so it is measured again); one process measures a key at
+corrupt or foreign file reads as missing, so it is measured again; so does a table in a layout
+``TuningTable.from_json`` refuses, while one stored before the layout had a version is read
+through its converter and gives the same choices); one process measures a key at
 a time; a cache that cannot be written costs a warning and a measurement next start, never the
 start.
 """
@@ -35,12 +38,13 @@ import platform
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lockgate.kernel_choice import TuningTable
 from lockgate.paths import cache_home
 
 log = logging.getLogger("lockgate.tuning")
@@ -183,21 +187,56 @@ def peek(key: TuningKey) -> dict[str, Any] | None:
     return data
 
 
-def cached(key: TuningKey, measure: Callable[[], dict[str, Any]], refresh: bool = False) -> tuple[dict[str, Any], bool]:
+def cached(key: TuningKey, measure: Callable[[], dict[str, Any]], refresh: bool = False,
+           readable: Callable[[dict[str, Any]], bool] = lambda data: True) -> tuple[dict[str, Any], bool]:
     """(the stored result for ``key``, whether it came from the cache); measured (and stored) when
-    missing, unreadable or ``refresh``."""
+    missing, unreadable (``readable`` says no) or ``refresh``."""
     with _locked(key) as path:
         data = None if refresh else _read(path, key)
-        if data is not None:
+        if data is not None and readable(data):
             data["path"] = str(path)
             return data, True
         t0 = time.perf_counter()
         result = measure()
-        data = {"key": asdict(key), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "seconds": round(time.perf_counter() - t0, 2), **result}
+        data = {**result, "key": asdict(key), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "seconds": round(time.perf_counter() - t0, 2)}
         try:
             _write(path, data)
         except OSError as e:  # a read-only cache: keep going with what was measured
             log.warning("could not store the tuning result in %s: %s", path, e)
         data["path"] = str(path)
         return data, False
+
+
+# ---- the kernel choice's table (kind "forms") ----
+
+_NOT_STORED = ("source", "cached")  # what a table says about this start, not about the measurement
+
+
+def _table_of(data: dict[str, Any]) -> TuningTable | None:
+    try:
+        return TuningTable.from_json(data)
+    except ValueError as e:
+        log.info("a stored tuning table cannot be read (%s): it is measured again", e)
+        return None
+
+
+def peek_table(key: TuningKey) -> TuningTable | None:
+    """The stored table for ``key`` (``peek``), or None: none stored, or in a layout this version
+    does not read."""
+    data = peek(key)
+    if data is None or (table := _table_of(data)) is None:
+        return None
+    return replace(table, source=f"cached {data['path']}", cached=True)
+
+
+def cached_table(key: TuningKey, measure: Callable[[], TuningTable], refresh: bool = False) -> TuningTable:
+    """The stored table for ``key``, else (missing, unreadable, in another layout, or ``refresh``)
+    ``measure()``'s, stored; ``source`` says which and where, ``seconds`` how long it took."""
+    def measured() -> dict[str, Any]:
+        return {k: v for k, v in measure().to_json().items() if k not in _NOT_STORED}
+
+    data, hit = cached(key, measured, refresh, readable=lambda d: _table_of(d) is not None)
+    table = TuningTable.from_json(data)
+    how = "cached " if hit else f"measured in {table.seconds:.1f}s, "
+    return replace(table, source=how + data["path"], cached=hit)
