@@ -246,8 +246,9 @@ class ModelRunner:
         self.max_model_len: int = self._context_length(model_cfg)
         if self.kv_cache_dtype != "auto":  # the 8-bit pool is read by the kernels only: every token's attention there
             self.paths.decode_kernel = self.paths.prefill_kernel = True
-            self.paths.tuned.update(decode_attention="kernel", prefill_attention="kernel",
-                                    kv_cache_dtype=self.kv_cache_dtype_name)
+            self.paths.table = dataclasses.replace(
+                self.paths.table, decode_attention="kernel", prefill_attention="kernel",
+                source=f"{self.paths.table.source}; --kv-cache-dtype {self.kv_cache_dtype_name}: attention on the kernels")
         # [layers, capacity, Hkv, D], or [layers, capacity, Hkv, D + 4] int8 / float8_e4m3fn (codes, then the scale)
         shape = kv_quant.pool_shape(self.model.kv_shape(self.capacity), self.kv_cache_dtype)
         t_pool = time.perf_counter()
