@@ -133,6 +133,7 @@ def browser():
     if missing:
         pytest.fail(f"{', '.join(missing)} missing: the chat page is tested in Debian's chromium; install it with "
                     "'apt-get install -y chromium chromium-driver' ('make test' does when it runs as root with apt)")
+    offline = os.environ.get("SE_OFFLINE")
     os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must not look for a driver or browser online
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -150,6 +151,8 @@ def browser():
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+        if offline is None:
+            os.environ.pop("SE_OFFLINE", None)
 
 
 def _wait(what: str, check, timeout: float = 20.0):
