@@ -47,12 +47,14 @@ def lockgate_args(argv: list[str]) -> argparse.Namespace:
         ns = build_parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"lockgate does not accept: lockgate {shlex.join(argv)}")
-    cors_from_args(ns)
-    routing_from_args(ns)
+    if ns.command in ("serve", "gateway"):
+        cors_from_args(ns)
+        routing_from_args(ns)
     if ns.command == "serve":
         apply_vllm_args(ns)
-        config_from_args(ns)
         server_config_from_args(ns)
+    if ns.command in ("serve", "generate"):
+        config_from_args(ns)
     return ns
 
 
@@ -123,6 +125,8 @@ def test_the_image_is_multi_stage_non_root_and_checks_health() -> None:
     health = one(stage, "HEALTHCHECK")
     assert f"http://127.0.0.1:{ns.port}/health" in health and "/health" in server_routes()
     assert "/health" in gateway_routes()  # the same image runs the gateway (deploy/compose.yaml)
+    warm = [m for k, v in stage if k == "RUN" for m in re.findall(r"\blockgate (generate [^;&]+)", v)]
+    assert len(warm) == 1 and lockgate_args(shlex.split(warm[0])).max_tokens == 1  # the cache warm-up
 
 
 def test_the_build_context_holds_what_the_image_copies() -> None:
