@@ -10,7 +10,7 @@ MESSAGE ?= What is the capital of France? Answer in one sentence.
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: setup serve chat run test lint bench
+.PHONY: setup serve chat run test lint bench browser
 
 setup: $(STAMP)
 
@@ -35,8 +35,18 @@ chat: setup
 
 run: chat
 
+# Debian's chromium + chromium-driver for the chat page's browser test (tests/test_pages.py), installed
+# when missing (as root with apt-get); without them that test fails and says how to install them.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's chromium and chromium-driver for the browser test"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    chromium chromium-driver fonts-liberation >/dev/null) || echo "warning: apt-get could not install chromium: the browser test will fail"; \
+	else echo "warning: no /usr/bin/chromium + /usr/bin/chromedriver and no root apt-get: the browser test will fail"; fi
+
 # the linter and the type checker first (a few seconds, ~2 min for a cold mypy cache), then the suite
-test: lint
+test: lint browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
 
 lint: setup

@@ -219,7 +219,7 @@ def _check_model_spec(spec: str) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from lockgate.config import server_config_from_args
+    from lockgate.config import cors_from_args, server_config_from_args
     from lockgate.gateway.command import routing_from_args, serve_dp
     from lockgate.server.launch import serve
     from lockgate.vllm_compat import apply_vllm_args
@@ -227,6 +227,7 @@ def _serve(ns: argparse.Namespace) -> int:
     try:
         notes = apply_vllm_args(ns)
         engine, server, routing = config_from_args(ns), server_config_from_args(ns), routing_from_args(ns)
+        cors = cors_from_args(ns)
         _check_model_spec(engine.model.model)
         if engine.cache.gpu_memory_utilization is not None and (server.dp > 1 or server.ray):
             raise ValueError("--gpu-memory-utilization is a share of this machine's memory for one engine; with "
@@ -242,10 +243,10 @@ def _serve(ns: argparse.Namespace) -> int:
     if server.ray:
         from lockgate.fleet.serve import serve_ray
 
-        return serve_ray(engine, server, routing, ns.log_level)
+        return serve_ray(engine, server, routing, ns.log_level, cors)
     if server.dp > 1:
-        return serve_dp(engine, server, routing, ns.log_level)
-    return serve(engine, server, ns.log_level)
+        return serve_dp(engine, server, routing, ns.log_level, cors)
+    return serve(engine, server, ns.log_level, cors)
 
 
 def _chat(llm, ns: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]

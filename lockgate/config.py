@@ -725,6 +725,76 @@ class ServerConfig:
         return max(4 * 1024**2, 128 * (max_model_len or 0))
 
 
+def parse_json_list(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """vLLM's list flags (``--allowed-origins '["https://a.example"]'``): a JSON list of strings, or one
+    bare value (``--allowed-origins '*'``) -> a tuple of strings."""
+    if isinstance(text, list | tuple):
+        items: Any = list(text)
+    else:
+        t = str(text).strip()
+        if not t.startswith("["):
+            items = [t]
+        else:
+            import json
+
+            try:
+                items = json.loads(t)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a JSON list: {t!r} ({e.msg})") from None
+    if not isinstance(items, list) or not all(isinstance(x, str) and x.strip() for x in items):
+        raise ValueError(f"expected a JSON list of non-empty strings (e.g. '[\"https://app.example\"]'), got {text!r}")
+    return tuple(x.strip() for x in items)
+
+
+@dataclass(frozen=True)
+class CorsConfig:
+    """Cross-origin access (CORS) of the server or gateway, with vLLM's flags. Unlike vLLM, whose
+    default lets every origin in, none is given by default: no CORS header is sent, so a web page
+    from elsewhere cannot read this server's answers through a visitor's browser (the page at ``/``
+    is same-origin and needs none). ``--allowed-origins '["*"]'`` is vLLM's default."""
+
+    allowed_origins: tuple[str, ...] = option((), "origins whose web pages may call this server from a browser "
+                                              "(CORS), as a JSON list ('[\"https://app.example\"]', '[\"*\"]' "
+                                              "for any) or one origin; default: none, no CORS headers (vLLM's "
+                                              "default is '[\"*\"]')", parse=parse_json_list)
+    allowed_methods: tuple[str, ...] = option(("*",), "with --allowed-origins: the methods allowed (JSON list; "
+                                              'default: ["*"])',
+                                              parse=parse_json_list)
+    allowed_headers: tuple[str, ...] = option(("*",), "with --allowed-origins: the request headers allowed "
+                                              '(JSON list; default: ["*"])', parse=parse_json_list)
+    allow_credentials: bool = option(False, "with --allowed-origins: let browsers send cookies and "
+                                     "Authorization headers they hold")
+
+    def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            try:
+                object.__setattr__(self, name, parse_json_list(getattr(self, name)))
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path, "
+                                 "e.g. https://app.example:8443) nor '*'")
+
+    def middleware_options(self) -> dict[str, Any] | None:
+        """Keyword arguments of Starlette's ``CORSMiddleware``; None when no origin is allowed."""
+        if not self.allowed_origins:
+            return None
+        return {"allow_origins": list(self.allowed_origins), "allow_methods": list(self.allowed_methods),
+                "allow_headers": list(self.allowed_headers), "allow_credentials": self.allow_credentials}
+
+
+@dataclass(frozen=True)
+class CorsFlags:
+    """Flag container for ``add_config_args(parser, CorsFlags)`` (serve and gateway)."""
+
+    cors: CorsConfig = field(default_factory=CorsConfig)
+
+
+def cors_from_args(ns: argparse.Namespace) -> CorsConfig:
+    return CorsConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(CorsConfig)})
+
+
 @dataclass(frozen=True)
 class ServerFlags:
     """Flag container for ``add_config_args(parser, ServerFlags)``."""

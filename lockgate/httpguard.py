@@ -8,8 +8,9 @@ itself, through ``render(scope, status, message)``, so each app keeps its own er
 
 Invariants:
 
-* ``BearerAuth``: every HTTP route but ``/health`` needs ``Authorization: Bearer <key>`` with one
-  of the keys; each comparison is constant-time and every key is compared; a refused request never
+* ``BearerAuth``: every HTTP route but ``/health`` and the ``pages`` it is given (static pages
+  read with GET or HEAD: the chat page, the API docs; they hold no data) needs
+  ``Authorization: Bearer <key>`` with one of the keys; each comparison is constant-time and every key is compared; a refused request never
   reaches the app (nothing is routed, recorded or read beyond its headers). The name of the key
   that matched (``--api-key NAME=KEY``; None for a bare key) is put in ``scope["state"]["api_key_name"]``
   (the request's tenant).
@@ -33,6 +34,10 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 Render = Callable[[Scope, int, str], Response]
+
+# The static pages a browser opens (server/pages.py: the chat page, the API reference and its files);
+# they hold no data, so GET and HEAD read them without the key, on the server and through the gateway.
+PAGES = ("/", "/docs", "/openapi.json", "/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css", "/docs/favicon.png")
 
 
 ApiKeys = Mapping[str, "str | None"]  # key -> its name (the tenant), None for a bare key
@@ -105,13 +110,20 @@ def has_key(authorization: str | bytes, keys: ApiKeys | str) -> bool:
 
 
 class BearerAuth:
-    def __init__(self, app: ASGIApp, api_key: ApiKeys | str, render: Render) -> None:
+    def __init__(self, app: ASGIApp, api_key: ApiKeys | str, render: Render, pages: Iterable[str] = ()) -> None:
+        """``pages``: the exact paths GET and HEAD may read without a key (no prefixes: a prefix would
+        let '/docs/../v1/...' through a gateway that normalizes the path it proxies)."""
         self.app = app
         self.keys: ApiKeys = {api_key: None} if isinstance(api_key, str) else dict(api_key)
         self.render = render
+        self.pages = frozenset(pages)
+
+    def _public(self, scope: Scope) -> bool:
+        path = scope["path"]
+        return path == "/health" or (scope["method"] in ("GET", "HEAD") and path in self.pages)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and not self._public(scope):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             ok, name = key_name(given, self.keys)
             if not ok:

@@ -67,7 +67,7 @@ def add_admin_routes(app: FastAPI, fleet: Any) -> None:
     app.router.routes[0:0] = added  # before the proxy's catch-all
 
 
-def serve_ray(engine: EngineConfig, server: ServerConfig, routing: Any, log_level: str) -> int:
+def serve_ray(engine: EngineConfig, server: ServerConfig, routing: Any, log_level: str, cors: Any = None) -> int:
     from lockgate.gateway.command import build_gateway, run_gateway
 
     try:
@@ -102,7 +102,7 @@ def serve_ray(engine: EngineConfig, server: ServerConfig, routing: Any, log_leve
         return run_gateway(gw, server.host, server.port, log_level, grace=server.shutdown_timeout + 5.0,
                            on_app=lambda app: add_admin_routes(app, fleet), header_timeout=server.http_header_timeout,
                            keep_alive_timeout=server.http_keep_alive_timeout, body_timeout=server.http_body_timeout,
-                           max_connections=server.http_max_connections)
+                           max_connections=server.http_max_connections, cors=cors)
     finally:
         fleet.shutdown()
         import ray

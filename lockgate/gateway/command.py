@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
-from lockgate.config import EngineConfig, ServerConfig, config_to_args, option, parse_size
+from lockgate.config import CorsConfig, EngineConfig, ServerConfig, config_to_args, option, parse_size
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import POLICIES, PREFIX_POLICIES, Router
 from lockgate.gateway.proxy import Gateway, create_gateway_app
@@ -101,7 +101,7 @@ class RoutingFlags:
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
-    from lockgate.config import add_config_args
+    from lockgate.config import CorsFlags, add_config_args
 
     g = p.add_argument_group("gateway")
     g.add_argument("--replica", action="append", default=[], metavar="URL",
@@ -125,6 +125,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-max-connections", type=int, default=0, help="connections (or requests) served at "
                    "once; more get a 503 at once (0: half the open-file limit, raised to its hard limit)")
     add_config_args(p, RoutingFlags)
+    add_config_args(p, CorsFlags)
 
 
 def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
@@ -178,13 +179,13 @@ def build_gateway(urls: list[str], replicas_file: str | None, routing: RoutingCo
 def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float = 10.0,
                 on_stop: Callable[[], None] | None = None, on_app: Callable[[FastAPI], None] | None = None,
                 header_timeout: float = 10.0, keep_alive_timeout: float = 5.0, body_timeout: float = 60.0,
-                max_connections: int = 0) -> int:
+                max_connections: int = 0, cors: CorsConfig | None = None) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if uvicorn could not start. On the signal,
     ``on_stop`` runs at once (``serve --dp`` stops its replicas then, so their own shutdown grace and
     its final events reach the clients through the gateway), and open responses get ``grace``
     seconds to end before uvicorn cancels them."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
-    app = create_gateway_app(gw)
+    app = create_gateway_app(gw, cors.middleware_options() if cors is not None else None)
     if on_app is not None:  # e.g. serve --ray's admin routes
         on_app(app)
     config = uvicorn_config(app, host, port, log_level, header_timeout=header_timeout,
@@ -214,8 +215,11 @@ def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float 
 
 
 def gateway_main(ns: argparse.Namespace) -> int:
+    from lockgate.config import cors_from_args
+
     try:
         routing = routing_from_args(ns)
+        cors = cors_from_args(ns)
         if not 0 <= ns.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
         for flag, v in (("--http-header-timeout", ns.http_header_timeout),
@@ -232,7 +236,7 @@ def gateway_main(ns: argparse.Namespace) -> int:
         return 2
     return run_gateway(gw, ns.host, ns.port, ns.log_level, header_timeout=ns.http_header_timeout,
                        keep_alive_timeout=ns.http_keep_alive_timeout, body_timeout=ns.http_body_timeout,
-                       max_connections=ns.http_max_connections)
+                       max_connections=ns.http_max_connections, cors=cors)
 
 
 # ---- serve --dp N ------------------------------------------------------------------------
@@ -242,8 +246,10 @@ def replica_threads(engine: EngineConfig, dp: int) -> int:
     return max(1, (os.cpu_count() or 1) // dp)
 
 
-def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig, log_level: str) -> int:
-    """N replicas on ports ``port+1 .. port+N`` and the gateway on ``port``; see the module docstring."""
+def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig, log_level: str,
+             cors: CorsConfig | None = None) -> int:
+    """N replicas on ports ``port+1 .. port+N`` and the gateway on ``port`` (CORS is the gateway's: the
+    replicas, on loopback, get none); see the module docstring."""
     dp = server.dp
     if server.port == 0 or server.port + dp > 65535:
         print(f"lockgate: error: --dp {dp} needs --port P with P >= 1 and P + {dp} <= 65535 (replicas use "
@@ -289,7 +295,7 @@ def serve_dp(engine: EngineConfig, server: ServerConfig, routing: RoutingConfig,
         code = run_gateway(gw, server.host, server.port, log_level, grace=server.shutdown_timeout + 5.0,
                            on_stop=stop_replicas_now, header_timeout=server.http_header_timeout,
                            keep_alive_timeout=server.http_keep_alive_timeout, body_timeout=server.http_body_timeout,
-                           max_connections=server.http_max_connections)
+                           max_connections=server.http_max_connections, cors=cors)
     finally:
         stopping.set()
         _stop_replicas(replicas, server.shutdown_timeout + 10.0)

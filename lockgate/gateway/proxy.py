@@ -40,7 +40,8 @@ byte what the replica sent, but for the usage comment line.
 The gateway's own routes: ``/health`` (200 while any replica is healthy, status ``degraded``
 while some are not), ``/v1/models`` (the union of the healthy replicas' models), ``/metrics``
 (the gateway's counters), ``/v1/loads`` (every replica's state and last reported load).
-Everything else is proxied. With an API key, every route but ``/health`` needs it, checked
+Everything else is proxied (the pages at ``/`` and ``/docs`` too). With an API key, every route but
+``/health`` and the static pages (``httpguard.PAGES``) needs it, checked
 before the body is read (so an unauthenticated prompt is never routed or recorded); bodies
 over ``max_request_bytes`` get 413 before they are read.
 """
@@ -59,6 +60,7 @@ from typing import Any
 import httpx
 import msgspec
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
@@ -69,7 +71,7 @@ from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import PREFIX_POLICIES, Route, Router
 from lockgate.gateway.prefix_index import block_hashes
 from lockgate.gateway.replicas import Fleet, Replica
-from lockgate.httpguard import BearerAuth, BodyLimit, InternalErrors, has_key
+from lockgate.httpguard import PAGES, BearerAuth, BodyLimit, InternalErrors, has_key
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("lockgate.gateway")
@@ -158,7 +160,8 @@ def _sse_error(message: str, path: str) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-def create_gateway_app(gw: Gateway) -> FastAPI:
+def create_gateway_app(gw: Gateway, cors: dict[str, Any] | None = None) -> FastAPI:
+    """``cors``: Starlette ``CORSMiddleware`` options (``CorsConfig.middleware_options``), or None for none."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
@@ -178,7 +181,9 @@ def create_gateway_app(gw: Gateway) -> FastAPI:
     app.add_middleware(InternalErrors, render=refuse, logger=log)
     app.add_middleware(BodyLimit, limit=lambda: gw.max_request_bytes, flag="--max-request-bytes", render=refuse)
     if gw.api_key is not None:
-        app.add_middleware(BearerAuth, api_key=gw.api_key, render=refuse)
+        app.add_middleware(BearerAuth, api_key=gw.api_key, render=refuse, pages=PAGES)
+    if cors is not None:  # outermost: preflights answered before the key is asked for
+        app.add_middleware(CORSMiddleware, **cors)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

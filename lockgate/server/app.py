@@ -1,7 +1,9 @@
 """The FastAPI application of the API process: routes, auth, error rendering, lifespan.
 
-Owns wiring: the OpenAI routes (``openai_api``), the TGI routes (``tgi_api``) and the small
-ones here (/health, /metrics, /v1/loads, /tokenize, /detokenize); the bearer-token check;
+Owns wiring: the OpenAI routes (``openai_api``), the TGI routes (``tgi_api``), the pages (``pages``:
+the chat page at GET /, the API reference at /docs) and the small ones here (/health, /metrics,
+/v1/loads, /tokenize, /detokenize); the bearer-token check; CORS (``--allowed-origins``, outermost, so a
+browser's preflight is answered before the key is asked for and refusals carry the CORS headers too);
 turning ``APIError`` into OpenAI's error body (TGI's on TGI routes); and the lifespan, which
 starts the engine client and, on shutdown, aborts what is still running and tells the
 scheduler to stop.
@@ -39,14 +41,15 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Scope
 
-from lockgate.config import ServerConfig
-from lockgate.httpguard import BearerAuth, BodyLimit, InternalErrors
+from lockgate.config import CorsConfig, ServerConfig
+from lockgate.httpguard import PAGES, BearerAuth, BodyLimit, InternalErrors
 from lockgate.ipc.messages import EngineStats, Shutdown
-from lockgate.server import lora_api, openai_api, tgi_api
+from lockgate.server import lora_api, openai_api, pages, tgi_api
 from lockgate.server.context import APIError, ClientGone, ServerContext, parse_body
 from lockgate.server.errors import error_message, error_param, openai_error
 from lockgate.server.frontend import EngineClient
@@ -70,7 +73,8 @@ log = logging.getLogger("lockgate.api")
 
 
 def create_app(client: EngineClient, cfg: ServerConfig, api_key: Mapping[str, str | None] | None, metrics: Metrics,
-               on_stopping: Callable[[], None] | None = None, tenants: Tenants | None = None) -> FastAPI:
+               on_stopping: Callable[[], None] | None = None, tenants: Tenants | None = None,
+               cors: CorsConfig | None = None) -> FastAPI:
     """``on_stopping`` runs once the server starts shutting down, before the children are told to
     exit (so whoever watches them knows their exits are expected)."""
     @asynccontextmanager
@@ -105,6 +109,7 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: Mapping[str, st
     app.include_router(tgi_api.router)
     app.include_router(lora_api.router)
     app.include_router(_misc)
+    app.include_router(pages.router)
 
     def refuse(scope: Scope, status: int, message: str) -> Response:
         return _render(Request(scope), APIError(status, message))
@@ -117,7 +122,10 @@ def create_app(client: EngineClient, cfg: ServerConfig, api_key: Mapping[str, st
     app.add_middleware(InternalErrors, render=refuse, logger=log)
     app.add_middleware(BodyLimit, limit=body_limit, flag="--max-request-bytes", render=refuse)
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key, render=refuse)
+        app.add_middleware(BearerAuth, api_key=api_key, render=refuse, pages=PAGES)
+    cors_options = cors.middleware_options() if cors is not None else None
+    if cors_options is not None:
+        app.add_middleware(CORSMiddleware, **cors_options)
 
     app.openapi = lambda: _openapi(app, api_key is not None)  # type: ignore[method-assign]
 

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import uvicorn
 
-from lockgate.config import EngineConfig, ServerConfig
+from lockgate.config import CorsConfig, EngineConfig, ServerConfig
 from lockgate.httpguard import key_entries, parse_api_keys
 from lockgate.httpserver import uvicorn_config
 from lockgate.ipc.child import (
@@ -164,7 +164,7 @@ def describe_exit(code: int) -> str:
     return f"code {code}"
 
 
-def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -> int:
+def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO", cors: CorsConfig | None = None) -> int:
     """Run the server until a signal or a child's death; return the process exit code."""
     from lockgate.server.app import create_app
     from lockgate.server.frontend import EngineClient
@@ -229,7 +229,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO") -
             # the children's exits from here on are the shutdown's, not deaths to report
             known = [*(n for n in (api_key or {}).values() if n), *engine.scheduler.tenant_weights]
             app = create_app(client, server, api_key, metrics, on_stopping=lambda: setattr(sup, "stopping", True),
-                             tenants=Tenants(known))
+                             tenants=Tenants(known), cors=cors)
             config = uvicorn_config(app, server.host, server.port, log_level,
                                     header_timeout=server.http_header_timeout,
                                     keep_alive_timeout=server.http_keep_alive_timeout,
@@ -289,7 +289,8 @@ async def cut_at_grace_end(uv: uvicorn.Server, client: EngineClient, grace: floa
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from lockgate.config import ServerFlags, add_config_args
+    from lockgate.config import CorsFlags, ServerFlags, add_config_args
 
     add_config_args(p)
     add_config_args(p, ServerFlags)
+    add_config_args(p, CorsFlags)
