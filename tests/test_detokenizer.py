@@ -6,7 +6,7 @@ so splits happen on purpose; tests/test_golden.py streams the real model's token
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lockgate.tokenizer.detokenizer import IncrementalDetokenizer
@@ -74,13 +74,17 @@ def test_text_ending_in_a_replacement_character_is_released_at_the_end():
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=40), stop=st.lists(st.text(min_size=1, max_size=4), max_size=3),
        chunk=st.integers(1, 5))
+@example(text="0\x1d0", stop=["\x1d", "0\x1d0"], chunk=1)  # a longer stop starting first, completed later
+@example(text="0\x1d0", stop=["\x1d", "0\x1d0"], chunk=5)
 def test_matches_one_shot_decode(text, stop, chunk):
-    """Streaming in any chunking equals: decode everything, cut at the first stop string."""
+    """Streaming in any chunking equals: decode everything, cut before the stop string that a
+    character-by-character generation completes first (of two completed by the same character, the
+    one starting first): with stops '\x1d' and '0\x1d0', '0\x1d0' stops at '0'."""
     pieces, _ = stream(text, tuple(stop), chunk)
     expect = text
-    cuts = [i for s in stop if (i := text.find(s)) >= 0]
-    if cuts:
-        expect = text[:min(cuts)]
+    hits = [(i + len(s), i) for s in stop if (i := text.find(s)) >= 0]
+    if hits:
+        expect = text[:min(hits)[1]]
     assert "".join(pieces) == expect
 
 
