@@ -381,7 +381,7 @@ def save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int, reader: Any = N
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-_READER_SWAP = threading.Lock()
+_READER_SWAP = threading.RLock()  # re-entrant: a conversion inside a caller's swap nests its own
 
 
 @contextlib.contextmanager
