@@ -2,11 +2,12 @@
 
 Owns ``lockgate eval perplexity`` (and ``perplexity_report``, its work): the model is loaded as the
 engine loads it (``ModelRunner``: the same forms, kernels and KV pool, so an inexact tier such as
-``--activation-quant int8`` is measured on the code that serves it), the text is cut into windows
+``--activation-quant int8`` or ``--kv-cache-dtype int8`` is measured on the code that serves it), the text is cut into windows
 of ``--window`` tokens, and each window is fed in chunks of ``--chunk`` tokens, so later tokens read
 earlier ones' K/V from the pool as a prompt prefilled over several steps does. Every token of a
 window but its first is scored (teacher forcing): perplexity = exp(mean negative log-likelihood).
-The reference is the same model and flags on the exact path (``--activation-quant none``), run in
+The reference is the same model and flags on the exact path (``--activation-quant none``,
+``--kv-cache-dtype auto``), run in
 the same process after the measured one; top-1 agreement is the share of scored positions whose
 argmax token is the same in both.
 
@@ -58,7 +59,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, default=1024, help="tokens per window (each starts a new context)")
     g.add_argument("--chunk", type=int, default=256, help="tokens per prefill step within a window")
     g.add_argument("--reference", choices=["exact", "none"], default="exact",
-                   help="exact: also run the exact path (--activation-quant none) for top-1 agreement; none: skip it")
+                   help="exact: also run the exact path (--activation-quant none, --kv-cache-dtype auto) for top-1 "
+                        "agreement; none: skip it")
 
 
 def _check(ns: argparse.Namespace) -> None:
@@ -101,19 +103,20 @@ def perplexity_report(cfg: Any, text: str, text_name: str, max_tokens: int, wind
     from lockgate.runner.tuning_cache import cpu_description
     from lockgate.tokenizer.tokenizer import HFTokenizer
 
-    def run(model_cfg: Any) -> tuple[Any, Any, dict[str, Any], float]:
+    def run(model_cfg: Any, kv_cache_dtype: str) -> tuple[Any, Any, dict[str, Any], float]:
         t0 = time.perf_counter()
-        runner = ModelRunner(model_cfg, CacheConfig(max_total_tokens=window))
+        runner = ModelRunner(model_cfg, CacheConfig(max_total_tokens=window, kv_cache_dtype=kv_cache_dtype))
         ids = HFTokenizer(runner.model_dir).encode(text, add_special_tokens=True)[:max_tokens]
         if len(ids) < 2:
             raise ValueError(f"the text has {len(ids)} token(s): nothing to score")
         nll, top = score(runner, ids, window, chunk)
         info = {"dtype": str(runner.dtype).removeprefix("torch."), "quantization": runner.quantization,
-                "activation_quant": model_cfg.activation_quant, "tokens": len(ids)}
+                "activation_quant": model_cfg.activation_quant, "kv_cache_dtype": runner.kv_cache_dtype_name,
+                "tokens": len(ids)}
         del runner
         return nll, top, info, time.perf_counter() - t0
 
-    nll, top, info, seconds = run(cfg.model)
+    nll, top, info, seconds = run(cfg.model, cfg.cache.kv_cache_dtype)
     cpu = cpu_description()
     notable = [f for f in cpu["flags"].split() if f in NOTABLE_FLAGS]
     out: dict[str, Any] = {"cpu": cpu["cpu"], "flags": " ".join(notable), "model": cfg.model.model, "text": text_name,
@@ -122,7 +125,7 @@ def perplexity_report(cfg: Any, text: str, text_name: str, max_tokens: int, wind
                            "seconds": round(seconds, 1)}
     if reference == "exact":
         exact = dataclasses.replace(cfg.model, activation_quant="none")
-        ref_nll, ref_top, ref_info, ref_seconds = run(exact)
+        ref_nll, ref_top, ref_info, ref_seconds = run(exact, "auto")
         ref_info.pop("tokens")
         ppl = math.exp(float(ref_nll.mean()))
         out["reference"] = {"config": ref_info, "perplexity": round(ppl, 4), "seconds": round(ref_seconds, 1)}

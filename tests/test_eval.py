@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from lockgate.config import EngineConfig, ModelConfig
+from lockgate.config import CacheConfig, EngineConfig, ModelConfig
 from lockgate.eval import DEFAULT_TEXT_NAME, default_text, perplexity_report
 
 
@@ -54,6 +54,16 @@ def test_int8_activation_tier_is_measured_against_the_exact_path() -> None:
     assert report["reference"]["config"]["activation_quant"] == "none"
     assert report["perplexity"] != report["reference"]["perplexity"]  # the tier changes the numbers...
     assert 0.8 < report["top1_agreement"] < 1.0 and 0.9 < report["perplexity_ratio"] < 1.1  # ...a little
+
+
+def test_int8_kv_tier_is_measured_against_the_exact_pool() -> None:
+    cfg = EngineConfig(model=ModelConfig(model="default"), cache=CacheConfig(kv_cache_dtype="int8"))
+    report = perplexity_report(cfg, default_text()[:2000], "kjv", max_tokens=256, window=128, chunk=64,
+                               reference="exact")
+    assert report["config"]["kv_cache_dtype"] == "int8"
+    assert report["reference"]["config"]["kv_cache_dtype"] in ("float32", "bfloat16")
+    assert report["perplexity"] != report["reference"]["perplexity"]
+    assert 0.8 < report["top1_agreement"] <= 1.0 and 0.95 < report["perplexity_ratio"] < 1.05
 
 
 @pytest.mark.parametrize(("flags", "says"), [
