@@ -169,3 +169,19 @@ def test_a_killed_rank_ends_the_server_naming_it_and_nothing_is_left(tmp_path, t
         assert s.wait_children_gone() and not pid_alive(rank)
     finally:
         s.stop()
+
+
+def test_the_8_bit_kv_pool_on_two_ranks_gives_the_one_rank_tokens() -> None:
+    """--kv-cache-dtype int8 with two ranks: each rank's pool holds its heads' 8-bit codes, and greedy
+    tokens are those of one rank (log-probs move more than on the exact pool: a K row that differs
+    in its last bits can round to another code)."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM("default", dtype="float32", max_total_tokens=2048, kv_cache_dtype="int8", tensor_parallel_size=tp)
+        try:
+            assert llm.engine.runner.kv_cache_dtype == "int8"
+            runs.append([o.outputs[0].token_ids for o in llm.generate(CHAT[:2], params)])
+        finally:
+            llm.engine.runner.close()
+    assert runs[0] == runs[1]
