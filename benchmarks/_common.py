@@ -1,12 +1,18 @@
-"""Shared bits of the offline benchmark scripts: machine description and one engine run."""
+"""Shared bits of the benchmark scripts: machine description, one engine run, and a ``lockgate serve``
+started on a free loopback port and waited for through ``/health``."""
 
 from __future__ import annotations
 
 import os
 import platform
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 from lockgate import LLM, SamplingParams
 from lockgate.bench.stats import summarize_ms
@@ -49,3 +55,33 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, 
            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs), "retractions": sched.num_retractions,
            **summarize_ms([o.metrics.time_to_first_token for o in outs], "ttft")}
     return row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(flags: list[str], log_path: Path, timeout: float = 900) -> tuple[subprocess.Popen[bytes], str]:
+    """``lockgate serve FLAGS`` on a free loopback port in its own session (stop it by process group),
+    its output in ``log_path``; returns (process, url) once ``/health`` is 200. RuntimeError with the
+    log's tail if it exits first, TimeoutError (after killing it) if it is not ready in ``timeout`` s."""
+    port = free_port()
+    argv = [sys.executable, "-m", "lockgate.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    with log_path.open("wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({' '.join(flags)}): {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"server not ready ({' '.join(flags)}): {log_path}")

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
-from _common import command, machine
+from _common import command, machine, start_server
 
 WORKLOADS = {
     "c128": ["--workload", "random", "--input-len", "384", "--output-len", "128", "--num-requests", "128",
@@ -36,30 +34,8 @@ WORKLOADS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def serve(model: str, tier: str, memory: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "lockgate.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--kv-cache-memory", memory, "--kv-cache-dtype", tier]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server ({tier}) exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise TimeoutError(f"server ({tier}) not ready")
+    return start_server(["--model", model, "--kv-cache-memory", memory, "--kv-cache-dtype", tier], log)
 
 
 def bench(url: str, args: list[str], out: Path) -> dict[str, object]:

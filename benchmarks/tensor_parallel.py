@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,40 +38,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command, machine  # noqa: E402
+from _common import command, machine, start_server  # noqa: E402
 
 CONFIGS = {"tp1-all": [], "tp1-1thread": ["--num-threads", "1"], "tp2": ["--tensor-parallel-size", "2"]}
 METRICS = ("output_throughput", "tpot_p50_ms", "ttft_p50_ms")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def serve(flags: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "lockgate.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--model", "default", "--max-total-tokens", "16384", *flags]
-    with log_path.open("wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server not ready: {log_path}")
+    return start_server(["--model", "default", "--max-total-tokens", "16384", *flags], log_path)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

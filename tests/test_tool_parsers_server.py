@@ -20,18 +20,7 @@ import jsonschema
 import openai
 import pytest
 from server_util import ServerProc
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 30},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"], "additionalProperties": False}}}
-TOOLS = [WEATHER, ADD]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+from test_tools import SCHEMAS, TOOLS  # the same two tools, over HTTP here
 
 LLAMA3_JSON_TEMPLATE = """\
 {%- for message in messages %}
