@@ -21,7 +21,7 @@ from lockgate.engine.core import EngineCore
 from lockgate.plan import ForwardPlan, ForwardResult
 from lockgate.runner.sim_runner import SimRunner
 from lockgate.sampling import SamplingParams
-from lockgate.scheduler.speculate import NgramIndex
+from lockgate.scheduler.ngram import NgramIndex
 
 # ---- the proposer ------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from lockgate.kvcache.radix import RadixNode
 from lockgate.sampling import SamplingParams
-from lockgate.scheduler.speculate import NgramIndex
+from lockgate.scheduler.ngram import NgramIndex
 
 
 class FinishReason(StrEnum):

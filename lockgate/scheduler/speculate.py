@@ -12,9 +12,7 @@ to ``min_n`` tokens long, that occurred earlier in those tokens, and propose wha
 most recent earlier occurrence. Small models asked for long outputs repeat themselves, and
 answers copy from their prompts; both make such guesses right often.
 
-``NgramIndex`` keeps, for every n-gram of the sequence (``min_n <= n <= max_n``), the index
-just after its latest occurrence that has a continuation. Adding a token updates ``max_n -
-min_n + 1`` entries, so a step costs O(tokens added), never a scan of the history.
+``NgramIndex`` (ngram.py) finds that continuation in O(tokens added) per step.
 
 ``Speculator`` is the scheduler's one hook into speculation: ``propose`` decides which decoding
 requests may guess this step and how many guesses the step can afford, and asks each request's
@@ -43,17 +41,16 @@ goes beyond the free rows while a request waits for admission: a longer step wou
 first token. On the AVX-512 kernel paths the guess rows of one request read their keys once (the attention
 kernel runs rows whose key lists extend each other as one sequence; the AVX2 path reads per token).
 
-Invariants: ``NgramIndex.propose`` returns tokens that follow an earlier occurrence of the
-sequence's suffix, in order, at most ``k`` of them; the index is a pure function of the tokens
-added so far (in order); a request never gets guesses beyond its last token (``left - 1``).
+Invariants: a request never gets guesses beyond its last token (``left - 1``); the drafter's own
+(what ``NgramIndex.propose`` returns) are in ngram.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from lockgate.config import SchedulerConfig
+from lockgate.scheduler.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from lockgate.scheduler.request import Request
@@ -63,40 +60,6 @@ if TYPE_CHECKING:
 # the last ten guesses decide, so a request that starts or stops repeating itself is followed
 # within a few steps.
 HIT_RATE_WEIGHT = 0.2
-
-
-class NgramIndex:
-    def __init__(self, min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
-        self.min_n, self.max_n = min_n, max_n
-        self.tokens: list[int] = []
-        # (n-gram as a tuple) -> index of the token that followed its latest occurrence
-        self._next: dict[tuple[int, ...], int] = {}
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def extend(self, new: Iterable[int]) -> None:
-        toks, table = self.tokens, self._next
-        for t in new:
-            end = len(toks)  # the n-grams ending just before ``t`` are followed by it
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                table[tuple(toks[end - n:end])] = end
-            toks.append(int(t))
-
-    def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        matching suffix; [] when no suffix of ``min_n`` or more tokens occurred before."""
-        toks = self.tokens
-        if k <= 0:
-            return []
-        end = len(toks)
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            start = self._next.get(tuple(toks[end - n:end]))
-            if start is not None:
-                return toks[start:start + k]
-        return []
 
 
 class Speculator:
