@@ -88,7 +88,7 @@ class LLM:
         cfg = config
         self.engine = EngineCore(cfg, check_invariants=check_invariants)
         template = None if cfg.model.chat_template is None else read_chat_template(cfg.model.chat_template)
-        self.tokenizer: Tokenizer = load_tokenizer(cfg.model.model, getattr(self.engine.runner, "model_dir", None),
+        self.tokenizer: Tokenizer = load_tokenizer(cfg.model.model, self.engine.runner.model_dir,
                                                    template)
 
     def get_tokenizer(self) -> Tokenizer:

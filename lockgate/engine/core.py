@@ -76,7 +76,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.scheduler, capacity=self.runner.capacity,
                                    max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed,
-                                   cache_generated=getattr(self.runner, "generated_kv_exact", True))
+                                   cache_generated=self.runner.generated_kv_exact)
         self.check = check_invariants
         # LoRA: name -> (number, what was loaded); numbers of unloaded adapters whose weights wait
         # for their last request
@@ -245,7 +245,7 @@ class EngineCore:
         """The grammar compiler for this model's tokenizer (made on the first constrained request)."""
         if self._grammars is None:
             runner = self.runner
-            model, model_dir = self.cfg.model.model, getattr(runner, "model_dir", None)
+            model, model_dir = self.cfg.model.model, runner.model_dir
             self._grammars = GrammarCompiler(lambda: load_tokenizer(model, model_dir), runner.vocab_size,
                                              runner.eos_token_ids, cache_size=GRAMMAR_CACHE)
         return self._grammars

@@ -134,17 +134,17 @@ class SchedulerProcess:
         self.decode_tokens = 0
         self.decode_t0 = time.monotonic()
         r = self.engine.runner
-        self.tensor_parallel = getattr(r, "tensor_parallel", None)
+        self.tensor_parallel = r.tensor_parallel
         if self.tensor_parallel is not None:
             self.tensor_parallel.on_death = self._rank_died
         self._heartbeats()
         pin_torch_threads()
         freeze_heap()
-        self.out.send(Ready(model=args.model_name, model_dir=str(getattr(r, "model_dir", "") or "") or None,
+        self.out.send(Ready(model=args.model_name, model_dir=None if r.model_dir is None else str(r.model_dir),
                             max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,
-                            eos_token_ids=list(r.eos_token_ids), dtype=str(getattr(r, "dtype", "sim")),
+                            eos_token_ids=list(r.eos_token_ids), dtype=str(r.dtype),
                             scheduler_pid=os.getpid(), adapters=self._adapter_cards(),
-                            kv_cache_dtype=str(getattr(r, "kv_cache_dtype_name", "auto"))))
+                            kv_cache_dtype=r.kv_cache_dtype_name))
 
     def _heartbeats(self) -> None:
         """A side thread with its own socket tells the detokenizer (and so the API) every second that

@@ -24,6 +24,7 @@ import numpy as np
 from lockgate.checkpoint.peft import AdapterInfo, read_adapter_config
 from lockgate.config import CacheConfig, ModelConfig
 from lockgate.plan import ForwardPlan, ForwardResult
+from lockgate.runner import RankGroup
 from lockgate.runner.memory_plan import available_bytes
 
 SIM_VOCAB = 32000
@@ -40,8 +41,11 @@ class SimRunner:
         self.max_model_len = min(SIM_CONTEXT, model_cfg.max_model_len or SIM_CONTEXT)
         self.vocab_size = SIM_VOCAB
         self.eos_token_ids: tuple[int, ...] = (SIM_EOS,)
-        self.model_dir = None
+        self.model_dir: Path | None = None
         self.dtype = "sim"
+        self.kv_cache_dtype_name = "auto"
+        self.generated_kv_exact = True  # no KV at all: nothing the cache keeps can differ
+        self.tensor_parallel: RankGroup | None = None
         self.max_lora_rank = 0
         self.slot_uid: list[int] | None = None  # LoRA: slot -> adapter number (0: empty)
         self.adapters: dict[int, AdapterInfo] = {}
