@@ -5,11 +5,12 @@ schedule -> execute -> update. Callers (the scheduler process, the offline ``LLM
 this object's methods, never the scheduler behind it. The offline ``LLM`` drives it in-process; the server's
 scheduler process drives the very same object from its event loop (docs/design.md, habit 12).
 
-LoRA adapters (``load_adapter`` / ``unload_adapter``, ``--lora-modules`` at start): the engine
-names them (a fresh number per load: the prefix-cache namespace, so a name loaded again never
-reuses KV computed under its old weights), the runner reads and keeps their weights, the
-scheduler puts them into the runner's ``--max-loras`` slots. An unloaded adapter takes no new
-requests; its weights go once no request that named it is left.
+LoRA adapters (``load_adapter`` / ``unload_adapter``, ``--lora-modules`` at start): the engine's
+``AdapterRegistry`` (engine/adapters.py) names them (a fresh number per load: the prefix-cache
+namespace, so a name loaded again never reuses KV computed under its old weights), the runner reads
+and keeps their weights, the scheduler puts them into the runner's ``--max-loras`` slots (the
+registry's ``AdapterSlots``, given to the scheduler at construction). An unloaded adapter takes no
+new requests; its weights go once no request that named it is left (checked after every step).
 
 Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
 #queue-req; decode: #running-req, #token, gen throughput) are kept here, and so is the queue
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,14 +32,13 @@ import numpy as np
 
 from lockgate.checkpoint.peft import AdapterInfo
 from lockgate.config import EngineConfig
+from lockgate.engine.adapters import AdapterRegistry
 from lockgate.engine.forecast import Forecast, StepRates, estimate
 from lockgate.engine.grammar_wait import GrammarWait
-from lockgate.engine.side_thread import SideThread
 from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
 from lockgate.scheduler.fairness import DEFAULT_TENANT
-from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.request import Request
 from lockgate.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats, StepOutput
 from lockgate.tokenizer.tokenizer import load_tokenizer
@@ -73,27 +72,17 @@ class EngineCore:
         (the scheduler process wakes its idle loop with it); see ``engine.grammar_wait``."""
         self.cfg = cfg
         self.runner = runner if runner is not None else make_runner(cfg.model, cfg.cache)
+        self.adapter_registry = AdapterRegistry(cfg.lora, self.runner, wake)
         self.scheduler = Scheduler(cfg.scheduler, capacity=self.runner.capacity,
                                    max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    eos_token_ids=self.runner.eos_token_ids, seed=cfg.model.seed,
-                                   cache_generated=self.runner.generated_kv_exact)
+                                   cache_generated=self.runner.generated_kv_exact,
+                                   lora=self.adapter_registry.slots)
         self.check = check_invariants
-        # LoRA: name -> (number, what was loaded); numbers of unloaded adapters whose weights wait
-        # for their last request
-        self.adapters: dict[str, tuple[int, AdapterInfo]] = {}
-        self._adapter_uids = itertools.count(1)
-        self._unloading: set[int] = set()
-        self._reading: set[str] = set()  # names whose files are being read on the side thread
-        self._reads: list[tuple[str, str, bool, AdapterInfo | None, object, str | None]] = []
-        self._reads_lock = threading.Lock()
-        self._adapter_side = SideThread("adapter-read", wake)
-        if cfg.lora.enable_lora:
-            self.runner.enable_lora(cfg.lora.max_loras, cfg.lora.max_lora_rank)
-            self.scheduler.lora = AdapterSlots(cfg.lora.max_loras, self.runner.put_adapter)
-            for name, path in cfg.lora.modules:
-                self.load_adapter(name, path)
         self._grammars: GrammarCompiler | None = None
         self.grammar_wait = GrammarWait(lambda: self.grammars, wake)
+        for name, path in cfg.lora.modules:  # (none unless LoRA is on: LoraConfig checks)
+            self.load_adapter(name, path)
         self.rejected: list[tuple[str, str]] = []  # (rid, why): parked requests refused after add_request returned
         # constrained decoding's own cost: steps with grammar rows, those rows, seconds filling their masks
         self.grammar_steps = self.grammar_rows = 0
@@ -117,10 +106,11 @@ class EngineCore:
         req = Request(rid or self.scheduler.new_request_id(), np.asarray(prompt_ids, dtype=np.int64), params,
                       tenant=tenant or DEFAULT_TENANT)
         if params.lora is not None:
-            if params.lora not in self.adapters:
+            uid = self.adapter_registry.uid(params.lora)
+            if uid is None:
                 raise RequestRejected(f"the LoRA adapter {params.lora!r} is not loaded (loaded: "
                                       f"{', '.join(sorted(self.adapters)) or 'none'})", status=404)
-            req.adapter = self.adapters[params.lora][0]
+            req.adapter = uid
         if self.scheduler.get(req.rid) is not None or req.rid in self.grammar_wait:
             raise RequestRejected(f"duplicate request id {req.rid!r}")
         self.scheduler.validate(req.prompt_ids, params.max_tokens)
@@ -150,87 +140,46 @@ class EngineCore:
                 self.rejected.append((c.req.rid, str(e)))
             self._forecast = None
 
-    # ---- LoRA adapters -------------------------------------------------------------------
+    # ---- LoRA adapters (engine/adapters.py) --------------------------------------------
+    @property
+    def adapters(self) -> dict[str, tuple[int, AdapterInfo]]:
+        """The loaded LoRA adapters: name -> (number, what was loaded). Read-only use."""
+        return self.adapter_registry.names
+
     def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
         """Read, check and register the PEFT adapter at ``path`` as ``name``, now; ValueError saying
         why not (LoRA off, the name taken, or what is wrong with the files). Other adapters and the
         requests in flight are not affected either way. ``replace``: an adapter already named so
         is swapped for this one once it loaded (its running requests finish on the old weights)."""
-        self._check_new_adapter(name, replace)
-        info, weights = self.runner.read_adapter(name, path)
-        return self._install_adapter(name, info, weights, replace)
+        info = self.adapter_registry.load(name, path, replace)
+        self._reap_adapters()
+        return info
 
     def read_adapter_aside(self, ticket: str, name: str, path: str, replace: bool = False) -> None:
         """``load_adapter`` with the files read and checked on a side thread while steps go on; the
         adapter is registered by the ``take_adapter_reads`` after the read ends. ValueError now if the
         name cannot be taken (LoRA off, the name taken or being read)."""
-        self._check_new_adapter(name, replace)
-        self._reading.add(name)
-
-        def read() -> None:
-            info, weights, error = None, None, None
-            try:
-                info, weights = self.runner.read_adapter(name, path)
-            except (ValueError, OSError) as e:
-                error = str(e)
-            except Exception as e:  # noqa: BLE001  (a hostile file may break a reader anyhow: its load fails)
-                error = f"LoRA adapter {path}: cannot be read ({type(e).__name__}: {e})"
-            with self._reads_lock:
-                self._reads.append((ticket, name, replace, info, weights, error))
-
-        self._adapter_side.submit(read)
+        self.adapter_registry.read_aside(ticket, name, path, replace)
 
     def take_adapter_reads(self) -> list[tuple[str, str, str | None]]:
         """Adapters whose side-thread read ended since the last call, registered now if they are
         good: (ticket, name, error or None), each once."""
-        if not self._reads:
-            return []
-        with self._reads_lock:
-            reads, self._reads = self._reads, []
-        out = []
-        for ticket, name, replace, info, weights, error in reads:
-            self._reading.discard(name)
-            if error is None:
-                assert info is not None
-                self._install_adapter(name, info, weights, replace)
-            out.append((ticket, name, error))
+        out = self.adapter_registry.take_reads()
+        if out:
+            self._reap_adapters()
         return out
-
-    def _check_new_adapter(self, name: str, replace: bool) -> None:
-        if not self.cfg.lora.enable_lora:
-            raise ValueError("LoRA adapters are disabled (--no-enable-lora)")
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError("a LoRA adapter needs a non-empty name")
-        if name in self._reading:
-            raise ValueError(f"a LoRA adapter named {name!r} is being loaded already")
-        if name in self.adapters and not replace:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
-
-    def _install_adapter(self, name: str, info: AdapterInfo, weights: object, replace: bool) -> AdapterInfo:
-        uid = next(self._adapter_uids)
-        self.runner.add_adapter(uid, weights)
-        if name in self.adapters:
-            self.unload_adapter(name)
-        self.adapters[name] = (uid, info)
-        return info
 
     def unload_adapter(self, name: str) -> None:
         """Stop taking requests for ``name`` (KeyError if it is not loaded); its weights go once
         no request that named it is left."""
-        uid, _ = self.adapters.pop(name)
-        self._unloading.add(uid)
+        self.adapter_registry.unload(name)
         self._reap_adapters()
 
     def _reap_adapters(self) -> None:
-        if not self._unloading:
-            return
-        sched = self.scheduler
-        used = ({r.adapter for r in sched.running} | {r.adapter for r in sched.waiting}
-                | {r.adapter for r in self.grammar_wait.requests()})
-        for uid in list(self._unloading):
-            if uid not in used and (sched.lora is None or sched.lora.forget(uid)):
-                self.runner.drop_adapter(uid)
-                self._unloading.discard(uid)
+        if self.adapter_registry.unloading:
+            sched = self.scheduler
+            self.adapter_registry.reap(r.adapter for r in itertools.chain(sched.running, sched.waiting,
+                                                                           self.grammar_wait.requests()))
 
     def adapter_load(self) -> dict[str, tuple[int, int]]:
         """Per loaded adapter: (running, waiting) requests."""

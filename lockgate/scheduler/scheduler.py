@@ -135,9 +135,11 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, capacity: int, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], seed: int = 0, cache_generated: bool = True) -> None:
+                 eos_token_ids: tuple[int, ...], seed: int = 0, cache_generated: bool = True,
+                 lora: AdapterSlots | None = None) -> None:
         """``cache_generated``: the prefix cache may keep the KV of generated tokens (False when the
-        runner computes decode rows on other forms than prompt rows: ``SlotLedger.cache``)."""
+        runner computes decode rows on other forms than prompt rows: ``SlotLedger.cache``).
+        ``lora``: the runner's adapter slots, with LoRA on (the engine's ``AdapterRegistry`` makes them)."""
         self.cfg = cfg
         self.capacity = capacity
         self.max_model_len = max_model_len
@@ -165,7 +167,7 @@ class Scheduler:
         # not for prefill budget: the queue moves only when a running request finishes
         self.admission_blocked = False
         self.budget_bound = False  # this step's admission stopped only for want of prefill budget
-        self.lora: AdapterSlots | None = None  # the runner's adapter slots (set by the engine when LoRA is on)
+        self.lora = lora  # the runner's adapter slots (None: LoRA off)
 
     # ---- intake ----------------------------------------------------------------------
     def new_request_id(self) -> str:
