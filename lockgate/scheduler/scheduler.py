@@ -4,7 +4,9 @@ Owns the policy of a step: the waiting queue, the running set, admission and ret
 applying a step's result. What it delegates, each behind one call:
 
 * ``SlotLedger`` (ledger.py): the allocator, the radix tree and every slot a request holds;
-* ``Speculator`` (speculate.py): whether and what a decoding request guesses, and the counters;
+* ``Speculator`` (speculate.py): whether and what a decoding request guesses, how many of the
+  sampled tokens its guesses let it keep, and the counters;
+* ``finish_after`` (finish.py): whether a token just appended ends its request, and why;
 * ``build_step`` (plan_builder.py): the ``ForwardPlan`` layout of the rows it chose;
 * the admission mode and ``Charges`` (admission.py), the queue policy (policy.py);
 * ``TenantShare`` (fairness.py): each tenant's weighted service (told of every join, leave,
@@ -52,9 +54,10 @@ Each call to ``schedule()`` builds one step:
    other rows (bitwise on the float32 integer-kernel path; up to rounding where the row count
    changes the numerics, as batching does).
 
-``update()`` applies the runner's ``ForwardResult``: appends tokens, inserts freshly
-prefilled KV into the tree (so concurrent requests can share it), finishes requests
-(stop token, EOS, max_tokens) and hands their KV to the tree (or frees it) at once.
+``update()`` applies the runner's ``ForwardResult``: appends tokens (as many per request as
+``Speculator.verify`` keeps), inserts freshly prefilled KV into the tree (so concurrent requests
+can share it), finishes requests (``finish_after``, finish.py: grammar, stop token, EOS,
+max_tokens) and hands their KV to the tree (or frees it) at once.
 
 Invariants (``check_invariants``, after every step in tests): the ledger's slot accounting
 (ledger.py), and, for ``peak`` and ``reserve`` admission, the running batch's estimate within
@@ -77,6 +80,7 @@ from lockgate.plan import ForwardResult
 from lockgate.scheduler.admission import Charges, make_admission
 from lockgate.scheduler.backlog import Backlog, measure
 from lockgate.scheduler.fairness import TenantShare
+from lockgate.scheduler.finish import finish_after
 from lockgate.scheduler.ledger import SlotLedger
 from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.plan_builder import ScheduledStep, build_step
@@ -302,10 +306,10 @@ class Scheduler:
             new_lps: list[float] = []
             new_top: list[list[tuple[int, float]]] = []
             n_top = min(r.params.logprobs or 0, k)
-            reason, error = None, None
-            # Row first + j sampled after guess j - 1: its token counts while the guesses before it were right.
-            for j in range(1 + len(guesses)):
-                i = first + j
+            # the tokens the rows give: the first, and one more per guess the model agreed with (speculate.py)
+            keep = self.speculator.verify(guesses, tokens[first:row]) if guesses else 1
+            end = None
+            for i in range(first, first + keep):  # until a token finishes the request (finish.py)
                 tok = tokens[i]
                 top = [(int(a), float(b)) for a, b in zip(result.top_ids[i, :n_top], result.top_logprobs[i, :n_top],
                                                           strict=True)] if n_top else []
@@ -315,19 +319,10 @@ class Scheduler:
                 new.append(tok)
                 new_lps.append(lps[i])
                 new_top.append(top)
-                if r.grammar is not None and not r.grammar.accept(tok):
-                    # the grammar engine gave up on its own mask (a limit it reached past the first token):
-                    # the output no longer follows the constraint, so it is not a normal end
-                    reason, error = FinishReason.ERROR, (f"the output constraint failed after {r.num_output} tokens "
-                                                         f"({r.grammar.error or 'the grammar refused its own token'})")
-                elif r.grammar is not None and r.grammar.done:
-                    reason = FinishReason.STOP  # the output is complete
-                elif tok in r.stop_token_ids and r.num_output >= r.params.min_tokens:
-                    reason = FinishReason.STOP
-                elif r.num_output >= r.params.max_tokens:
-                    reason = FinishReason.LENGTH
-                if reason is not None or j == len(guesses) or guesses[j] != tok:
+                end = finish_after(r, tok)
+                if end is not None:
                     break
+            reason, error = end if end is not None else (None, None)
             if guesses:  # the rows of guesses the model did not take give their slots back
                 self.ledger.drop_tail(r, self.speculator.accept(r, guesses, len(new)))
             if r.first_token_time is None:

@@ -16,8 +16,9 @@ answers copy from their prompts; both make such guesses right often.
 
 ``Speculator`` is the scheduler's one hook into speculation: ``propose`` decides which decoding
 requests may guess this step and how many guesses the step can afford, and asks each request's
-``NgramIndex``; ``accept`` records what the model agreed with and says how many of the request's
-rows to give back. The scheduler keeps the rows' slots and the per-token finish logic.
+``NgramIndex``; ``verify`` says how many of the sampled tokens the guesses let a request keep;
+``accept`` records what the model agreed with and says how many of the request's rows to give back.
+The scheduler keeps the rows' slots; the per-token finish check is finish.py's.
 
 A constrained request's guesses are cut at the first one its grammar forbids (the verify rows then
 carry the grammar's mask after the guesses before them, ``build_sampling``).
@@ -121,6 +122,17 @@ class Speculator:
             j += 1
             chance *= r.guess_hit_rate
         return j
+
+    @staticmethod
+    def verify(guesses: list[int], sampled: list[int]) -> int:
+        """How many of ``sampled`` (the tokens of a request's ``1 + len(guesses)`` rows, in order) it
+        keeps: row ``j`` was sampled after guess ``j - 1``, so its token counts while every guess
+        before it was the model's own token; the first (from the request's newest token) always counts.
+        A finish (finish.py) may cut the kept tokens shorter: ``accept`` is then told how many stayed."""
+        n = 0
+        while n < len(guesses) and guesses[n] == sampled[n]:
+            n += 1
+        return n + 1
 
     def accept(self, r: Request, guesses: list[int], num_new: int) -> int:
         """``r`` was fed ``guesses`` and kept ``num_new`` tokens (the model's agreement with them plus
