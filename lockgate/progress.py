@@ -21,6 +21,7 @@ Torch-free, no I/O but stderr; a lowest-layer unit any other may use.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -81,6 +82,17 @@ def _logs_around_bars() -> None:
             h.setStream(_AroundBars(h.stream))  # type: ignore[arg-type]
 
 
+FALLBACK_COLUMNS = 120
+
+
+def _columns(stream: Any) -> int:
+    """The terminal's width behind ``stream``; 0 when it reports none."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return 0
+
+
 def _fmt_s(seconds: float) -> str:
     seconds = max(0.0, seconds)
     return f"{seconds:.0f}s" if seconds < 90 else f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
@@ -105,8 +117,10 @@ class Phase:
 
             _logs_around_bars()
             fmt = "{desc} |{bar}| {percentage:3.0f}%{postfix}"
-            self._bar = tqdm(total=100, desc=what, bar_format=fmt, file=stream if stream is not None else sys.stderr,
-                             leave=False, dynamic_ncols=True, mininterval=0.2)
+            out = stream if stream is not None else sys.stderr
+            sized = _columns(out) > 0  # a terminal that reports no size (a bare pty) gets a fixed size: tqdm draws nothing in 0 rows
+            self._bar = tqdm(total=100, desc=what, bar_format=fmt, file=out, leave=False, mininterval=0.2,
+                             dynamic_ncols=sized, ncols=None if sized else FALLBACK_COLUMNS, nrows=None if sized else 20)
         if self._bar is not None or every is not None:
             threading.Thread(target=self._tick, name="progress", daemon=True).start()
 
