@@ -119,7 +119,8 @@ class Phase:
             fmt = "{desc} |{bar}| {percentage:3.0f}%{postfix}"
             out = stream if stream is not None else sys.stderr
             sized = _columns(out) > 0  # a terminal that reports no size (a bare pty) gets a fixed size: tqdm draws nothing in 0 rows
-            self._bar = tqdm(total=100, desc=what, bar_format=fmt, file=out, leave=False, mininterval=0.2,
+            short = what.split(" (", 1)[0]  # the bar keeps room to draw: the log lines carry the parenthesis
+            self._bar = tqdm(total=100, desc=short, bar_format=fmt, file=out, leave=False, mininterval=0.2,
                              dynamic_ncols=sized, ncols=None if sized else FALLBACK_COLUMNS, nrows=None if sized else 20)
         if self._bar is not None or every is not None:
             threading.Thread(target=self._tick, name="progress", daemon=True).start()
