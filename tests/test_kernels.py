@@ -116,11 +116,12 @@ def test_build_survives_a_killed_builder_and_a_missing_path(tmp_path, monkeypatc
     import sys
 
     cache = tmp_path / "cache"
-    code = ("import logging, sys; logging.basicConfig(level=logging.ERROR)\n"
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO)\n"
             "from lockgate import kernels as k\n"
             "k.SOURCES = tuple(s for s in k.SOURCES if s.name == 'threads.cpp'); assert len(k.SOURCES) == 1\n"
             "where = k.cache_dir() / k.build_name(); where.mkdir(parents=True); (where / 'lock').write_text('')\n"
-            "ok = k.load(); print(ok, k.error()); import torch; torch.ops.lockgate.bind_threads\n"
+            "k.start(); building = k.building()\n"  # the build begins on a side thread; load joins it
+            "ok = k.load(); print(ok, building, k.building(), k.error()); import torch; torch.ops.lockgate.bind_threads\n"
             "sys.exit(0 if ok else 1)\n")
     bin_dir = tmp_path / "bin"  # the system's tools (compiler, linker) without any ninja
     bin_dir.mkdir()
@@ -130,7 +131,11 @@ def test_build_survives_a_killed_builder_and_a_missing_path(tmp_path, monkeypatc
     env = {**os.environ, "LOCKGATE_CACHE_DIR": str(cache), "PATH": str(bin_dir)}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr  # built (a fresh cache: a real compile) and loaded
+    assert r.stdout.split()[:3] == ["True", "True", "False"]  # compiling in the background, then done
     assert not any(cache.rglob("lock"))  # the leftover torch lock is gone
+    # stderr is a pipe: the build is a start line and a done line (with the units' count), no bar
+    assert "compiling lockgate CPU kernels ... (~" in r.stderr and "compiling lockgate CPU kernels: done in" in r.stderr
+    assert "\r" not in r.stderr
 
 
 def test_another_checkout_of_the_same_code_loads_the_same_build(ops, tmp_path) -> None:

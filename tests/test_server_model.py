@@ -233,3 +233,17 @@ def test_tgi_stream_gives_each_token_its_own_text_and_top_tokens_under_speculati
     whole = httpx.post(server.url + "/generate", json=body, timeout=120).json()
     assert [t["id"] for t in whole["details"]["tokens"]] == ids
     assert len(whole["details"]["top_tokens"]) == len(ids)
+
+
+def test_a_log_file_gets_each_start_phase_as_lines_and_the_ready_line_last(server) -> None:
+    """Not a terminal (the log is a file): every start-up phase is a start line and a ``done in``
+    line, no bar is drawn (no carriage return), and ``lockgate ready:`` follows the warm-up."""
+    import re
+
+    log = server.log()
+    assert "\r" not in log
+    for what in (r"allocating the KV pool \(\d+ MiB", r"warming up \(\d+-token prefill", r"loading the weights"):
+        assert re.search(what + r".* \.\.\.\n", log), what
+        assert re.search(what + r".*: done in \d+\.\ds\n", log), what
+    ready = log.find(f"lockgate ready: {server.url} (model default, ")
+    assert ready > log.find("warming up (") > 0, log[-3000:]

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,12 +123,17 @@ def check_types(tensors: dict[str, Any], src: Path) -> None:
                          f"supported: {', '.join(SUPPORTED_TYPES)}")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
+CONVERT_STEPS = 3  # reading the metadata, the config, the tokenizer: ``convert_gguf``'s ``step`` calls
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, step: Callable[[int, str], None] | None = None) -> str:
     """Write config.json, generation_config.json, the tokenizer files and the source record into
     ``out_dir`` (the weights stay in the GGUF: ``gguf_tensors.GgufWeights`` reads them at load);
-    return a summary."""
+    return a summary. ``step(i, what)``: told as each of the ``CONVERT_STEPS`` steps begins."""
     import gguf
 
+    step = step or (lambda i, what: None)
+    step(0, "reading the metadata")
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except (ValueError, OSError, IndexError) as e:  # bad magic, truncated header or tensor data
@@ -139,6 +144,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     check_types(tensors, gguf_path)
     config = gguf_config(meta, name, arch, tensors, gguf_path)
 
+    step(1, "mapping the tensors")
     qtypes: dict[str, int] = {}
     n_params = 0
     for tname, t in tensors.items():
@@ -150,6 +156,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> str:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos_ids(meta)}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    step(2, "converting the tokenizer")
     save_tokenizer(gguf_path, out_dir, config["max_position_embeddings"], reader)
     st = gguf_path.stat()
     (out_dir / "lockgate_source.json").write_text(json.dumps({

@@ -60,9 +60,11 @@ import time
 import typing
 from pathlib import Path
 
-from lockgate.checkpoint.gguf_convert import CONVERTER_VERSION, convert_gguf
+from lockgate.checkpoint.gguf_convert import CONVERT_STEPS, CONVERTER_VERSION, convert_gguf
 from lockgate.checkpoint.hub import resolve, split_id
 from lockgate.paths import cache_home
+from lockgate.progress import ENV as PROGRESS_ENV
+from lockgate.progress import phase
 
 log = logging.getLogger("lockgate.models")
 
@@ -111,13 +113,15 @@ def prepare_model_dir(spec: str, revision: str | None = None, gguf_file: str | N
                      "an existing .gguf file, a model directory or a Hugging Face id (org/name)")
 
 
-def prepare_model_dir_apart(spec: str, revision: str | None = None, gguf_file: str | None = None) -> Path:
+def prepare_model_dir_apart(spec: str, revision: str | None = None, gguf_file: str | None = None,
+                            bars: bool = True) -> Path:
     """``prepare_model_dir`` in a child process (``python -m lockgate.checkpoint.loader``): a first
     conversion loads transformers' GGUF tokenizer reader and the file's whole metadata, ~130 MB the
     engine process would otherwise keep for its life; the child exits with them. Errors come back as
-    the same ValueError."""
+    the same ValueError. ``bars``: False keeps the child to log lines (another bar is on the terminal)."""
     cmd = [sys.executable, "-m", "lockgate.checkpoint.loader", json.dumps([spec, revision, gguf_file])]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its log lines go to our stderr
+    env = None if bars else {**os.environ, PROGRESS_ENV: "0"}
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # its log lines go to our stderr
     lines = r.stdout.strip().splitlines()
     try:
         answer = json.loads(lines[-1]) if lines else {}
@@ -296,7 +300,9 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
         with open(tmp / CONVERTING_LOCK, "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)  # ``lockgate cache`` leaves a locked directory alone
             t0 = time.perf_counter()
-            summary = convert_gguf(gguf_path, tmp)
+            with phase(log, f"converting {gguf_path.name} (its config and tokenizer; the weights stay in the file)",
+                       total=CONVERT_STEPS, unit="steps") as p:
+                summary = convert_gguf(gguf_path, tmp, step=p.at)
             if stat_key(gguf_path.resolve()) != before:
                 raise ValueError(f"{gguf_path} changed while it was converted; load it again once it is written")
             record = entry_record(tmp) or {}

@@ -30,9 +30,13 @@ feature flags, so a changed source, torch, compiler or CPU builds anew and no st
 shared, while every checkout of the same code shares one build: the sources are copied into the
 build directory and compiled from there (ninja rebuilds whenever a command line changes, and a
 command line names its sources' paths), and a finished build (marked by ``BUILT``) is loaded with
-``torch.ops.load_library`` without asking ninja at all. A build logs a line when it starts, one
-every ``PROGRESS_EVERY`` seconds while it runs (a first build takes 15 s to minutes on 2 cores)
-and how long it took. Concurrent processes build one at a time under an ``flock`` the OS releases if
+``torch.ops.load_library`` without asking ninja at all. A build is a ``lockgate.progress`` phase:
+on a terminal a bar of the compiled units (ninja's log) and the time likely left (from the last
+build this cache saw, else ``EXPECTED_BUILD_SECONDS``); in a log file a line when it starts, one
+every ``PROGRESS_EVERY`` seconds while it runs (a first build takes minutes on 2 cores) and how
+long it took. ``start(mode)`` begins the build on a side thread at once (the engine calls it
+before it prepares the model, so the compiler and the conversion overlap); ``load`` then joins
+it. Concurrent processes build one at a time under an ``flock`` the OS releases if
 the builder dies (torch's own lock file would be left behind and waited on forever); a lock won
 on a build directory ``lockgate cache --prune`` moved away meanwhile is taken again on a new one. The
 interpreter's bin directory goes on PATH first, so the ``ninja`` the package installs is found in
@@ -64,6 +68,7 @@ from pathlib import Path
 import torch
 
 from lockgate.paths import cache_home
+from lockgate.progress import phase
 
 log = logging.getLogger("lockgate.kernels")
 
@@ -126,10 +131,12 @@ def _check_march() -> None:
 MODES = ("auto", "off")
 BUILT = "BUILT"  # written into a build directory once its library compiled and loaded
 BUILD_LOCK = "lockgate.lock"  # in a build directory: held (flock) while it is built or loaded
-PROGRESS_EVERY = 15.0  # seconds between "still compiling" lines
+PROGRESS_EVERY = 30.0  # seconds between progress lines in a log (no terminal)
+EXPECTED_BUILD_SECONDS = 180.0  # a first build's guess when this cache holds no earlier one (2 cores)
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "error": str
+_state: dict[str, object] = {}  # "ok": bool, "error": str, "compiling": bool
+_decided = threading.Event()  # set once a load knows whether it compiles (or has ended)
 
 
 def cache_dir() -> Path:
@@ -184,6 +191,25 @@ def load(mode: str = "auto") -> bool:
         return bool(_state["ok"])
 
 
+def start(mode: str = "auto") -> None:
+    """Begin ``load(mode)`` on a side thread and return at once; a later ``load`` waits for it.
+    Does nothing when the kernels are off or already loaded (or failed)."""
+    if mode not in MODES:
+        raise ValueError(f"--cpu-kernels must be one of {MODES}, got {mode!r}")
+    if mode == "off" or os.environ.get("LOCKGATE_CPU_KERNELS", "1") == "0" or "ok" in _state:
+        return
+    threading.Thread(target=load, args=(mode,), name="kernel-build", daemon=True).start()
+    _decided.wait(DECIDE_SECONDS)  # so that ``building()`` answers for it
+
+
+DECIDE_SECONDS = 5.0  # ``start`` waits at most this long for the build thread to know whether it compiles
+
+
+def building() -> bool:
+    """Whether a compiler is running for this process's kernels now."""
+    return bool(_state.get("compiling"))
+
+
 def loaded() -> bool:
     """Whether an earlier ``load`` put the kernels in ``torch.ops.lockgate`` (never builds)."""
     return bool(_state.get("ok"))
@@ -235,6 +261,8 @@ def _build() -> tuple[bool, str | None]:
         _check_march()
         name = build_name()
         where = cache_dir() / name
+        _state["compiling"] = not (where / BUILT).is_file()  # (or waits on another process's build)
+        _decided.set()
         # One builder at a time, through a lock the OS releases when its holder dies: torch's own
         # lock is a plain file that a killed build leaves behind, and it waits on that forever.
         # Holding ours, any torch lock file present is such a leftover.
@@ -249,7 +277,9 @@ def _build() -> tuple[bool, str | None]:
         msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         log.warning("lockgate CPU kernels unavailable, using plain torch ops instead (%s)", msg)
         return False, msg
-    log.info("lockgate CPU kernels built in %.1fs", time.perf_counter() - t0)
+    finally:
+        _state["compiling"] = False
+        _decided.set()
     return True, None
 
 
@@ -265,20 +295,72 @@ def _compile(name: str, where: Path) -> None:
         if not (src / f.name).is_file() or (src / f.name).read_bytes() != f.read_bytes():
             (src / f.name).write_bytes(f.read_bytes())
     _ninja_on_path()
-    log.info("compiling lockgate CPU kernels into %s (once per machine, compiler, torch and kernel source; "
-             "15 s to a few minutes)", where)
+    log.info("building lockgate CPU kernels in %s (once per machine, compiler, torch and kernel source)", where)
     done = threading.Event()
-    t0 = time.perf_counter()
+    units = len(SOURCES) + 1  # the objects and the library
+    with phase(log, "compiling lockgate CPU kernels", total=units, unit="units", expected_s=expected_build_seconds(),
+               every=PROGRESS_EVERY, left=lambda elapsed: _build_left(where, elapsed)) as p:
 
-    def progress() -> None:
-        while not done.wait(PROGRESS_EVERY):
-            log.info("still compiling lockgate CPU kernels (%.0fs so far)", time.perf_counter() - t0)
+        def count() -> None:  # ninja logs each finished command: the bar's steps
+            while not done.wait(1.0):
+                p.to(min(len(_ninja_log(where)), units - 1))
 
-    ticker = threading.Thread(target=progress, name="kernel-build-progress", daemon=True)
-    ticker.start()
+        threading.Thread(target=count, name="kernel-build-progress", daemon=True).start()
+        try:
+            cpp_extension.load(name=name, sources=[str(src / s.name) for s in SOURCES], extra_cflags=list(cflags()),
+                               extra_include_paths=[str(src)], build_directory=str(where),
+                               is_python_module=False, verbose=False)
+        finally:
+            done.set()
+
+
+def _ninja_log(where: Path) -> dict[str, tuple[int, int]]:
+    """The build's finished commands from ninja's ``.ninja_log``: output -> (start, end) in ms
+    since the build began."""
     try:
-        cpp_extension.load(name=name, sources=[str(src / s.name) for s in SOURCES], extra_cflags=list(cflags()),
-                           extra_include_paths=[str(src)], build_directory=str(where),
-                           is_python_module=False, verbose=False)
-    finally:
-        done.set()
+        lines = (where / ".ninja_log").read_text().splitlines()
+    except OSError:
+        return {}
+    done = {}
+    for parts in (ln.split("\t") for ln in lines if not ln.startswith("#")):
+        if len(parts) > 3 and parts[0].isdigit() and parts[1].isdigit():
+            done[parts[3]] = (int(parts[0]), int(parts[1]))
+    return done
+
+
+def _build_left(where: Path, elapsed: float) -> float | None:
+    """Seconds the build likely has left, once an object is compiled: every object costs about the
+    mean of those done (the torch headers dominate), ninja runs as many at once as it has been
+    seen to, and it has kept them all busy since the start. None before an object is done."""
+    done = {out: t for out, t in _ninja_log(where).items() if out.endswith(".o")}
+    if not done:
+        return None
+    each = sum(end - start for start, end in done.values()) / len(done) / 1000
+    left = len(SOURCES) - len(done)
+    waves = -(-left // _ninja_jobs())  # the objects not done, run as many at a time as ninja runs
+    latest = max(start for start, _ in done.values()) / 1000  # the newest wave began about then
+    return max(waves * each - (elapsed - latest) * (left > 0), 1.0) + 1.0  # and linking
+
+
+def _ninja_jobs() -> int:
+    """How many commands ninja runs at once: ``$MAX_JOBS`` (torch passes it on), else ninja's own
+    guess from the CPUs (2 for one, 3 for two, CPUs + 2 beyond)."""
+    try:
+        return max(1, int(os.environ["MAX_JOBS"]))
+    except (KeyError, ValueError):
+        n = len(os.sched_getaffinity(0))
+        return 2 if n <= 1 else 3 if n == 2 else n + 2
+
+
+def expected_build_seconds() -> float:
+    """How long a build likely takes here: the newest finished build in the cache (its ``BUILT``
+    says how long it took), else ``EXPECTED_BUILD_SECONDS``."""
+    newest: tuple[float, float] | None = None
+    try:
+        for built in cache_dir().glob(f"*/{BUILT}"):
+            m = re.search(r"built in ([0-9.]+)s", built.read_text())
+            if m and (newest is None or built.stat().st_mtime > newest[0]):
+                newest = (built.stat().st_mtime, float(m.group(1)))
+    except OSError:
+        pass
+    return EXPECTED_BUILD_SECONDS if newest is None else newest[1]

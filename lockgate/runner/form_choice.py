@@ -51,6 +51,7 @@ from lockgate.kernel_choice import (
 from lockgate.layers.forms import int_gemm_available, int_gemm_isa, weight_copies_fit
 from lockgate.models.args import ModelArgs
 from lockgate.models.decoder import PROJECTION_ROLES, DecoderModel
+from lockgate.progress import phase
 from lockgate.runner import row_invariance, tuning, tuning_attention, tuning_cache
 
 log = logging.getLogger("lockgate.runner")
@@ -103,8 +104,9 @@ def auto_dtype(cfg: ModelConfig, args: ModelArgs, kernels_built: bool) -> tuple[
     int_gemm = kernels_built and int_gemm_available()
 
     def measure() -> dict[str, Any]:
-        log.info("measuring bf16 against float32 matmuls at this model's shapes (once per CPU and shape)")
-        figures = tuning.measure_dtypes(shapes, int_gemm)
+        with phase(log, "measuring bf16 against float32 matmuls at this model's shapes (once per CPU and shape)",
+                   total=len(tuning.DTYPE_POINTS), unit="row counts") as p:
+            figures = tuning.measure_dtypes(shapes, int_gemm, on_point=lambda rows: p.advance())
         return {"figures": figures, "dtype": tuning.decide_dtype(figures)}
 
     data, hit = tuning_cache.cached(tuning_key("dtype", cfg, args, "auto"), measure, refresh=cfg.tuning == "refresh")
@@ -258,13 +260,25 @@ class FormPlan:
         forms = {role: sorted({f for lin in lins for f in lin.forms}) for role, lins in roles.items()}
 
         def measure() -> TuningTable:
-            log.info("measuring the matmul forms at this model's shapes (once per CPU, threads and shape)")
-            samples = tuning.measure_forms(roles, self.dtype) if any(len(f) > 1 for f in forms.values()) else {}
-            heads = (args.num_heads, args.num_kv_heads, args.head_dim, self.dtype)
-            attention = tuning_attention.measure_attention(*heads, args.num_layers) if self.cpu_kernels else {}
-            prefill = tuning_attention.measure_prefill_attention(*heads) if self.cpu_kernels else {}
-            lookahead = (tuning_attention.measure_attention_lookahead(*heads, args.num_layers)
-                         if self.cpu_kernels else {})
+            several = any(len(f) > 1 for f in forms.values())
+            steps = (len(tuning.POINTS) if several else 0) + (3 if self.cpu_kernels else 0)
+            with phase(log, "measuring the matmul forms and attention paths at this model's shapes (once per CPU, "
+                       "threads and shape)", total=steps, unit="steps") as p:
+                p.detail("matmul forms")
+                samples = tuning.measure_forms(roles, self.dtype, on_point=lambda rows: p.at(
+                    p.n + 1, f"matmul forms, {rows} rows done")) if several else {}
+                heads = (args.num_heads, args.num_kv_heads, args.head_dim, self.dtype)
+                attention, prefill, lookahead = {}, {}, {}
+                if self.cpu_kernels:
+                    p.detail("decode attention")
+                    attention = tuning_attention.measure_attention(*heads, args.num_layers)
+                    p.advance()
+                    p.detail("prefill attention")
+                    prefill = tuning_attention.measure_prefill_attention(*heads)
+                    p.advance()
+                    p.detail("attention look-ahead")
+                    lookahead = tuning_attention.measure_attention_lookahead(*heads, args.num_layers)
+                    p.advance()
             choices = tuning.decide(samples)
             return TuningTable(
                 choices={r: choices.get(r, FormChoice.single(fallback_form(forms[r]))) for r in roles},
@@ -312,9 +326,13 @@ class FormPlan:
         def check(refresh: bool) -> tuple[dict[str, dict[str, int | None]], dict[str, PromptForm | None], bool]:
             """The cached (or new) floors, each role's pick among the forms built, and whether a
             role lacks one because the cache named a form this start did not build."""
-            data, _ = tuning_cache.cached(self._rows_key(candidates), lambda: {
-                "floors": row_invariance.row_floors(roles, self.dtype, candidates, first_only=not cfg.deterministic)},
-                refresh=refresh)
+            def measure() -> dict[str, Any]:
+                with phase(log, "checking which forms give a prompt row the same bits at any row count (once per "
+                           "CPU, threads and shape)"):
+                    return {"floors": row_invariance.row_floors(roles, self.dtype, candidates,
+                                                                first_only=not cfg.deterministic)}
+
+            data, _ = tuning_cache.cached(self._rows_key(candidates), measure, refresh=refresh)
             checked = {role: data["floors"].get(role, {}) for role in roles}
             built = {role: row_invariance.built_floors(checked[role], lins) for role, lins in roles.items()}
             picks = {role: row_invariance.cheapest_invariant(built[role], samples.get(role, {}))

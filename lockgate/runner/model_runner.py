@@ -65,6 +65,7 @@ from lockgate.models.lora import load_adapter
 from lockgate.models.registry import args_from_config
 from lockgate.models.shard import Shard, shard_args, split
 from lockgate.plan import ForwardPlan, ForwardResult, SamplingBatch
+from lockgate.progress import Phase, phase
 from lockgate.runner import form_choice
 from lockgate.runner.memory_plan import MemoryPlan, plan_memory
 from lockgate.runner.pool_memory import allocate_pool
@@ -147,8 +148,13 @@ class ModelRunner:
             take_cpus(tp_cpus[0], model_cfg.num_threads)
         elif model_cfg.num_threads is not None:
             torch.set_num_threads(model_cfg.num_threads)
-        self.model_dir: Path = prepare_model_dir_apart(model_cfg.model, model_cfg.revision, model_cfg.gguf_file)
         self.device = torch.device(model_cfg.device)
+        wants_kernels = self.device.type == "cpu" and model_cfg.dtype != "float16"
+        if wants_kernels:  # a first build takes minutes: the compiler runs while the model is prepared
+            kernels.start(model_cfg.cpu_kernels)
+        # one bar on a terminal at a time: the conversion logs lines while the kernels' bar is up
+        self.model_dir: Path = prepare_model_dir_apart(model_cfg.model, model_cfg.revision, model_cfg.gguf_file,
+                                                       bars=not kernels.building())
         torch.manual_seed(model_cfg.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_cfg.seed)
@@ -156,7 +162,7 @@ class ModelRunner:
         # lockgate's CPU kernels: decode attention read from the pool by slot, the layers' fused
         # element-wise ops, groupwise int4/int8 matmuls; plain torch where they cannot build (or
         # dtype float16, which they lack).
-        kernels_built = self.device.type == "cpu" and model_cfg.dtype != "float16" and kernels.load(model_cfg.cpu_kernels)
+        kernels_built = wants_kernels and kernels.load(model_cfg.cpu_kernels)  # (joins the build)
         self.dtype_info: dict[str, Any] = {"how": f"--dtype {model_cfg.dtype}"}  # how the dtype was chosen
         dtype = resolve_dtype(model_cfg.dtype, self.device)
         if dtype is None:
@@ -221,9 +227,10 @@ class ModelRunner:
                 self.kv_cache_dtype, tp_cpus)
         plan = form_choice.FormPlan(model_cfg, args, self.dtype, self.cpu_kernels, self.quantization, fp32,
                                     checkpoint_fingerprint(self.model_dir))
-        self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
-                                                fp32, self.cpu_kernels, plan.wanted_forms(), gguf=gguf,
-                                                packed_want=plan.forced_forms(), shard=self.shard).eval()
+        with phase(log, f"loading the weights ({args.num_layers} layers; 4/8-bit blocks packed for the kernels)"):
+            self.model = DecoderModel.from_pretrained(self.model_dir, self.dtype, self.device, self.quantization,
+                                                    fp32, self.cpu_kernels, plan.wanted_forms(), gguf=gguf,
+                                                    packed_want=plan.forced_forms(), shard=self.shard).eval()
         if model_cfg.activation_quant == "int8":
             changed, total = self.model.use_int8_activations()
             if not changed:
@@ -252,8 +259,10 @@ class ModelRunner:
         # [layers, capacity, Hkv, D], or [layers, capacity, Hkv, D + 4] int8 / float8_e4m3fn (codes, then the scale)
         shape = kv_quant.pool_shape(self.model.kv_shape(self.capacity), self.kv_cache_dtype)
         t_pool = time.perf_counter()
-        self.k_cache, self.v_cache = allocate_pool(shape, kv_quant.POOL_DTYPES.get(self.kv_cache_dtype, self.dtype),
-                                                   self.device, cache_cfg.sized_by)
+        with phase(log, f"allocating the KV pool ({self.capacity * bytes_per_token / 2**20:.0f} MiB, its pages "
+                        "faulted in now)"):
+            self.k_cache, self.v_cache = allocate_pool(shape, kv_quant.POOL_DTYPES.get(self.kv_cache_dtype, self.dtype),
+                                                       self.device, cache_cfg.sized_by)
         t_pool = time.perf_counter() - t_pool
         return_freed_memory()  # loading's scratch (blocks, codes) goes back to the system
         log.info("model %s (%s, %d layers) on %s in %s, loaded in %.2fs; max_model_len %d",
@@ -459,11 +468,19 @@ class ModelRunner:
         n = min(self.WARMUP_PREFILL_TOKENS, max(32, affordable), self.capacity - 1, self.max_model_len - 1)
         if n < 1:
             return
-        t0 = time.perf_counter()
+        with phase(log, f"warming up ({n}-token prefill, then decode steps)", total=3, unit="steps") as p:
+            self._warmup_steps(n, p)
+
+    def _warmup_steps(self, n: int, p: Phase) -> None:
         ids = np.arange(1, n + 1, dtype=np.int64) % self.vocab_size
+        p.detail("prefill")
         self.execute(_single_seq_plan(ids, start=0))
+        p.to(1)
+        p.detail("decode")
         decode = _single_seq_plan(ids[:1], start=n)
         self.execute(decode)
+        p.to(2)
+        p.detail("sampler")
         # once more through the sampler's general path (a banned token, as min_tokens bans EOS; a
         # seeded draw with top-k / top-p and logprobs): its first use cost 8-10 ms of a first token
         s = decode.sampling
@@ -472,7 +489,6 @@ class ModelRunner:
             has_seed=np.ones(1, bool), num_logprobs=np.full(1, 1, np.int64), suppress_ids=np.zeros(1, np.int64),
             suppress_offsets=np.array([0, 1], np.int64))
         self.execute(decode)
-        log.info("warmup done in %.2fs", time.perf_counter() - t0)
 
 
 def _single_seq_plan(ids: np.ndarray, start: int) -> ForwardPlan:

@@ -47,6 +47,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -140,10 +141,12 @@ def _in_features(role: str, projections: dict[str, list[Any]]) -> int:
 
 
 def measure_forms(projections: dict[str, list[Any]], dtype: torch.dtype, points: tuple[int, ...] = POINTS,
-                  rounds: int = ROUNDS) -> dict[str, dict[str, dict[str, list[float]]]]:
+                  rounds: int = ROUNDS, on_point: Callable[[int], None] | None = None,
+                  ) -> dict[str, dict[str, dict[str, list[float]]]]:
     """Time every form of every role (``projections``: role -> its ``Linear`` objects, layer
     order; the LM head under ``head``) at each row count; role -> form -> point -> per-round
-    mean ms per call. Forms pruned at some point have no figures beyond it."""
+    mean ms per call. Forms pruned at some point have no figures beyond it. ``on_point(rows)``:
+    told after each row count is measured (progress)."""
     layer_roles = [r for r in ROLES if r != "head" and r in projections]
     n_layers = len(projections[layer_roles[0]]) if layer_roles else 0
     alive = {role: {f for lin in lins for f in lin.forms} for role, lins in projections.items()}
@@ -161,6 +164,8 @@ def measure_forms(projections: dict[str, list[Any]], dtype: torch.dtype, points:
                 for role, ms in _one_pass(projections, roles_now, alive, f, xs, layers).items():
                     samples[role].setdefault(f, {}).setdefault(str(rows), []).append(ms)
         _prune(samples, alive, previous, rows, roles_now)
+        if on_point is not None:
+            on_point(rows)
     return samples
 
 
@@ -229,8 +234,12 @@ def _synthetic_grid(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     return (codes.view(n, k // 32, 32).float() * step[..., None] + low[..., None]).view(n, k)
 
 
+DTYPE_POINTS = (64, 256)  # the row counts ``measure_dtypes`` times
+
+
 def measure_dtypes(shapes: list[tuple[int, int]], int_gemm: bool, rounds: int = ROUNDS,
-                   points: tuple[int, ...] = (64, 256)) -> dict[str, dict[str, list[float]]]:
+                   points: tuple[int, ...] = DTYPE_POINTS, on_point: Callable[[int], None] | None = None,
+                   ) -> dict[str, dict[str, list[float]]]:
     """Per point, per candidate ("bfloat16/dense", "float32/dense", "float32/int-gemm"), the
     per-round ms of one pass over one layer's projections (``shapes``: [N, K] each) with
     synthetic weights. Stops early when bf16 is more than 3x the float32 dense time at the
@@ -255,6 +264,8 @@ def measure_dtypes(shapes: list[tuple[int, int]], int_gemm: bool, rounds: int = 
 
             at = paired_rounds({c: partial(calls, c) for c in cands}, rounds)
             out[str(rows)] = at
+            if on_point is not None:
+                on_point(rows)
             if statistics.median(at["bfloat16/dense"]) > 3 * statistics.median(at["float32/dense"]):
                 break
     return out

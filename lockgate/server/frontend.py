@@ -323,9 +323,7 @@ class EngineClient:
         self.metrics.on_ready(info.max_model_len, info.capacity, info.dtype, info.kv_cache_dtype)
         self.last_heard = {"scheduler": time.monotonic(), "detokenizer": time.monotonic()}
         freeze_heap()
-        self.ready.set()
-        log.info("ready: model %s (%s), context %d tokens, KV capacity %d tokens (KV stored as %s)", info.model,
-                 info.dtype, info.max_model_len, info.capacity, info.kv_cache_dtype)
+        self.ready.set()  # /health answers 200 from here; lockgate.server.launch logs the ready line
 
     def _deliver(self, out: TextOut) -> None:
         stream = self.streams.get(out.rid)

@@ -171,6 +171,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO", c
     from lockgate.server.metrics import Metrics
     from lockgate.server.tenants import Tenants
 
+    t_start = time.monotonic()
     listen: list[socket.socket] | None = None
     if server.listen_fd is not None:
         try:
@@ -237,6 +238,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO", c
                                     max_connections=server.http_max_connections)
             uv_server = uvicorn.Server(config)
             cutter = asyncio.create_task(cut_at_grace_end(uv_server, client, server.shutdown_timeout))
+            announcer = asyncio.create_task(announce(uv_server, client, server.host, t_start))
             sup.watch(on_death)
             if sup.died is not None:  # died before we were watching
                 client.fail(sup.died)
@@ -245,6 +247,7 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO", c
                 await uv_server.serve(sockets=listen)
             finally:
                 cutter.cancel()
+                announcer.cancel()
 
         # Our own no-op handlers: uvicorn re-raises a captured signal after its graceful
         # shutdown; landing here lets us stop the children and exit 0 instead of dying.
@@ -272,6 +275,33 @@ def inherited_socket(fd: int) -> socket.socket:
         sock.detach()
         raise ValueError(f"--listen-fd {fd} is not a TCP socket")
     return sock
+
+
+def bound_url(uv: uvicorn.Server, host: str) -> str:
+    """``http://HOST:PORT`` of the socket uvicorn listens on (the port it got, also for port 0 or
+    ``--listen-fd``)."""
+    for srv in getattr(uv, "servers", []):
+        for sock in srv.sockets:
+            addr = sock.getsockname()
+            h = host if sock.family != socket.AF_INET6 else f"[{addr[0]}]"
+            return f"http://{h}:{addr[1]}"
+    return f"http://{host}"
+
+
+async def announce(uv: uvicorn.Server, client: EngineClient, host: str, t_start: float) -> None:
+    """Say when the socket is open that ``/health`` answers 503 until the model is loaded, and once
+    the engine is ready (the moment ``/health`` turns 200) one ``lockgate ready:`` line with the URL."""
+    while not uv.started:
+        await asyncio.sleep(0.05)
+    url = bound_url(uv, host)
+    if not client.ready.is_set():
+        log.info("listening on %s; /health answers 503 until the model is loaded and warmed up (progress "
+                 "below)", url)
+    await client.ready.wait()
+    info = client.info
+    what = "" if info is None else (f" (model {info.model}, {info.dtype}, context {info.max_model_len} tokens, "
+                                    f"KV capacity {info.capacity} tokens as {info.kv_cache_dtype})")
+    log.info("lockgate ready: %s%s; /health answers 200 (%.1fs after start)", url, what, time.monotonic() - t_start)
 
 
 GRACE_MARGIN_SECONDS = 0.5  # before uvicorn cancels what is left, so the last events still get written
