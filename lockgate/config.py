@@ -332,6 +332,11 @@ class SchedulerConfig:
                                  "to the tenant furthest over its share, then the last admitted; last = the last "
                                  "admitted", choices=["cost", "last"])
     disable_prefix_cache: bool = option(False, "turn off the radix-tree prefix cache")
+    overlap_schedule: bool = option(False, "build the next step while the model computes this one (SGLang's overlap "
+                                    "scheduler, vLLM's --async-scheduling): the scheduler's own time is hidden, "
+                                    "a request that stops on a token pays for one more row; steps after a "
+                                    "request's guesses, grammar or penalties wait for its token",
+                                    aliases=("async_scheduling",))
     fairness: str = option("vtc", "share between tenants (API key name, x-lockgate-tenant header or the "
                            "request's user field): vtc = admit the backlogged tenant with the least weighted "
                            "service first (virtual token counter; the policy orders within a tenant); none = "

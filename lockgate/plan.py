@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 I64 = np.int64
+# A token id not known yet: the output token a step in flight samples (overlap scheduling). The
+# scheduler may build a plan that feeds it; the plan is resolved before a runner sees it.
+PLACEHOLDER = -1
 
 
 def _ragged(rows: list[list[int]] | list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

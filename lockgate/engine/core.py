@@ -12,6 +12,19 @@ and keeps their weights, the scheduler puts them into the runner's ``--max-loras
 registry's ``AdapterSlots``, given to the scheduler at construction). An unloaded adapter takes no
 new requests; its weights go once no request that named it is left (checked after every step).
 
+Overlap scheduling (``--overlap-schedule``): the runner computes on its own thread, and ``step``
+launches the next step before it returns, so while the model computes step N the caller handles
+its messages and sends step N-1's tokens, and the next ``step`` call builds step N+1 (admission,
+prefix cache, plan) before it waits for N's result (SGLang's overlap event loop). Step N is
+committed when launched (``Scheduler.commit``: its rows count as computed, each request it
+samples for holds a placeholder token) and N+1's decode rows are fed N's tokens when N's result
+is in (``Scheduler.resolve``), before N+1 is launched. Each ``step`` call returns the previous
+step's events. What needs a token's value to plan the next step (guesses to verify, a grammar's
+mask, penalties, an adapter's slot) makes that call wait for the result first
+(``Scheduler.needs_result``). Invariant: between calls at most one step is in flight, committed
+unless it has guesses; only its own thread touches the runner while it runs, and slots freed
+meanwhile are written only by steps launched after it (the runner runs steps in order).
+
 Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
 #queue-req; decode: #running-req, #token, gen throughput) are kept here, and so is the queue
 forecast (``forecast()``: the step rates measured on every step, engine/forecast.py, applied to the
@@ -26,7 +39,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -36,15 +51,18 @@ from lockgate.engine.adapters import AdapterRegistry
 from lockgate.engine.forecast import Forecast, StepRates, estimate
 from lockgate.engine.grammar_wait import GrammarWait
 from lockgate.grammar import GrammarCompiler, GrammarError
+from lockgate.plan import ForwardPlan, ForwardResult
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
 from lockgate.scheduler.fairness import DEFAULT_TENANT
+from lockgate.scheduler.plan_builder import ScheduledStep
 from lockgate.scheduler.request import Request
 from lockgate.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats, StepOutput
 from lockgate.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("lockgate.engine")
 
+T = TypeVar("T")
 FORECAST_EVERY = 0.05  # seconds a forecast is reused while no request arrives or leaves
 GRAMMAR_CACHE = 32  # compiled grammars kept (a large schema's matcher holds tens of MB)
 
@@ -63,6 +81,14 @@ class StepInfo:
     def tokens(self) -> int:
         """vLLM's iteration tokens: prompt tokens prefilled plus tokens generated."""
         return self.num_prefill_tokens + self.num_generated
+
+
+@dataclass
+class _InFlight:
+    """A step launched on the runner's thread: its result arrives as (result, seconds it ran)."""
+
+    step: ScheduledStep
+    future: Future[tuple[ForwardResult, float]]
 
 
 class EngineCore:
@@ -91,11 +117,24 @@ class EngineCore:
         self.num_steps = 0
         self.rates = StepRates()
         self._forecast: tuple[float, Forecast] | None = None  # (time.monotonic() made, forecast)
+        # overlap scheduling: the runner's own thread and the step it computes
+        self._runner_thread = (ThreadPoolExecutor(1, thread_name_prefix="runner")
+                               if cfg.scheduler.overlap_schedule else None)
+        self._inflight: _InFlight | None = None
+        self._failed_committed = False  # a committed step failed: the prefix cache may hold KV never computed
         sc = cfg.scheduler
         log.info("engine ready: KV capacity %d tokens, context %d, max running %d, prefill budget %d, "
-                 "admission %s, policy %s, prefix cache %s", self.runner.capacity, self.runner.max_model_len,
-                 sc.max_running_requests, sc.max_prefill_tokens, sc.admission, sc.schedule_policy,
-                 "off" if sc.disable_prefix_cache else "on")
+                 "admission %s, policy %s, prefix cache %s, overlap schedule %s", self.runner.capacity,
+                 self.runner.max_model_len, sc.max_running_requests, sc.max_prefill_tokens, sc.admission,
+                 sc.schedule_policy, "off" if sc.disable_prefix_cache else "on",
+                 "on" if sc.overlap_schedule else "off")
+
+    def on_runner_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the thread that runs the steps (warm-up, pinning torch's threads: an OpenMP
+        thread team belongs to the thread that starts it) and return what it returns."""
+        if self._runner_thread is None:
+            return fn()
+        return self._runner_thread.submit(fn).result()
 
     def add_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams,
                     rid: str | None = None, tenant: str = DEFAULT_TENANT) -> Request:
@@ -222,9 +261,10 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        """A step would do something: the scheduler has requests, or a compiled grammar's request
-        waits to join it. (Requests whose grammar is still compiling are ``num_compiling``.)"""
-        return self.scheduler.has_work or self.grammar_wait.has_ready
+        """A step would do something: the scheduler has requests, a compiled grammar's request
+        waits to join it, or a step's result is still to be taken in (overlap scheduling).
+        (Requests whose grammar is still compiling are ``num_compiling``.)"""
+        return self.scheduler.has_work or self.grammar_wait.has_ready or self._inflight is not None
 
     @property
     def num_compiling(self) -> int:
@@ -244,20 +284,76 @@ class EngineCore:
         return len(self.scheduler.waiting)
 
     def fail_running(self) -> list[str]:
-        """Abort every running request (their slots return to the pool); their ids."""
+        """Abort every running request (their slots return to the pool); their ids. After a
+        committed step failed, the prefix cache's unlocked KV goes too (some was never computed)."""
         victims = [r.rid for r in self.scheduler.running]
         for rid in victims:
             self.scheduler.abort(rid)
+        if self._failed_committed:
+            self.scheduler.ledger.drop_cache()
+            self._failed_committed = False
         return victims
 
     def step(self) -> list[StepOutput]:
-        """Run one step; returns the per-request events it produced."""
+        """Run one step; returns the per-request events it produced. With overlap scheduling:
+        take in the step in flight and launch the next one; returns the events of the one taken in."""
+        if self._runner_thread is not None:
+            return self._step_overlapped()
         t0 = time.perf_counter()
         self._take_compiled()
         step = self.scheduler.schedule()
         if step is None:
             return []
         result = self.runner.execute(step.plan)
+        return self._apply(step, result, time.perf_counter() - t0)
+
+    def _step_overlapped(self) -> list[StepOutput]:
+        sched = self.scheduler
+        outs: list[StepOutput] = []
+        if self._inflight is not None and sched.needs_result(self._inflight.step):
+            outs = self._take_result()
+        self._take_compiled()
+        nxt = sched.schedule()  # while the step in flight computes
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            result, seconds = self._wait(prev)
+            sched.place(prev.step, result)  # its tokens, for the next plan's inputs
+        if nxt is not None:
+            sched.resolve(nxt)
+            if not any(nxt.drafts):
+                sched.commit(nxt)
+            self._inflight = _InFlight(nxt, self._runner_thread.submit(self._execute, nxt.plan))  # type: ignore[union-attr]
+        if prev is not None:
+            outs = self._apply(prev.step, result, seconds, check=False)  # while the next step computes
+        if self.check:
+            sched.check_invariants()
+        return outs
+
+    def _execute(self, plan: ForwardPlan) -> tuple[ForwardResult, float]:
+        t0 = time.perf_counter()
+        result = self.runner.execute(plan)
+        return result, time.perf_counter() - t0
+
+    def _take_result(self) -> list[StepOutput]:
+        """Wait for the step in flight and apply its result."""
+        fl, self._inflight = self._inflight, None
+        assert fl is not None
+        result, seconds = self._wait(fl)
+        return self._apply(fl.step, result, seconds, check=False)
+
+    def _wait(self, fl: _InFlight) -> tuple[ForwardResult, float]:
+        """The result of ``fl`` and the seconds it ran. If it failed, its commit is undone and the
+        error raised (the caller fails the running requests: ``fail_running``)."""
+        try:
+            return fl.future.result()
+        except BaseException:
+            if fl.step.committed:
+                self.scheduler.uncommit(fl.step)
+                self._failed_committed = True
+            raise
+
+    def _apply(self, step: ScheduledStep, result: ForwardResult, seconds: float, check: bool = True) -> list[StepOutput]:
+        """Apply a step's result (the scheduler's ``update``) and count it."""
         outs = self.scheduler.update(step, result)
         self.num_steps += 1
         sb = step.plan.sampling
@@ -266,11 +362,11 @@ class EngineCore:
             self.grammar_rows += int(sb.allowed_rows.size)
             self.grammar_seconds += sb.allowed_seconds
         self.last_step = StepInfo(len(step.rows), step.num_new_seqs, step.num_prefill_tokens, step.num_decode,
-                                  time.perf_counter() - t0, step.num_cached_tokens, step.num_generated)
+                                  seconds, step.num_cached_tokens, step.num_generated)
         self.rates.observe(step.num_prefill_tokens, step.num_decode, self.last_step.seconds)
         if any(o.finish_reason is not None for o in outs):
             self._forecast = None
         self._reap_adapters()
-        if self.check:
+        if self.check and check:
             self.scheduler.check_invariants()
         return outs

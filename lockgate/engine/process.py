@@ -118,7 +118,7 @@ class SchedulerProcess:
             self._wake_lock = threading.Lock()
             self._wake_out = Sender(self.ctx, args.in_endpoint)  # side threads -> this loop (Wake)
             self.engine = EngineCore(args.engine, wake=self._wake)
-            self.engine.runner.warmup()
+            self.engine.on_runner_thread(self.engine.runner.warmup)
         except Exception as e:
             if isinstance(e, ValueError | OSError):  # bad model, flags or files: the message says it all
                 log.error("failed to start the engine: %s", e)
@@ -138,7 +138,7 @@ class SchedulerProcess:
         if self.tensor_parallel is not None:
             self.tensor_parallel.on_death = self._rank_died
         self._heartbeats()
-        pin_torch_threads()
+        self.engine.on_runner_thread(pin_torch_threads)  # the thread that runs the steps, and its team
         freeze_heap()
         self.out.send(Ready(model=args.model_name, model_dir=None if r.model_dir is None else str(r.model_dir),
                             max_model_len=r.max_model_len, capacity=r.capacity, vocab_size=r.vocab_size,
@@ -318,6 +318,8 @@ class SchedulerProcess:
             out.error, out.status = ev.error, 400
         if req is not None:
             out.num_prompt_tokens, out.num_output_tokens = req.num_prompt, req.num_output
+            if ev is not None:  # as of that step (with overlap scheduling the next one is already launched)
+                out.num_output_tokens = ev.num_output_tokens
             out.cached_tokens = req.cached_tokens
             if req.params.logprobs is not None and ev is not None:
                 out.logprobs = ev.new_logprobs

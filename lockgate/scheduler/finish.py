@@ -27,17 +27,19 @@ from __future__ import annotations
 from lockgate.scheduler.request import FinishReason, Request
 
 
-def finish_after(r: Request, tok: int) -> tuple[FinishReason, str | None] | None:
+def finish_after(r: Request, tok: int, made: int | None = None) -> tuple[FinishReason, str | None] | None:
     """Whether ``tok``, just appended to ``r``'s output, ends it: (reason, error message for
-    ``error``), or None to go on."""
+    ``error``), or None to go on. ``made``: the output's length up to ``tok`` (default: all of it;
+    with overlap scheduling a later step's placeholder may already follow it)."""
+    made = r.num_output if made is None else made
     g = r.grammar
     if g is not None and not g.accept(tok):
-        return FinishReason.ERROR, (f"the output constraint failed after {r.num_output} tokens "
+        return FinishReason.ERROR, (f"the output constraint failed after {made} tokens "
                                     f"({g.error or 'the grammar refused its own token'})")
     if g is not None and g.done:
         return FinishReason.STOP, None  # the output is complete
-    if tok in r.stop_token_ids and r.num_output >= r.params.min_tokens:
+    if tok in r.stop_token_ids and made >= r.params.min_tokens:
         return FinishReason.STOP, None
-    if r.num_output >= r.params.max_tokens:
+    if made >= r.params.max_tokens:
         return FinishReason.LENGTH, None
     return None

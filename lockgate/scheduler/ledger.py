@@ -141,6 +141,16 @@ class SlotLedger:
             self.allocator.free(r.held_slots())
         r.num_computed, r.tree_len, r.tree_node = 0, 0, None
 
+    def drop_cache(self) -> int:
+        """Evict every cached slot no request locks (a step that failed may have left KV in the
+        tree that was never computed: overlap scheduling commits a step before it runs); how many."""
+        if self.tree is None:
+            return 0
+        freed = self.tree.evict(self.tree.evictable_size)
+        if freed.size:
+            self.allocator.free(freed)
+        return int(freed.size)
+
     # ---- checks (tests run them after every step) -------------------------------------------
     def check(self, running: Iterable[Request], waiting: Iterable[Request]) -> None:
         self.allocator.check_invariants()

@@ -14,7 +14,7 @@ per prefill chunk. A row samples when its prompt is complete after this step (ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +39,8 @@ class ScheduledStep:
     num_decode_rows: int  # their plan rows (the first rows of the plan): num_decode + guesses
     num_cached_tokens: int = 0  # prompt tokens the new requests took from the prefix cache
     num_generated: int = 0  # tokens the step appended to outputs (set by ``update``)
+    committed: bool = False  # launched ahead of its result (``Scheduler.commit``): overlap scheduling
+    out_index: list[int] = field(default_factory=list)  # committed: where each sampled request's token goes
 
 
 def build_step(decode: list[Request], drafts: list[list[int]], prefill: list[tuple[Request, int]],

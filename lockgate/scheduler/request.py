@@ -10,6 +10,12 @@ Slot invariant: ``slots[:num_computed]`` are the KV slots of the first ``num_com
 tokens of ``prompt_ids + output_ids``, in position order, and the request owns exactly
 those slots in the allocator. A decoding request has ``num_computed == len(all tokens) - 1``
 (its newest token's KV is written by the next step).
+
+Overlap scheduling (engine/core.py) commits a step when it is launched: ``num_computed`` already
+counts its rows and each request it samples for holds ``plan.PLACEHOLDER`` as its newest output token
+until the step's result replaces it. Nothing reads that token's value before then: it is past
+``num_computed`` (never cached), and steps that would read it (guesses, grammar masks, penalties)
+wait for the result instead.
 """
 
 from __future__ import annotations

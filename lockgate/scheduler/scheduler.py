@@ -76,7 +76,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lockgate.config import SchedulerConfig
-from lockgate.plan import ForwardResult
+from lockgate.plan import PLACEHOLDER, ForwardResult
 from lockgate.scheduler.admission import Charges, make_admission
 from lockgate.scheduler.backlog import Backlog, measure
 from lockgate.scheduler.fairness import TenantShare
@@ -86,7 +86,7 @@ from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.plan_builder import ScheduledStep, build_step
 from lockgate.scheduler.policy import QueueDelayBound, make_policy
 from lockgate.scheduler.request import FinishReason, Request
-from lockgate.scheduler.speculate import Speculator
+from lockgate.scheduler.speculate import Speculator, may_speculate
 
 log = logging.getLogger("lockgate.scheduler")
 I64 = np.int64
@@ -271,7 +271,8 @@ class Scheduler:
         if not self.running:
             return None
         chosen = {id(r) for r, _ in prefill}
-        decode = [r for r in self.running if not r.is_prefilling and id(r) not in chosen]
+        # (left 0: its last token is being sampled by the step in flight, overlap scheduling)
+        decode = [r for r in self.running if not r.is_prefilling and id(r) not in chosen and r.left > 0]
         if decode and self.budget_bound and self.cfg.max_decode_stall > 0:
             decode = self._due(decode)  # a burst: its prompts first, within the stall bound
         if not decode and not prefill:
@@ -285,23 +286,84 @@ class Scheduler:
             self.admission.on_decode_step()
         return step
 
+    # ---- overlap scheduling: a step launched before the previous one's result ----------
+    def commit(self, step: ScheduledStep) -> None:
+        """``step`` is being launched ahead of its result (overlap scheduling): its rows count as
+        computed now and each request it samples for gets ``PLACEHOLDER`` as its newest token, so
+        the next ``schedule`` builds on it; ``update`` puts the sampled tokens in their place. A
+        step with guesses is never committed (how many tokens it keeps is known only after)."""
+        assert not any(step.drafts), "a step with guesses cannot be committed ahead of its result"
+        for r, q in zip(step.rows, step.plan.query_lens.tolist(), strict=True):
+            if not r.finished:
+                r.num_computed += q
+                r.pending = 0
+        step.out_index = []
+        for r in step.sampled:
+            if not r.finished:
+                r.output_ids.append(PLACEHOLDER)
+            step.out_index.append(len(r.output_ids) - 1)
+        step.committed = True
+
+    @staticmethod
+    def place(step: ScheduledStep, result: ForwardResult) -> None:
+        """Put a committed step's sampled tokens in their places, so the next step's plan can be
+        resolved and launched before ``update`` applies the rest of this result."""
+        tokens = result.tokens.tolist()  # a committed step has one sample row per request
+        for r, at, tok in zip(step.sampled, step.out_index, tokens, strict=True):
+            if not r.finished:
+                r.output_ids[at] = tok
+
+    def uncommit(self, step: ScheduledStep) -> None:
+        """A committed step failed: its rows are not computed after all (their slots go back to
+        being in flight, so leaving frees them) and its placeholders go."""
+        for r, q in zip(step.rows, step.plan.query_lens.tolist(), strict=True):
+            if not r.finished and r.num_computed >= q and r in self.running:
+                r.num_computed -= q
+                r.pending += q
+        for r, at in zip(step.sampled, step.out_index, strict=True):
+            if not r.finished and at < len(r.output_ids) and r.output_ids[at] == PLACEHOLDER:
+                del r.output_ids[at:]
+                if r in self.waiting:  # retracted meanwhile: it resumes from the tokens it has
+                    r.prefill_len = r.num_tokens
+        step.committed = False
+
+    @staticmethod
+    def resolve(step: ScheduledStep) -> None:
+        """Feed ``step``'s decode rows the tokens the previous step sampled (``update`` put them in
+        the requests' outputs), in place of the ``PLACEHOLDER`` the plan was built with."""
+        ids = step.plan.input_ids
+        for b in np.flatnonzero(ids[:step.num_decode_rows] == PLACEHOLDER).tolist():
+            ids[b] = step.rows[b].output_ids[-1]
+
+    def needs_result(self, step: ScheduledStep) -> bool:
+        """The next step cannot be planned before ``step``'s result: it has guesses to verify, or a
+        request it samples for guesses, follows a grammar or has penalties (the next plan would read
+        the token's value, not only its place)."""
+        if not step.committed or step.plan.lora_slots.size:  # (adapters: no slot changes under a step in flight)
+            return True
+        spec = self.cfg.speculative_tokens > 0
+        return any(r.grammar is not None or r.params.has_penalties or (spec and may_speculate(r))
+                   for r in step.sampled if not r.finished)
+
     def update(self, step: ScheduledStep, result: ForwardResult) -> list[StepOutput]:
         """Apply a step's result; returns one StepOutput per request that got a token or finished."""
         now = time.monotonic()
         for b, (r, q) in enumerate(zip(step.rows, step.plan.query_lens.tolist(), strict=True)):
             if not r.finished:
-                r.num_computed += q
-                r.pending = 0
+                if not step.committed:
+                    r.num_computed += q
+                    r.pending = 0
                 if b >= step.num_decode_rows and self.ledger.tree is not None:
                     self.ledger.cache(r, keep_lock=True)  # share freshly prefilled KV with later requests
         outs: list[StepOutput] = []
         k = result.top_ids.shape[1] if result.top_ids.ndim == 2 else 0
         tokens, lps = result.tokens.tolist(), result.logprobs.tolist()
         row = 0
-        for r, guesses in zip(step.sampled, step.drafts, strict=True):
+        for s, (r, guesses) in enumerate(zip(step.sampled, step.drafts, strict=True)):
             first, row = row, row + 1 + len(guesses)
             if r.finished:  # aborted while the step ran
                 continue
+            made = r.num_output  # its output tokens so far (committed: up to this step's placeholder)
             new: list[int] = []
             new_lps: list[float] = []
             new_top: list[list[tuple[int, float]]] = []
@@ -313,13 +375,20 @@ class Scheduler:
                 tok = tokens[i]
                 top = [(int(a), float(b)) for a, b in zip(result.top_ids[i, :n_top], result.top_logprobs[i, :n_top],
                                                           strict=True)] if n_top else []
-                r.output_ids.append(tok)
+                if step.committed:  # its place was taken at launch (and may hold it already: ``place``)
+                    at = step.out_index[s]
+                    assert r.output_ids[at] in (PLACEHOLDER, tok), f"{r.rid}: the committed step's token is not in place"
+                    r.output_ids[at] = tok
+                    made = at + 1
+                else:
+                    r.output_ids.append(tok)
+                    made += 1
                 r.output_logprobs.append(lps[i])
                 r.output_top.append(top)
                 new.append(tok)
                 new_lps.append(lps[i])
                 new_top.append(top)
-                end = finish_after(r, tok)
+                end = finish_after(r, tok, made)
                 if end is not None:
                     break
             reason, error = end if end is not None else (None, None)
@@ -331,8 +400,9 @@ class Scheduler:
             step.num_generated += len(new)
             self.share.generated(r.tenant, len(new))
             if reason is not None:
+                del r.output_ids[made:]  # the placeholder of a step launched after this one: its row is wasted
                 self._finish(r, reason)
-            outs.append(StepOutput(r.rid, new, new_lps, new_top, reason, r.num_prompt, r.num_output,
+            outs.append(StepOutput(r.rid, new, new_lps, new_top, reason, r.num_prompt, made,
                                    r.cached_tokens, error))
         return outs
 
@@ -368,6 +438,9 @@ class Scheduler:
         no_slot: set[int] = set()  # adapters that found every slot pinned this step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             cand = self.waiting[0]
+            if cand.output_ids[-1:] == [PLACEHOLDER]:  # retracted while its token is sampled: resumes after
+                deferred.append(self.waiting.popleft())
+                continue
             if cand.adapter and cand.adapter in no_slot:
                 deferred.append(self.waiting.popleft())
                 continue

@@ -51,6 +51,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lockgate.config import SchedulerConfig
+from lockgate.plan import PLACEHOLDER
 from lockgate.scheduler.ngram import NgramIndex
 
 if TYPE_CHECKING:
@@ -86,8 +87,8 @@ class Speculator:
             return out
         for i, r in enumerate(decode):
             limit = min(cfg.speculative_tokens, r.left - 1)
-            if limit <= 0 or not may_speculate(r):
-                continue
+            if limit <= 0 or not may_speculate(r) or r.output_ids[-1:] == [PLACEHOLDER]:
+                continue  # (a newest token the step in flight samples is not known yet)
             if r.drafter is None:
                 r.drafter = NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
             if len(r.drafter) < r.num_tokens:
