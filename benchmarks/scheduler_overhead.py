@@ -46,6 +46,10 @@ except ImportError:  # checkouts from before the engine package
 n, seed = {n}, {seed}
 eng = EngineCore(EngineConfig.build(model="sim", sim_step_ms={step_ms}, max_total_tokens=65536, max_prefill_tokens=2048,
                                     speculative_tokens={spec}{extra}))
+import sys
+if {switch}:
+    from lockgate.engine.core import OVERLAP_SWITCH_INTERVAL
+    sys.setswitchinterval(OVERLAP_SWITCH_INTERVAL)  # as the scheduler process does with overlap on
 busy = [0.0]
 _execute = eng.runner.execute
 def timed(plan):
@@ -81,7 +85,7 @@ print(json.dumps({{"steps": steps, "ms_per_step": ms, "runner_idle_ms_per_step":
 def run_once(tree: Path, n: int, seed: int, step_ms: float = 0.0, spec: int = 4,
              overlap: bool | None = None) -> dict[str, float | str]:
     extra = "" if overlap is None else f", overlap_schedule={overlap}"
-    code = ONE_RUN.format(n=n, seed=seed, step_ms=step_ms, spec=spec, extra=extra)
+    code = ONE_RUN.format(n=n, seed=seed, step_ms=step_ms, spec=spec, extra=extra, switch=bool(overlap))
     env = {**os.environ, "PYTHONPATH": str(tree), "LOCKGATE_LOG_LEVEL": "ERROR"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env,
                          capture_output=True, text=True, check=True, timeout=1200)

@@ -24,6 +24,10 @@ mask, penalties, an adapter's slot) makes that call wait for the result first
 (``Scheduler.needs_result``). Invariant: between calls at most one step is in flight, committed
 unless it has guesses; only its own thread touches the runner while it runs, and slots freed
 meanwhile are written only by steps launched after it (the runner runs steps in order).
+Both threads run Python under one interpreter lock: torch releases it inside every op, so the
+scheduling runs while the model's kernels do, and the scheduler process shortens the interpreter's
+switch interval (``OVERLAP_SWITCH_INTERVAL``) so a launched step is not kept waiting for the lock
+by the engine's own Python (CPython's default lets a waiting thread wait 5 ms).
 
 Step statistics for the operator's log lines (prefill: #new-seq, #new-token, token usage,
 #queue-req; decode: #running-req, #token, gen throughput) are kept here, and so is the queue
@@ -63,6 +67,7 @@ from lockgate.tokenizer.tokenizer import load_tokenizer
 log = logging.getLogger("lockgate.engine")
 
 T = TypeVar("T")
+OVERLAP_SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in a process that overlaps steps
 FORECAST_EVERY = 0.05  # seconds a forecast is reused while no request arrives or leaves
 GRAMMAR_CACHE = 32  # compiled grammars kept (a large schema's matcher holds tens of MB)
 

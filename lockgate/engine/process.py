@@ -38,7 +38,7 @@ from collections.abc import Callable
 import zmq
 
 from lockgate.config import HEARTBEAT_SECONDS
-from lockgate.engine.core import EngineCore
+from lockgate.engine.core import OVERLAP_SWITCH_INTERVAL, EngineCore
 from lockgate.ipc.channel import Receiver, Sender
 from lockgate.ipc.child import (
     TENSOR_PARALLEL_EXIT_CODE,
@@ -119,6 +119,8 @@ class SchedulerProcess:
             self._wake_out = Sender(self.ctx, args.in_endpoint)  # side threads -> this loop (Wake)
             self.engine = EngineCore(args.engine, wake=self._wake)
             self.engine.on_runner_thread(self.engine.runner.warmup)
+            if args.engine.scheduler.overlap_schedule:  # hand the interpreter lock to a launched step quickly
+                sys.setswitchinterval(OVERLAP_SWITCH_INTERVAL)
         except Exception as e:
             if isinstance(e, ValueError | OSError):  # bad model, flags or files: the message says it all
                 log.error("failed to start the engine: %s", e)
