@@ -56,8 +56,17 @@ def reference(hf_reference, prompts) -> list[list[int]]:
     return outs
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], params=None) -> list[list[int]]:
-    sp = params or SamplingParams(max_tokens=N_NEW, temperature=0.0)
+@pytest.fixture(scope="module")
+def reference_logits(hf_reference, prompts) -> list[torch.Tensor]:
+    """transformers' float32 logits of the last prompt token, for every prompt (computed once)."""
+    with torch.no_grad():
+        return [hf_reference(torch.tensor([ids])).logits[0, -1].float() for ids in prompts]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], params=None, n: int = N_NEW) -> list[list[int]]:
+    """Greedy continuations of ``n`` tokens (a test that compares the first k tokens asks for k:
+    greedy decoding's first k tokens do not depend on how many follow)."""
+    sp = params or SamplingParams(max_tokens=n, temperature=0.0)
     return [r.outputs[0].token_ids for r in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
 
 
@@ -87,10 +96,8 @@ def _first_logits(llm: LLM, pool_driver, ids: list[int]) -> torch.Tensor:
     return pool_driver(llm.engine.runner.model, capacity=512).step({0: ids})[0].float()
 
 
-def test_fp32_first_step_logits_and_logprobs(smol_fp32, hf_reference, prompts, pool_driver) -> None:
-    for ids in prompts:
-        with torch.no_grad():
-            want = hf_reference(torch.tensor([ids])).logits[0, -1].float()
+def test_fp32_first_step_logits_and_logprobs(smol_fp32, reference_logits, prompts, pool_driver) -> None:
+    for ids, want in zip(prompts, reference_logits, strict=True):
         got = _first_logits(smol_fp32, pool_driver, ids)
         assert want.abs().max() > 5.0
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
@@ -98,8 +105,7 @@ def test_fp32_first_step_logits_and_logprobs(smol_fp32, hf_reference, prompts, p
     ids = prompts[0]
     out = smol_fp32.generate(prompt_token_ids=[ids],
                              sampling_params=SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0].outputs[0]
-    with torch.no_grad():
-        ref = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    ref = reference_logits[0].log_softmax(-1)
     top = torch.topk(ref, 5)
     assert [t for t, _ in out.top_logprobs[0]] == top.indices.tolist()
     np.testing.assert_allclose([lp for _, lp in out.top_logprobs[0]], top.values.numpy(), atol=1e-4)
@@ -107,7 +113,7 @@ def test_fp32_first_step_logits_and_logprobs(smol_fp32, hf_reference, prompts, p
 
 
 @pytest.mark.parametrize("quantization", ["auto", "none"])
-def test_bf16_close_to_fp32_reference(hf_reference, prompts, reference, pool_driver, quantization) -> None:
+def test_bf16_close_to_fp32_reference(reference_logits, prompts, reference, pool_driver, quantization) -> None:
     # auto (the default) gives the default model's Q4_1 projections and Q8_0 head lossless
     # quantized forms; --tuning off asks for the static table (a quantized form for every call of
     # <= 16 rows: here the first step of each short prompt and every batched decode step), so
@@ -123,14 +129,13 @@ def test_bf16_close_to_fp32_reference(hf_reference, prompts, reference, pool_dri
     head = model.head.quantized  # the Q8_0 head: int8 groups on lockgate's kernels, also lossless
     assert bool(head) == (quantization == "auto") and all(f.bits == 8 and f.error == 0 for f in head)
     assert min(len(p) for p in prompts) <= STATIC_SMALL_ROWS < max(len(p) for p in prompts)
-    for ids in prompts:
-        with torch.no_grad():
-            want = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    for ids, logits in zip(prompts, reference_logits, strict=True):
+        want = logits.log_softmax(-1)
         got = _first_logits(llm, pool_driver, ids).log_softmax(-1)
         assert got.argmax() == want.argmax()
         top = torch.topk(want, 20).indices
         assert (got[top] - want[top]).abs().max() < 0.6
-    for ids, got, want in zip(prompts, _greedy(llm, prompts), reference, strict=True):
+    for ids, got, want in zip(prompts, _greedy(llm, prompts, n=4), reference, strict=True):
         assert got[:4] == want[:4], (ids, got, want)
 
 
@@ -155,7 +160,7 @@ def test_fp32_matmul_tier_on_a_long_prompt(hf_reference, prompts, pool_driver) -
 
 
 @pytest.mark.parametrize("form", ["int-gemm", "group-quant"])
-def test_quantized_float32_run_close_to_reference(hf_reference, prompts, reference, form: str) -> None:
+def test_quantized_float32_run_close_to_reference(reference_logits, prompts, reference, form: str) -> None:
     # The float32 run on the checkpoint's own 4-bit grid (what --dtype auto serves where bf16 is
     # not faster), every call on lockgate's integer GEMM (x rounded to int16 per block) or its
     # group-quant kernel (float32 math), asked for by name: the checkpoint's exact weights
@@ -174,13 +179,12 @@ def test_quantized_float32_run_close_to_reference(hf_reference, prompts, referen
     model = llm.engine.runner.model
     lins = [lin for layer in model.layers for lin in layer.projections().values()] + [model.head]
     assert all(str(lin.choice) == form and lin.forms[form].error == 0 for lin in lins)
-    for ids in prompts:
-        with torch.no_grad():
-            want = hf_reference(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    for ids, logits in zip(prompts, reference_logits, strict=True):
+        want = logits.log_softmax(-1)
         out = llm.generate(prompt_token_ids=[ids],
                            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))[0].outputs[0]
         assert out.token_ids[0] == int(want.argmax())
         diffs = [abs(lp - float(want[t])) for t, lp in out.top_logprobs[0]]
         assert max(diffs) < 0.02, max(diffs)
-    for ids, got, want in zip(prompts, _greedy(llm, prompts), reference, strict=True):
+    for ids, got, want in zip(prompts, _greedy(llm, prompts, n=8), reference, strict=True):
         assert got[:8] == want[:8], (ids, got, want)
