@@ -1,6 +1,6 @@
 """The server on the default model (SmolLM2-135M-Instruct, in the dtype --dtype auto measures best here).
 
-End-to-end checks that need real text: 64 concurrent streaming requests complete with
+End-to-end checks that need real text: 32 concurrent streaming requests complete with
 correct usage; streamed text equals the whole response and the tokenizer's own decoding of
 the generated ids, including multi-byte UTF-8; a stop string spanning tokens is never
 emitted; seeded sampling is reproducible through HTTP.
@@ -31,7 +31,7 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def test_64_concurrent_streams_complete_with_correct_usage(server) -> None:
+def test_32_concurrent_streams_complete_with_correct_usage(server) -> None:
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
     async def one(i: int) -> tuple[int, int, int, str]:
@@ -50,12 +50,12 @@ def test_64_concurrent_streams_complete_with_correct_usage(server) -> None:
 
     async def all_() -> list[tuple[int, int, int, str]]:
         try:
-            return await asyncio.gather(*(one(i) for i in range(64)))
+            return await asyncio.gather(*(one(i) for i in range(32)))
         finally:
             await aclient.close()
 
     results = asyncio.run(all_())
-    assert len(results) == 64
+    assert len(results) == 32  # max_tokens 16 + i % 17: every one of the 17 lengths
     for i, p_tokens, c_tokens, text in results:
         want = httpx.post(server.url + "/tokenize", json={"prompt": f"Request {i}: write a few words about the "
                                                                     f"number {i}."}).json()["count"]
