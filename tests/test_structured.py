@@ -222,10 +222,15 @@ def _record(oai, i: int) -> tuple[str, str | None]:
     return r.choices[0].message.content, r.choices[0].finish_reason
 
 
-def test_fifty_prompts_all_give_json_that_validates(oai) -> None:
+# 24 of the 50 prompts, both phrasings (12 each); i runs over every (greedy or sampled, streamed or
+# not) pair four times, as it does over all 50
+SOME = [i for i in range(len(PROMPTS)) if i % len(SUBJECTS) < 12]
+
+
+def test_two_dozen_prompts_all_give_json_that_validates(oai) -> None:
     with ThreadPoolExecutor(16) as ex:
-        results = list(ex.map(lambda i: _record(oai, i), range(len(PROMPTS))))
-    assert len(results) == 50
+        results = list(ex.map(lambda i: _record(oai, i), SOME))
+    assert len(results) == 24
     for text, finish in results:
         assert finish == "stop", (text, finish)
         jsonschema.validate(json.loads(text), RECORD)
