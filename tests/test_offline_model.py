@@ -28,16 +28,22 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(smol_fp32) -> Non
     assert other[0].outputs[0].token_ids != alone  # 24 draws at temperature 1: equal only by a fluke
 
 
-def test_chat_greedy_answer_and_finish(smol_fp32) -> None:
-    out = smol_fp32.chat(CHAT, SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
+@pytest.fixture(scope="module")
+def chat_answer(smol_fp32):
+    """The greedy answer to CHAT (up to 40 tokens), asked once for the two tests that read it."""
+    return smol_fp32.chat(CHAT, SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
+
+
+def test_chat_greedy_answer_and_finish(smol_fp32, chat_answer) -> None:
+    out = chat_answer
     assert "Paris" in out.text
     assert out.finish_reason == "stop" and len(out.token_ids) < 40
     assert out.token_ids[-1] in smol_fp32.tokenizer.eos_token_ids  # EOS kept in ids, not in text
     assert "<|im_end|>" not in out.text
 
 
-def test_min_tokens_ignore_eos_and_max_tokens(smol_fp32) -> None:
-    short = smol_fp32.chat(CHAT, SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
+def test_min_tokens_ignore_eos_and_max_tokens(smol_fp32, chat_answer) -> None:
+    short = chat_answer
     n = len(short.token_ids)
     forced = smol_fp32.chat(CHAT, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=n + 5))[0].outputs[0]
     eos = set(smol_fp32.tokenizer.eos_token_ids)
@@ -69,13 +75,29 @@ def test_bad_prompts_rejected_before_running(smol_fp32) -> None:
     assert not smol_fp32.engine.has_work
 
 
+SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in at most one sentence. " * 8}
+CONVS = [[SYSTEM, {"role": "user", "content": q}] for q in
+         ("What is 2 + 2?", "Name a planet.", "What color is the sky?", "Who wrote Hamlet?")]
+CONV_PARAMS = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def cache_off_answers():
+    """The conversations' greedy answers with the prefix cache off (the reference both attention
+    paths below are held to; computed once)."""
+    from lockgate import LLM
+
+    off = LLM("default", dtype="float32", max_total_tokens=4096, disable_prefix_cache=True).chat(CONVS, CONV_PARAMS)
+    assert all(o.num_cached_tokens == 0 for o in off)
+    return [o.outputs[0].token_ids for o in off]
+
+
 @pytest.mark.parametrize("prefill_kernel", [False, True], ids=["sdpa-cascade", "prefill-kernel"])
-def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch, prefill_kernel: bool) -> None:
+def test_prefix_cache_on_equals_off_greedy(smol_fp32, cache_off_answers, monkeypatch, prefill_kernel: bool) -> None:
     # With the cache on, the last three conversations prefill together on the cached system
     # prompt's slots (> MIN_SHARED_PREFIX tokens). On SDPA (asked for explicitly) attention reads it
     # once per step for all three (shared-prefix path); on the prefill kernel each token reads it by
     # slot. Either way the greedy tokens must be the cache-off run's.
-    from lockgate import LLM
     from lockgate.layers import attention, attention_meta
 
     if prefill_kernel and not smol_fp32.engine.runner.paths.decode_kernel:
@@ -84,21 +106,14 @@ def test_prefix_cache_on_equals_off_greedy(smol_fp32, monkeypatch, prefill_kerne
     calls = []
     real = attention._add_prefixes
     monkeypatch.setattr(attention, "_add_prefixes", lambda *a: calls.append(len(a[5])) or real(*a))
-    system = {"role": "system", "content": "You are a terse assistant. Answer in at most one sentence. " * 8}
-    convs = [[system, {"role": "user", "content": q}] for q in
-             ("What is 2 + 2?", "Name a planet.", "What color is the sky?", "Who wrote Hamlet?")]
-    sp = SamplingParams(max_tokens=24, temperature=0.0)
-    first = smol_fp32.chat(convs[:1], sp)  # warms the cache with the system prompt
-    on = first + smol_fp32.chat(convs[1:], sp)
+    first = smol_fp32.chat(CONVS[:1], CONV_PARAMS)  # warms the cache with the system prompt
+    on = first + smol_fp32.chat(CONVS[1:], CONV_PARAMS)
     assert all(o.num_cached_tokens > attention_meta.MIN_SHARED_PREFIX for o in on[1:])  # the system prompt was reused
     if not prefill_kernel:
         assert calls and max(calls) == 1  # one shared prefix, attended once per layer and step
     else:
         assert not calls
-    off_llm = LLM("default", dtype="float32", max_total_tokens=4096, disable_prefix_cache=True)
-    off = off_llm.chat(convs, sp)
-    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
-    assert all(o.num_cached_tokens == 0 for o in off)
+    assert [o.outputs[0].token_ids for o in on] == cache_off_answers
 
 
 def test_model_spec_forms_load_the_same_model(smol_fp32) -> None:
