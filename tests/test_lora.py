@@ -31,10 +31,28 @@ def lora_llm(adapters) -> LLM:
                max_loras=4)
 
 
-def peft_greedy(hf_reference, adapter: Path | None, prompt_ids: list[int], n: int) -> list[int]:
+_PEFT_MODELS: dict[tuple[int, str], torch.nn.Module] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _peft_models_dropped_after_the_module():
+    yield
+    _PEFT_MODELS.clear()
+
+
+def peft_model(hf_reference, adapter: Path) -> torch.nn.Module:
+    """transformers + peft: a copy of ``hf_reference`` under ``adapter`` (made once per adapter in
+    this module; generating and scoring do not change it)."""
     from peft import PeftModel
 
-    model = hf_reference if adapter is None else PeftModel.from_pretrained(copy.deepcopy(hf_reference), str(adapter))
+    key = (id(hf_reference), str(adapter))
+    if key not in _PEFT_MODELS:
+        _PEFT_MODELS[key] = PeftModel.from_pretrained(copy.deepcopy(hf_reference), str(adapter))
+    return _PEFT_MODELS[key]
+
+
+def peft_greedy(hf_reference, adapter: Path | None, prompt_ids: list[int], n: int) -> list[int]:
+    model = hf_reference if adapter is None else peft_model(hf_reference, adapter)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, num_beams=1,
                              eos_token_id=None, pad_token_id=0)
@@ -63,8 +81,6 @@ def test_the_default_path_bf16_on_quantized_forms_applies_the_adapter(adapters, 
     # log-probabilities must match transformers + peft in float32 as closely as bf16 matches the
     # base model (test_golden's criteria: within 0.6 nats, measured up to 0.14), and move away from the
     # base model's (measured up to 8.7 nats).
-    from peft import PeftModel
-
     # --no-exact-prefill: the prompts' rows too go to the quantized forms (their subject here); by
     # default prompt rows run the row-invariant dense bf16 form, whose rounding parts this prompt's
     # greedy second token from float32 (two candidates within bf16's noise)
@@ -72,7 +88,7 @@ def test_the_default_path_bf16_on_quantized_forms_applies_the_adapter(adapters, 
               lora_modules=(f"all8={adapters['all8']}",))
     lins = [lin for layer in llm.engine.runner.model.layers for lin in layer.projections().values()]
     assert all(lin.quantized for lin in lins)
-    tuned = PeftModel.from_pretrained(copy.deepcopy(hf_reference), str(adapters["all8"]))
+    tuned = peft_model(hf_reference, adapters["all8"])
     one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     moved = 0.0
     for prompt in PROMPTS:
@@ -97,8 +113,10 @@ def test_the_default_path_bf16_on_quantized_forms_applies_the_adapter(adapters, 
 
 
 def test_a_batch_mixing_three_adapters_and_the_base_gives_each_what_it_gets_alone(lora_llm) -> None:
+    # two prompts under each of the three adapters and the base model: 8 rows, every pair of
+    # neighbours under different weights, each checked against its lone run
     names: list[str | None] = [*sorted(ADAPTERS), None]
-    jobs = [(p, n) for p in PROMPTS for n in names]
+    jobs = [(p, n) for p in PROMPTS[:2] for n in names]
     together = lora_llm.generate([p for p, _ in jobs], GREEDY, lora=[n for _, n in jobs])
     for (prompt, name), got in zip(jobs, together, strict=True):
         alone = lora_llm.generate([prompt], GREEDY, lora=name)[0]
