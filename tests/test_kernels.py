@@ -201,14 +201,15 @@ def test_kernel_march_override_names_its_own_build_and_rejects_junk(monkeypatch)
 
 
 def test_unity_groups_hold_every_source_once_in_balanced_groups() -> None:
-    sources, largest = kernels.SOURCES, max(f.stat().st_size for f in kernels.SOURCES)
+    sources, largest = kernels.SOURCES, max(map(kernels.compile_seconds, kernels.SOURCES))
+    assert set(kernels.COMPILE_SECONDS) == {f.name for f in sources}  # every source's cost is known
     for n in (1, 2, 3, len(sources), len(sources) + 5):
         groups = kernels.unity_groups(sources, n)
         assert len(groups) == min(n, len(sources)) and all(groups)
         assert sorted(f for g in groups for f in g) == sorted(sources)  # each source in exactly one unit
         for g in groups:
             assert g == sorted(g, key=sources.index)
-        sizes = [sum(f.stat().st_size for f in g) for g in groups]
+        sizes = [sum(map(kernels.compile_seconds, g)) for g in groups]
         assert max(sizes) - min(sizes) <= largest  # no unit waits on another by more than one source
 
 
