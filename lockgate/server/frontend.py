@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from lockgate.ipc.messages import (
 )
 from lockgate.sampling import SamplingParams
 from lockgate.server.metrics import Metrics
-from lockgate.tokenizer.tokenizer import Tokenizer, load_tokenizer, warm_up
+from lockgate.tokenizer.tokenizer import Tokenizer, import_renderer, load_tokenizer, warm_up
 
 log = logging.getLogger("lockgate.api")
 
@@ -144,6 +145,8 @@ class EngineClient:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        if self.model_spec != "sim" or self.chat_template is not None:  # (sim: its own format, no Jinja)
+            threading.Thread(target=import_renderer, name="renderer-import", daemon=True).start()
         self._task = asyncio.create_task(self._receive(), name="engine-receiver")
         self._monitor = asyncio.create_task(self._watch_heartbeats(), name="heartbeat-monitor")
 

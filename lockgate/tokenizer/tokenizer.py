@@ -221,11 +221,18 @@ def render_template(template: str, messages: list[Message], add_generation_promp
 WARM_UP_CHAT = [{"role": "user", "content": "Hi!"}]
 
 
+def import_renderer() -> None:
+    """Import the chat template renderer (transformers' Jinja utilities: ~1.5 s of CPU, torch-free),
+    which the first render would otherwise import. The API process runs it on a side thread as it
+    starts, while the engine loads the model."""
+    import transformers.utils.chat_template_utils  # noqa: F401
+
+
 def warm_up(tok: Tokenizer) -> None:
     """Render a one-message chat through ``tok``'s template and encode it, once: the first render
-    imports the Jinja renderer and compiles the template (~1.5 s of CPU for the default model), which
-    a server's first chat request would otherwise wait for. A template that refuses this chat is
-    left to say so on a real request."""
+    imports the Jinja renderer (unless ``import_renderer`` did) and compiles the template, which a
+    server's first chat request would otherwise wait for. A template that refuses this chat is left
+    to say so on a real request."""
     if not tok.chat_template:
         return
     try:
