@@ -31,11 +31,13 @@ shared, while every checkout of the same code shares one build: the sources are 
 build directory and compiled from there (ninja rebuilds whenever a command line changes, and a
 command line names its sources' paths), and a finished build (marked by ``BUILT``) is loaded with
 ``torch.ops.load_library`` without asking ninja at all. The sources are compiled as a few units,
-one per CPU (``unity_groups``: ``src/unity_<i>.cpp`` includes a group of them), because the torch
-headers cost most of a small source's compile (~10 s of CPU each): parsed once per unit instead of
-once per source, a first build on 2 cores takes about half as long. So a source keeps its helpers
-in its own namespace (``lockgate::<file>_impl``, an anonymous one inside), never at file scope,
-and ``#undef``s its macros at its end: nothing of one source is seen by the next in its unit.
+one per CPU (``unity_groups``: ``src/unity_<i>.cpp`` includes a group of them, the groups balanced
+by ``COMPILE_SECONDS``), because the torch headers cost most of a small source's compile: parsed
+once per unit instead of once per source, and only the light ones (``ATen/core/Tensor.h`` and the
+single ops used, not ``ATen/ATen.h``), a build takes about half the CPU time (Zen 3 class, 2
+cores: ~254 s of CPU in nine units -> ~130 s in two). So a source keeps its helpers in its own
+namespace (``lockgate::<file>_impl``, an anonymous one inside), never at file scope, and
+``#undef``s its macros at its end: nothing of one source is seen by the next in its unit.
 A build is a ``lockgate.progress`` phase:
 on a terminal a bar of the compiled units (ninja's log) and the time likely left (from the last
 build this cache saw, else ``EXPECTED_BUILD_SECONDS``); in a log file a line when it starts, one
@@ -138,7 +140,7 @@ MODES = ("auto", "off")
 BUILT = "BUILT"  # written into a build directory once its library compiled and loaded
 BUILD_LOCK = "lockgate.lock"  # in a build directory: held (flock) while it is built or loaded
 PROGRESS_EVERY = 30.0  # seconds between progress lines in a log (no terminal)
-EXPECTED_BUILD_SECONDS = 180.0  # a first build's guess when this cache holds no earlier one (2 cores)
+EXPECTED_BUILD_SECONDS = 90.0  # a first build's guess when this cache holds no earlier one (2 cores)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str, "compiling": bool
