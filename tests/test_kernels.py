@@ -200,6 +200,35 @@ def test_kernel_march_override_names_its_own_build_and_rejects_junk(monkeypatch)
     assert kernels.target_flags("x86-64-v2").isdisjoint({"avx2", "avx512f"})
 
 
+def test_unity_groups_hold_every_source_once_in_balanced_groups() -> None:
+    sources, largest = kernels.SOURCES, max(map(kernels.compile_seconds, kernels.SOURCES))
+    assert set(kernels.COMPILE_SECONDS) == {f.name for f in sources}  # every source's cost is known
+    for n in (1, 2, 3, len(sources), len(sources) + 5):
+        groups = kernels.unity_groups(sources, n)
+        assert len(groups) == min(n, len(sources)) and all(groups)
+        assert sorted(f for g in groups for f in g) == sorted(sources)  # each source in exactly one unit
+        for g in groups:
+            assert g == sorted(g, key=sources.index)
+        sizes = [sum(map(kernels.compile_seconds, g)) for g in groups]
+        assert max(sizes) - min(sizes) <= largest  # no unit waits on another by more than one source
+
+
+def test_sources_keep_their_names_to_themselves_in_a_unity_build() -> None:
+    """A unit includes several sources: a helper in a file-scope anonymous namespace (one shared
+    namespace across the unit), a file-scope static or a macro still defined would clash with, or be
+    silently picked by, the next source. Each source's helpers live in ``lockgate::<file>_impl``."""
+    for src in kernels.SOURCES:
+        lines = src.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line == "namespace {":
+                assert lines[i - 1] in (f"namespace lockgate::{src.stem}_impl {{", f"namespace {src.stem}_impl {{"), \
+                    f"{src.name}:{i + 1}: an anonymous namespace outside lockgate::{src.stem}_impl"
+            assert not line.startswith("static "), f"{src.name}:{i + 1}: a file-scope static; use {src.stem}_impl"
+            if line.startswith("#define "):
+                macro = line.split()[1].split("(")[0]
+                assert f"#undef {macro}" in lines[i:], f"{src.name}:{i + 1}: {macro} is not #undef'd at the end"
+
+
 def test_silu_edges_match_torch(ops) -> None:
     # The kernel's exp is its own polynomial: saturated, infinite and tiny gates must still give
     # what torch gives (0 below exp's range, not a tiny non-zero; NaN for -inf * 0).

@@ -503,6 +503,11 @@ def test_row_invariance_check_finds_the_floor_or_refuses() -> None:
     assert min_rows_for(_CountedForm(w, 1), None, 64, torch.float32, 256) == 1
     assert min_rows_for(_CountedForm(w, 3), None, 64, torch.float32, 256) == 4
     assert min_rows_for(_CountedForm(w, 100), None, 64, torch.float32, 256) is None  # no floor of <= 32 rows helps
+    form = _CountedForm(w, 1)
+    min_rows_for(form, None, 64, torch.float32, 256)
+    # a large call is checked from the front and from the back of the reference; the reference's own
+    # size once more (front and back are the same rows: a second identical call would add nothing)
+    assert form.calls.count(255) == 2 and form.calls.count(256) == 2
 
     class Erratic(_CountedForm):  # a result that depends on where a row sits in the call
         def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

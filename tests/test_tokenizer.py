@@ -103,3 +103,21 @@ def test_loading_and_using_it_imports_no_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_warm_up_renders_the_template_once_before_any_request() -> None:
+    """The API process warms its tokenizer before it reports ready: the renderer is imported and the
+    template compiled then, not inside the first chat request; a template that refuses the warm-up
+    chat does not stop the start (a real request shows its error)."""
+    code = ("import sys\nfrom lockgate.checkpoint.loader import prepare_model_dir\n"
+            "from lockgate.tokenizer.tokenizer import load_tokenizer, warm_up\n"
+            "t = load_tokenizer('default', prepare_model_dir('default'))\n"
+            "name = 'transformers.utils.chat_template_utils'; before = name in sys.modules\n"
+            "warm_up(t); m = sys.modules[name]\n"
+            "compiled = m._compile_jinja_template.cache_info().currsize\n"
+            "t.template = \"{{ raise_exception('no system message') }}\"; warm_up(t)\n"
+            "print(before, compiled)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["False", "1"]

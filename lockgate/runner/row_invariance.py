@@ -74,8 +74,8 @@ def min_rows_for(form: Form, bias: torch.Tensor | None, k: int, dtype: torch.dty
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(big, k, generator=g).to(dtype)
 
-    def starts(r: int) -> list[int]:
-        return list(range(0, max(r, min(covered, big)) - r + 1, r)) if r < COVERED_ROWS else [0, big - r]
+    def starts(r: int) -> list[int]:  # (the largest call once: from the front is from the back)
+        return list(range(0, max(r, min(covered, big)) - r + 1, r)) if r < COVERED_ROWS else sorted({0, big - r})
 
     def agrees(r: int, floor: int) -> bool:
         for i in starts(r):

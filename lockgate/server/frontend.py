@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from lockgate.ipc.messages import (
 )
 from lockgate.sampling import SamplingParams
 from lockgate.server.metrics import Metrics
-from lockgate.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from lockgate.tokenizer.tokenizer import Tokenizer, import_renderer, load_tokenizer, warm_up
 
 log = logging.getLogger("lockgate.api")
 
@@ -144,6 +145,8 @@ class EngineClient:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        if self.model_spec != "sim" or self.chat_template is not None:  # (sim: its own format, no Jinja)
+            threading.Thread(target=import_renderer, name="renderer-import", daemon=True).start()
         self._task = asyncio.create_task(self._receive(), name="engine-receiver")
         self._monitor = asyncio.create_task(self._watch_heartbeats(), name="heartbeat-monitor")
 
@@ -318,6 +321,7 @@ class EngineClient:
         self.child_pids = {"scheduler": info.scheduler_pid, "detokenizer": msg.detokenizer_pid}
         template = None if self.chat_template is None else read_chat_template(self.chat_template)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_spec, info.model_dir, template)
+        await asyncio.to_thread(warm_up, self.tokenizer)  # the first chat request renders at once
         self.info = info
         self.adapters = {a.name: a for a in info.adapters}
         self.metrics.on_ready(info.max_model_len, info.capacity, info.dtype, info.kv_cache_dtype)

@@ -13,6 +13,7 @@ imports torch) serves the directories whose config asks for more than tokenizer.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -215,6 +216,29 @@ def render_template(template: str, messages: list[Message], add_generation_promp
     out: Any = render_jinja_template(conversations=[messages], chat_template=template, tools=tools,  # type: ignore[arg-type]
                                      add_generation_prompt=add_generation_prompt, **special)
     return str(out[0][0])
+
+
+WARM_UP_CHAT = [{"role": "user", "content": "Hi!"}]
+
+
+def import_renderer() -> None:
+    """Import the chat template renderer (transformers' Jinja utilities: ~1.5 s of CPU, torch-free),
+    which the first render would otherwise import. The API process runs it on a side thread as it
+    starts, while the engine loads the model."""
+    import transformers.utils.chat_template_utils  # noqa: F401
+
+
+def warm_up(tok: Tokenizer) -> None:
+    """Render a one-message chat through ``tok``'s template and encode it, once: the first render
+    imports the Jinja renderer (unless ``import_renderer`` did) and compiles the template, which a
+    server's first chat request would otherwise wait for. A template that refuses this chat is left
+    to say so on a real request."""
+    if not tok.chat_template:
+        return
+    try:
+        tok.encode(tok.apply_chat_template(WARM_UP_CHAT), add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 (a template may raise anything; the request will show it)
+        logging.getLogger("lockgate.tokenizer").debug("chat template warm-up: %s", e)
 
 
 def load_tokenizer(model: str, model_dir: str | Path | None, chat_template: str | None = None) -> Tokenizer:

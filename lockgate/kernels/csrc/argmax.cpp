@@ -18,7 +18,8 @@
 // threads (lockgate::steal_for); a row's result depends on nothing else. The vector scan needs AVX-512
 // (``argmax_rows_vectorized``); elsewhere the operator is a plain loop that callers do not use.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -34,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+namespace lockgate::argmax_impl {
 namespace {
 
 inline float value_at(const float* row, int64_t i) { return row[i]; }
@@ -120,6 +122,7 @@ void run(const at::Tensor& x, at::Tensor& out) {
 }
 
 }  // namespace
+}  // namespace lockgate::argmax_impl
 
 namespace lockgate {
 
@@ -132,9 +135,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   if (x.size(0) == 0) return out;
   if (x.scalar_type() == at::kFloat) {
-    run<float>(x, out);
+    argmax_impl::run<float>(x, out);
   } else if (x.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(x, out);
+    argmax_impl::run<c10::BFloat16>(x, out);
   } else {
     TORCH_CHECK(false, "argmax_rows: float32 or bfloat16 logits, got ", x.scalar_type());
   }

@@ -54,7 +54,8 @@
 // Only built with AVX512-BF16 (-march=native on such a CPU): elsewhere ``bf16_linear_available()``
 // is false and the operator raises; lockgate.layers.forms then makes no such form.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -74,6 +75,7 @@
 #include <immintrin.h>
 #endif
 
+namespace lockgate::bf16_gemm_impl {
 namespace {
 
 #if defined(LOCKGATE_BF16_GEMM)
@@ -224,6 +226,7 @@ void run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t nb,
 #endif  // LOCKGATE_BF16_GEMM
 
 }  // namespace
+}  // namespace lockgate::bf16_gemm_impl
 
 namespace lockgate {
 
@@ -237,6 +240,7 @@ bool bf16_linear_available() {
 
 }  // namespace lockgate
 
+namespace lockgate::bf16_gemm_impl {
 namespace {
 
 // x, packed and bias checked as bf16_linear takes them (`name` in the messages); the float32 bias.
@@ -275,15 +279,16 @@ at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packe
 }
 
 }  // namespace
+}  // namespace lockgate::bf16_gemm_impl
 
 namespace lockgate {
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return linear("bf16_linear", x, packed, bias, false);
+  return bf16_gemm_impl::linear("bf16_linear", x, packed, bias, false);
 }
 
 at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return linear("bf16_linear_silu", x, packed, bias, true);
+  return bf16_gemm_impl::linear("bf16_linear_silu", x, packed, bias, true);
 }
 
 }  // namespace lockgate
@@ -298,3 +303,6 @@ TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
   m.impl("bf16_linear", &lockgate::bf16_linear);
   m.impl("bf16_linear_silu", &lockgate::bf16_linear_silu);
 }
+
+// This file's macros end with it (a unity build compiles several sources as one unit).
+#undef LOCKGATE_BF16_GEMM

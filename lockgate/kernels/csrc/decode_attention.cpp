@@ -68,7 +68,8 @@
 // a sequence's keys is made. The chunking, statistics and merge are the ones above, so a token's
 // result still depends on its own query and keys only.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -95,6 +96,7 @@
 #include <immintrin.h>
 #endif
 
+namespace lockgate::decode_attention_impl {
 namespace {
 
 using lockgate::exp_nonpositive;
@@ -1306,9 +1308,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 }
 
 }  // namespace
+}  // namespace lockgate::decode_attention_impl
 
 namespace lockgate {
 
+namespace decode_attention_impl {
 namespace {
 
 void check_pool(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
@@ -1387,27 +1391,29 @@ std::tuple<at::Tensor, at::Tensor> dispatch(const at::Tensor& q, const at::Tenso
 }
 
 }  // namespace
+}  // namespace decode_attention_impl
 
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& slots,
                                                     const at::Tensor& offsets, double scale) {
-  check_pool(q, k_cache, v_cache, slots, "decode_attention");
+  decode_attention_impl::check_pool(q, k_cache, v_cache, slots, "decode_attention");
   const int64_t b = q.size(0);
-  const int64_t* off = checked_offsets(offsets, b, slots.size(0), "keys", "slots");
+  const int64_t* off = decode_attention_impl::checked_offsets(offsets, b, slots.size(0), "keys", "slots");
   std::vector<int64_t> base(off, off + b), count(static_cast<size_t>(b));
   for (int64_t s = 0; s < b; ++s) count[s] = off[s + 1] - off[s];
-  return dispatch(q, k_cache, v_cache, slots, std::move(base), std::move(count), scale, "decode_attention");
+  return decode_attention_impl::dispatch(q, k_cache, v_cache, slots, std::move(base), std::move(count), scale,
+                                         "decode_attention");
 }
 
 std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                      const at::Tensor& v_cache, const at::Tensor& slots,
                                                      const at::Tensor& offsets, const at::Tensor& q_offsets,
                                                      double scale) {
-  check_pool(q, k_cache, v_cache, slots, "prefill_attention");
+  decode_attention_impl::check_pool(q, k_cache, v_cache, slots, "prefill_attention");
   const int64_t b = offsets.size(0) - 1;
   TORCH_CHECK(b >= 0, "prefill_attention: offsets must have B + 1 entries");
-  const int64_t* off = checked_offsets(offsets, b, slots.size(0), "keys", "slots");
-  const int64_t* qo = checked_offsets(q_offsets, b, q.size(0), "query tokens", "q");
+  const int64_t* off = decode_attention_impl::checked_offsets(offsets, b, slots.size(0), "keys", "slots");
+  const int64_t* qo = decode_attention_impl::checked_offsets(q_offsets, b, q.size(0), "query tokens", "q");
   TORCH_CHECK(b == 0 ? q.size(0) == 0 : (qo[0] == 0 && qo[b] == q.size(0)), "prefill_attention: q_offsets must cover q");
   std::vector<int64_t> base(static_cast<size_t>(q.size(0))), count(static_cast<size_t>(q.size(0)));
   for (int64_t s = 0; s < b; ++s) {
@@ -1418,12 +1424,13 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
       count[qo[s] + i] = nk - nq + 1 + i;
     }
   }
-  return dispatch(q, k_cache, v_cache, slots, std::move(base), std::move(count), scale, "prefill_attention");
+  return decode_attention_impl::dispatch(q, k_cache, v_cache, slots, std::move(base), std::move(count), scale,
+                                         "prefill_attention");
 }
 
 bool set_attention_lookahead(bool on) {
 #if defined(__AVX512F__)
-  return g_lookahead.exchange(on);
+  return decode_attention_impl::g_lookahead.exchange(on);
 #else
   (void)on;
   return false;
@@ -1444,3 +1451,7 @@ TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
   m.impl("decode_attention", &lockgate::decode_attention);
   m.impl("prefill_attention", &lockgate::prefill_attention);
 }
+
+// This file's macros end with it (a unity build compiles several sources as one unit).
+#undef LOCKGATE_ATTN_256
+#undef LOCKGATE_ATTN_Q8

@@ -69,7 +69,9 @@
 // passes out_rows only where each projection's form gives a row the same bits whatever the rows
 // in the call (lockgate.layers.ops.KernelOps.whole_step).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -83,6 +85,7 @@
 #include "kv_quant.h"
 #include "ops.h"
 
+namespace lockgate::decode_layers_impl {
 namespace {
 
 constexpr int64_t kTensorsPerLayer = 2 + 4 * 4;
@@ -235,6 +238,7 @@ void run_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at:
 }
 
 }  // namespace
+}  // namespace lockgate::decode_layers_impl
 
 namespace lockgate {
 
@@ -248,13 +252,14 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0, "heads and kv_heads must be positive");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be [L, C, Hkv, D]");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kTensorsPerLayer,
-              "weights: expected ", layers * kTensorsPerLayer, " tensors (", kTensorsPerLayer, " per layer), got ",
-              weights.size());
+  const int64_t per_layer = decode_layers_impl::kTensorsPerLayer;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * per_layer, "weights: expected ", layers * per_layer,
+              " tensors (", per_layer, " per layer), got ", weights.size());
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers * 4, "kinds: expected 4 per layer");
   for (int64_t kind : kinds) {
     TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108 || kind == 114 || kind == 118 ||
-                    kind == kOneDnnKind || kind == kDenseKind || kind == kBf16GemmKind,
+                    kind == decode_layers_impl::kOneDnnKind || kind == decode_layers_impl::kDenseKind ||
+                    kind == decode_layers_impl::kBf16GemmKind,
                 "kinds must be 0, 4, 8, 104, 108, 114, 118, 200, 201 or 202");
   }
   TORCH_CHECK(parts == 1 || parts == 2, "decode_layers_: parts must be 1 or 2, got ", parts);
@@ -274,13 +279,15 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
                     q_offsets->is_contiguous(),
                 "q_offsets must be contiguous int64 [B + 1]");
   }
-  auto layers_over = [&](int64_t s0, int64_t s1, int64_t r0, int64_t r1, const std::optional<Wanted>& wanted) {
+  auto layers_over = [&](int64_t s0, int64_t s1, int64_t r0, int64_t r1,
+                         const std::optional<decode_layers_impl::Wanted>& wanted) {
     run_layers(x, cos, sin, k_cache, v_cache, out_slots, slots, offsets, q_offsets, weights, kinds, heads, kv_heads,
                eps, scale, s0, s1, r0, r1, wanted);
   };
   if (parts == 1 || seqs < 2 || at::get_num_threads() < 2 || at::in_parallel_region()) {
     const bool trim = out_rows && q_offsets && layers > 0;
-    layers_over(0, seqs, 0, t, trim ? wanted_rows(*out_rows, slots, offsets, *q_offsets, t) : std::nullopt);
+    layers_over(0, seqs, 0, t,
+                trim ? decode_layers_impl::wanted_rows(*out_rows, slots, offsets, *q_offsets, t) : std::nullopt);
     return x;
   }
   // one row per sequence here: part p is sequences, and rows, bounds[p] .. bounds[p + 1]

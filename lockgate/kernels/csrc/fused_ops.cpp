@@ -27,7 +27,9 @@
 // time with the same roundings (to_bf16x16: one instruction where the CPU has AVX512-BF16); the
 // plain loops serve other CPUs, other widths and row tails.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -43,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+namespace lockgate::fused_ops_impl {
 namespace {
 
 constexpr int64_t kMaxVectorHeadDim = 256;  // rope_write_kv's vector path keeps cos / sin of a row in registers
@@ -113,6 +116,7 @@ void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x,
 }
 
 }  // namespace
+}  // namespace lockgate::fused_ops_impl
 
 namespace lockgate {
 
@@ -128,9 +132,9 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const std::optional<at::Tensor>& 
   }
   at::Tensor out = at::empty_like(residual);
   if (residual.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(residual, x, weight, eps, out);
+    fused_ops_impl::add_rms_norm_impl<float>(residual, x, weight, eps, out);
   } else if (residual.scalar_type() == at::kBFloat16) {
-    add_rms_norm_impl<c10::BFloat16>(residual, x, weight, eps, out);
+    fused_ops_impl::add_rms_norm_impl<c10::BFloat16>(residual, x, weight, eps, out);
   } else {
     TORCH_CHECK(false, "add_rms_norm_: unsupported dtype ", residual.scalar_type());
   }
@@ -142,7 +146,7 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   const int64_t t = gu.size(0), f = out.size(1);
   const T* in = gu.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  lockgate::steal_for(0, t, grain_rows(2 * f), [&](int64_t begin, int64_t end) {
+  lockgate::steal_for(0, t, fused_ops_impl::grain_rows(2 * f), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* g = in + i * 2 * f;
       const T* u = g + f;
@@ -204,7 +208,7 @@ void rope_write_kv_quantized(const at::Tensor& qkv, const at::Tensor& cos, const
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t* sl = slots.data_ptr<int64_t>();
   T* q = q_out.data_ptr<T>();
-  lockgate::steal_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+  lockgate::steal_for(0, t, fused_ops_impl::grain_rows(width), [&](int64_t begin, int64_t end) {
     std::vector<T> krow(static_cast<size_t>(d));
     for (int64_t i = begin; i < end; ++i) {
       const T* row = in + i * width;
@@ -239,7 +243,7 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
   T* vc = v_cache.data_ptr<T>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   T* q = q_out.data_ptr<T>();
-  lockgate::steal_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+  lockgate::steal_for(0, t, fused_ops_impl::grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = in + i * width;
       const T* ci = c + i * d;
@@ -247,9 +251,10 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
       T* kdst = kc + sl[i] * hkv * d;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (d % 32 == 0 && d <= kMaxVectorHeadDim) {  // rope_row on 16 lanes (bf16 products are exact: no FMA question)
+        constexpr int64_t max_d = fused_ops_impl::kMaxVectorHeadDim;
+        if (d % 32 == 0 && d <= max_d) {  // rope_row on 16 lanes (bf16 products are exact: no FMA question)
           const int64_t half = d / 2;
-          __m512 cv[kMaxVectorHeadDim / 16], sv[kMaxVectorHeadDim / 16];
+          __m512 cv[max_d / 16], sv[max_d / 16];
           for (int64_t j = 0; j < d / 16; ++j) cv[j] = load16(ci + 16 * j), sv[j] = load16(si + 16 * j);
           for (int64_t hh = 0; hh < h + hkv; ++hh) {
             const T* x = row + hh * d;

@@ -77,7 +77,8 @@
 // arithmetic (exact int32 sums, float32 scaling in the same order per block), and
 // ``int_linear_reference`` runs it on any CPU so tests compare the two bitwise.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -103,6 +104,7 @@
 #include "prefetch.h"
 #endif
 
+namespace lockgate::int_gemm_impl {
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -953,9 +955,11 @@ void run(const Job& job) {
 }
 
 }  // namespace
+}  // namespace lockgate::int_gemm_impl
 
 namespace lockgate {
 
+namespace int_gemm_impl {
 namespace {
 
 // out [M, N] = y [M, N] float32 + bias (B: its dtype, widened exactly; nullptr: none) in x's dtype
@@ -1068,18 +1072,19 @@ at::Tensor int_linear_impl(const at::Tensor& x, const at::Tensor& packed, const 
 }
 
 }  // namespace
+}  // namespace int_gemm_impl
 
 at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias,
                       int64_t act_bits) {
-  return int_linear_impl(x, packed, scales, zeros, bits, bias, act_bits, false);
+  return int_gemm_impl::int_linear_impl(x, packed, scales, zeros, bits, bias, act_bits, false);
 }
 
 // The plain C++ path on any CPU (what a CPU without VNNI runs): for tests of the vector path.
 at::Tensor int_linear_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                 const std::optional<at::Tensor>& zeros, int64_t bits,
                                 const std::optional<at::Tensor>& bias, int64_t act_bits) {
-  return int_linear_impl(x, packed, scales, zeros, bits, bias, act_bits, true);
+  return int_gemm_impl::int_linear_impl(x, packed, scales, zeros, bits, bias, act_bits, true);
 }
 
 bool int_linear_vectorized() {
@@ -1120,3 +1125,8 @@ TORCH_LIBRARY_IMPL(lockgate, CPU, m) {
   m.impl("int_linear", &lockgate::int_linear);
   m.impl("int_linear_reference", &lockgate::int_linear_reference);
 }
+
+// This file's macros end with it (a unity build compiles several sources as one unit).
+#undef LOCKGATE_IG_512
+#undef LOCKGATE_IG_256
+#undef LOCKGATE_IG_VECTOR

@@ -13,7 +13,7 @@
 // (lockgate.layers.kv_quant.quantize) gives the same bytes.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 

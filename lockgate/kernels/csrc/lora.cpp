@@ -25,7 +25,7 @@
 // Invariants: a row's result depends only on that row and its slot's weights, never on the other
 // rows or their number: every sum runs in the same order, with the same roundings (mul_add),
 // whatever the tile (batch-invariant, as the deterministic mode needs).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -36,6 +36,7 @@
 #include "vec_math.h"
 
 namespace lockgate {
+namespace lora_impl {
 namespace {
 
 constexpr int64_t kLanes = 16;  // rank rows per block of the first product
@@ -135,6 +136,7 @@ void lora_groups(at::Tensor& y, const at::Tensor& x, const int64_t* rows, const 
 }
 
 }  // namespace
+}  // namespace lora_impl
 
 at::Tensor lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& group_offsets,
                      const at::Tensor& group_slots, at::TensorList a, at::TensorList b, at::TensorList spans) {
@@ -156,24 +158,25 @@ at::Tensor lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
                 "lora_add_: group ", g, " names a missing slot or has negative length");
   for (int64_t i = 0; i < rows.numel(); ++i) TORCH_CHECK(0 <= rp[i] && rp[i] < t_rows, "lora_add_: row out of range");
   const int64_t k = x.size(1), n = y.size(1);
-  std::vector<Slot> slots(a.size());
+  std::vector<lora_impl::Slot> slots(a.size());
   for (size_t s = 0; s < a.size(); ++s) {
     if (a[s].numel() == 0) continue;
     const int64_t rank = a[s].size(1);
     TORCH_CHECK(a[s].dim() == 2 && a[s].size(0) == k && a[s].is_contiguous(), "lora_add_: a[", s, "] must be [K, R]");
-    TORCH_CHECK(rank % kLanes == 0, "lora_add_: the rank of a[", s, "] must be a multiple of ", kLanes, " (zero-padded)");
+    TORCH_CHECK(rank % lora_impl::kLanes == 0, "lora_add_: the rank of a[", s, "] must be a multiple of ",
+                lora_impl::kLanes, " (zero-padded)");
     TORCH_CHECK(b[s].dim() == 2 && b[s].size(0) == rank && b[s].size(1) == n && b[s].is_contiguous(),
                 "lora_add_: b[", s, "] must be [R, N]");
     TORCH_CHECK(a[s].scalar_type() == x.scalar_type() && b[s].scalar_type() == x.scalar_type(),
                 "lora_add_: adapter weights must have x's dtype");
     TORCH_CHECK(spans[s].scalar_type() == at::kInt && spans[s].is_contiguous() && spans[s].numel() == 2 * rank,
                 "lora_add_: spans[", s, "] must be int32 [R, 2]");
-    slots[s] = Slot{a[s].data_ptr(), b[s].data_ptr(), spans[s].data_ptr<int32_t>(), rank};
+    slots[s] = lora_impl::Slot{a[s].data_ptr(), b[s].data_ptr(), spans[s].data_ptr<int32_t>(), rank};
   }
   if (x.scalar_type() == at::kFloat) {
-    lora_groups<float>(y, x, rp, off, gs, groups, slots);
+    lora_impl::lora_groups<float>(y, x, rp, off, gs, groups, slots);
   } else if (x.scalar_type() == at::kBFloat16) {
-    lora_groups<c10::BFloat16>(y, x, rp, off, gs, groups, slots);
+    lora_impl::lora_groups<c10::BFloat16>(y, x, rp, off, gs, groups, slots);
   } else {
     TORCH_CHECK(false, "lora_add_: float32 or bfloat16 only, got ", x.scalar_type());
   }

@@ -18,7 +18,8 @@
 // sum_k (q s + z) x = s sum_k q x + z sum_k x. Math is float32; the result is rounded to x's
 // dtype once.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -34,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+namespace lockgate::quant_linear_impl {
 namespace {
 
 using lockgate::narrow;
@@ -196,6 +198,7 @@ void run(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor& scal
 }
 
 }  // namespace
+}  // namespace lockgate::quant_linear_impl
 
 namespace lockgate {
 
@@ -205,8 +208,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be contiguous [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
-  const int64_t k = x.size(1), n = qweight.size(0), groups = k / kGroup;
-  TORCH_CHECK(k % kGroup == 0, "K = ", k, " is not a multiple of the group size ", kGroup);
+  const int64_t group = quant_linear_impl::kGroup;
+  const int64_t k = x.size(1), n = qweight.size(0), groups = k / group;
+  TORCH_CHECK(k % group == 0, "K = ", k, " is not a multiple of the group size ", group);
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.size(1) == k * bits / 8 &&
                   qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "qweight must be contiguous ", bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]");
@@ -226,9 +230,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // [M, K]
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   if (x.scalar_type() == at::kFloat) {
-    run<float>(xf, qweight, scales, zeros, bias, bits, out);
+    quant_linear_impl::run<float>(xf, qweight, scales, zeros, bias, bits, out);
   } else {
-    run<c10::BFloat16>(xf, qweight, scales, zeros, bias, bits, out);
+    quant_linear_impl::run<c10::BFloat16>(xf, qweight, scales, zeros, bias, bits, out);
   }
   return out;
 }

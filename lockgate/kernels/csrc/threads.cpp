@@ -21,7 +21,6 @@
 // index i to thread i); each thread sets its own affinity (sched_setaffinity on itself). The
 // calling thread is thread 0 and is bound too; threads it creates later inherit its CPU.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
