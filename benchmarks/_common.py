@@ -3,6 +3,7 @@ started on a free loopback port and waited for through ``/health``."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -85,3 +86,10 @@ def start_server(flags: list[str], log_path: Path, timeout: float = 900) -> tupl
         time.sleep(0.5)
     proc.kill()
     raise TimeoutError(f"server not ready ({' '.join(flags)}): {log_path}")
+
+
+def run_bench(url: str, args: list[str], out: Path) -> dict[str, Any]:
+    """``lockgate bench --url URL ARGS`` (seed 0, no progress bar); its JSON report, also left in ``out``."""
+    subprocess.run([sys.executable, "-m", "lockgate.cli", "bench", "--url", url, "--seed", "0", "--no-progress",
+                    "--out", str(out), *args], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())  # type: ignore[no-any-return]

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from _common import command, machine, start_server
+from _common import command, machine, run_bench, start_server
 
 WORKLOADS = {
     "c128": ["--workload", "random", "--input-len", "384", "--output-len", "128", "--num-requests", "128",
@@ -37,11 +37,6 @@ WORKLOADS = {
 def serve(model: str, tier: str, memory: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     return start_server(["--model", model, "--kv-cache-memory", memory, "--kv-cache-dtype", tier], log)
 
-
-def bench(url: str, args: list[str], out: Path) -> dict[str, object]:
-    subprocess.run([sys.executable, "-m", "lockgate.cli", "bench", "--url", url, "--seed", "0", "--no-progress",
-                    "--out", str(out), *args], check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
 def main() -> int:
@@ -63,7 +58,7 @@ def main() -> int:
                 loads = httpx.get(url + "/v1/loads", timeout=10).json()
                 info[tier] = {"capacity_tokens": loads["capacity"], "kv_cache_dtype": loads.get("kv_cache_dtype")}
                 for w in names:
-                    res = bench(url, WORKLOADS[w], tmp / f"{w}-{tier}-{r}.json")
+                    res = run_bench(url, WORKLOADS[w], tmp / f"{w}-{tier}-{r}.json")
                     tok_s[tier][w].append(float(res["summary"]["output_throughput"]))  # type: ignore[index]
                     print(f"round {r} {tier} {w}: {tok_s[tier][w][-1]:.1f} output tok/s", file=sys.stderr)
             finally:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _common import command, machine, start_server
+from _common import command, machine, run_bench, start_server
 
 WORKLOADS = {
     "c1": ["--workload", "random", "--input-len", "128", "--output-len", "128", "--num-requests", "8",
@@ -41,11 +40,6 @@ VARIANTS = {  # name -> serve flags
     "spec-off overlap-on": ["--speculative-tokens", "0", "--overlap-schedule"],
 }
 
-
-def bench(url: str, args: list[str], out: Path) -> dict[str, object]:
-    subprocess.run([sys.executable, "-m", "lockgate.cli", "bench", "--url", url, "--seed", "0", "--no-progress",
-                    "--out", str(out), *args], check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
 def main() -> int:
@@ -64,7 +58,7 @@ def main() -> int:
             try:
                 for w in names:
                     shape, temp = w.split("-")
-                    res = bench(url, [*WORKLOADS[shape], "--temperature", TEMPERATURE[temp]], tmp / f"{w}-{r}.json")
+                    res = run_bench(url, [*WORKLOADS[shape], "--temperature", TEMPERATURE[temp]], tmp / f"{w}-{r}.json")
                     s = res["summary"]  # type: ignore[index]
                     got[w][v]["tpot_ms"].append(float(s["tpot_p50_ms"]))  # type: ignore[index]
                     got[w][v]["tok_s"].append(float(s["output_throughput"]))  # type: ignore[index]
