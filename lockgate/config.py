@@ -484,6 +484,11 @@ class EngineConfig:
         unknown = set(flat) - {k for p in parts.values() for k in p}
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        for part_name, kw in parts.items():  # a switch takes True or False, not a truthy string like "no"
+            hints = typing.get_type_hints(_part_type(names[part_name]))
+            for k, v in kw.items():
+                if _base_type(hints[k]) is bool and not isinstance(v, bool):
+                    raise TypeError(f"{k} must be True or False, got {v!r}")
         return EngineConfig(**{n: _part_type(names[n])(**kw) for n, kw in parts.items()})
 
 

@@ -241,3 +241,14 @@ def _samples(url: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(smp.labels.items()))
             out[f"{smp.name}{{{labels}}}"] = smp.value
     return out
+
+
+def test_a_switch_given_a_string_is_refused_naming_it() -> None:
+    """LLM(disable_prefix_cache="no") would otherwise turn the cache off ("no" is truthy)."""
+    from lockgate.config import EngineConfig
+
+    for kw, name in ((dict(disable_prefix_cache="no"), "disable_prefix_cache"),
+                     (dict(async_scheduling="yes"), "overlap_schedule")):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            EngineConfig.build(model="sim", **kw)
+    assert EngineConfig.build(model="sim", async_scheduling=True).scheduler.overlap_schedule is True
