@@ -239,7 +239,7 @@ def test_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch) ->
     os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
     converted: list[Path] = []
     real = loader.convert_gguf
-    monkeypatch.setattr(loader, "convert_gguf", lambda src, dst: converted.append(src) or real(src, dst))
+    monkeypatch.setattr(loader, "convert_gguf", lambda src, dst, **kw: converted.append(src) or real(src, dst, **kw))
     hashed = _files_hashed(monkeypatch)
 
     d_first, d_copy, d_again, d_other = (prepare_model_dir(str(p)) for p in (first, copy, first, other))
