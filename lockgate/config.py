@@ -618,6 +618,9 @@ class ServerConfig:
     watchdog_timeout: float = option(300.0, "seconds a single engine step may take before the scheduler "
                                    "logs its batch and exits (the server then exits)")
     decode_log_interval: int = option(40, "log a decode summary every N decode steps")
+    skip_server_warmup: bool = option(False, "report ready without the warm-up prefill and decode steps "
+                                      "(SGLang's flag): /health turns 200 a few seconds sooner, and the "
+                                      "first long prompt pays the memory faults the warm-up would have taken")
     max_request_bytes: str | None = option(None, "largest request body accepted (413 beyond it), e.g. 8MiB "
                                            "(default: 4 MiB or 128 bytes per context token, the larger)")
     heartbeat_timeout: float = option(30.0, "seconds without a heartbeat from the scheduler or detokenizer "

@@ -33,6 +33,18 @@ def pytest_sessionstart(session) -> None:
     kernels.load()
 
 
+# The longest files (a minute or more on 2 cores), started first: ``make test`` hands whole files to
+# its two workers in collection order, and a long file started last would run alone at the end.
+LONG_FILES = ("test_golden.py", "test_ray_fleet.py", "test_offline_model.py", "test_lora.py", "test_determinism.py",
+              "test_gateway.py", "test_tensor_parallel.py", "test_gguf_families.py", "test_real_size.py",
+              "test_robustness.py", "test_overlap_schedule.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order within a file kept
+
+
 class PoolDriver:
     def __init__(self, model, capacity: int = 512, seed: int = 0, kernels: bool | None = None,
                  prefill_kernel: bool = False):
@@ -108,24 +120,12 @@ def pool_driver():
 
 
 def plain_map_reader(path):  # type: ignore[no-untyped-def]
-    """``gguf.GGUFReader(path)``, its arrays plain ``numpy.ndarray`` views of the file's map rather
-    than ``numpy.memmap`` ones: the same fields, values and tensor bytes, built 2-3x faster. The
-    reader makes a few numpy views per metadata value (over a million for gemma-3's 262,144-token
-    vocabulary), and every view of a ``memmap`` runs its Python-level ``__getitem__`` and
-    ``__array_finalize__``; a plain view does not. For the readers the tests build and hand to
-    lockgate's conversion and transformers (``_reader_reused``)."""
-    import gguf as gguf_package
+    """``gguf.GGUFReader(path)`` on plain views of the file's map (``gguf_convert.plain_reader``: the
+    conversion's own reader), for the readers the tests build and hand to lockgate's conversion and
+    transformers (``_reader_reused``)."""
+    from lockgate.checkpoint.gguf_convert import plain_reader
 
-    class PlainMapReader(gguf_package.GGUFReader):
-        @property
-        def data(self):  # type: ignore[no-untyped-def]
-            return self._plain
-
-        @data.setter
-        def data(self, value) -> None:  # type: ignore[no-untyped-def]
-            self._plain = value.view(np.ndarray)  # GGUFReader.__init__ assigns its np.memmap here
-
-    return PlainMapReader(str(path))
+    return plain_reader(path)
 
 
 # ---- the default model, shared by the golden and offline tests (loaded once per session) ----
@@ -153,12 +153,12 @@ def smol_fp32():
 
 @pytest.fixture(scope="session")
 def smol_server():
-    """A real ``lockgate serve`` on the default model (defaults, a 64k-token pool, run-time LoRA
-    loads allowed), shared by the modules that drive it over HTTP; stopped by process id at the end
+    """A real ``lockgate serve`` on the default model (defaults, warm-up included, a 64k-token pool,
+    run-time LoRA loads allowed), shared by the modules that drive it over HTTP; stopped by process id at the end
     of the session."""
     from server_util import ServerProc
 
-    s = ServerProc("--model", "default", "--max-total-tokens", "65536", "--allow-runtime-lora-updating")
+    s = ServerProc("--model", "default", "--max-total-tokens", "65536", "--allow-runtime-lora-updating", warmup=True)
     try:
         yield s.wait_ready(timeout=300)
     finally:

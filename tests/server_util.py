@@ -82,7 +82,11 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProc:
     def __init__(self, *args: str, env: dict[str, str] | None = None, command: str = "serve",
-                 port: int | None = None) -> None:
+                 port: int | None = None, warmup: bool = False) -> None:
+        """``warmup``: let ``serve`` run its warm-up steps (the tests' servers skip them by default,
+        ``--skip-server-warmup``: ~7 CPU-seconds of a real model's start that only first-request latency needs)."""
+        if command == "serve" and not warmup:
+            args = (*args, "--skip-server-warmup")
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="lockgate-test-server-", suffix=".log")[1])

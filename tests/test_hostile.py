@@ -133,7 +133,9 @@ def test_compiles_never_hold_other_requests_and_a_full_queue_is_a_429() -> None:
             plain_s = time.monotonic() - t0
             codes = [f.result().status_code for f in futs]
             busy = next(f.result() for f in futs if f.result().status_code == 429)
-        assert all(r.status_code == 200 for r in plain) and plain_s < 2.0, plain_s
+        # ~0.1 s alone; held behind a compile they would wait out its 5 s limit (the bound leaves
+        # room for a loaded 2-core machine, where the other test worker's servers share the cores)
+        assert all(r.status_code == 200 for r in plain) and plain_s < 4.0, plain_s
         assert codes.count(429) >= 1 and set(codes) <= {200, 400, 429}, codes  # (400: it broke mid-answer)
         assert int(busy.headers["retry-after"]) >= 1 and busy.json()["error"]["param"] == "guided_regex"
         alive(s)

@@ -235,6 +235,21 @@ def test_tgi_stream_gives_each_token_its_own_text_and_top_tokens_under_speculati
     assert len(whole["details"]["top_tokens"]) == len(ids)
 
 
+def test_skip_server_warmup_reports_ready_without_the_warm_up_and_serves() -> None:
+    from server_util import ServerProc
+
+    s = ServerProc("--model", "default", "--kv-cache-memory", "64MiB")  # the tests' default: --skip-server-warmup
+    try:
+        s.wait_ready(300)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                                        "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        log = s.log()
+        assert "lockgate ready: " in log and "allocating the KV pool" in log and "warming up" not in log, log[-3000:]
+    finally:
+        s.stop()
+
+
 def test_a_log_file_gets_each_start_phase_as_lines_and_the_ready_line_last(server) -> None:
     """Not a terminal (the log is a file): every start-up phase is a start line and a ``done in``
     line, no bar is drawn (no carriage return), and ``lockgate ready:`` follows the warm-up."""

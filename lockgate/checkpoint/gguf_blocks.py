@@ -154,10 +154,12 @@ class QuantMatrix:
         """Rows [lo, hi) as float32 (the values ``gguf.quants.dequantize`` gives)."""
         codes, step, low = self.codes(lo, hi)
         n = codes.shape[0]
-        w = codes.reshape(n, step.shape[1], -1).astype(np.float32) * step[..., None]
+        out = np.empty(codes.shape, np.float32)
+        per_step = out.reshape(n, step.shape[1], -1)  # two passes over the output, no temporaries
+        np.multiply(codes.reshape(per_step.shape), step[..., None], out=per_step, dtype=np.float32)
         if low is not None:
-            w += low[..., None]
-        return w.reshape(n, -1)
+            np.add(per_step, low[..., None], out=per_step)
+        return out
 
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # steps (and lows) factored as int8 x float16 per 256 values

@@ -7,7 +7,8 @@ does not have to be. Per Hugging Face name it gives either
 * ``blocks(name)``: the matrix as a ``QuantMatrix`` (``gguf_blocks``) when its type is one lockgate's
   integer kernels read as they are (Q4_0, Q4_1, Q8_0, Q5_0), with llama.cpp's q/k row permutation
   undone on the rows (a block never crosses rows, so no value changes); or
-* ``dense(name)``: float32 values (``gguf.quants.dequantize``), with the same permutation and
+* ``dense(name)``: float32 values (``QuantMatrix.dequantize`` for the direct types, else
+  ``gguf.quants.dequantize``: the same values), with the same permutation and
   Gemma's norm shift undone (``gguf_convert`` owns both rules).
 
 A ``*_exps`` tensor is one matrix per expert; each expert has its own name (``hf_entries``).
@@ -128,8 +129,12 @@ class GgufWeights:
 
         e = self._entries[name]
         raw = e.tensor.data if e.expert is None else e.tensor.data[e.expert]
-        w = gguf.quants.dequantize(raw, e.tensor.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape(self.shape(name))
+        shape = self.shape(name)
+        qtype = e.tensor.tensor_type.name
+        if qtype in DIRECT_TYPES and len(shape) == 2:  # lockgate's own block reader: the same values, ~10x faster
+            w = QuantMatrix(qtype, (shape[0], shape[1]), np.asarray(raw, dtype=np.uint8)).dequantize()
+        else:
+            w = gguf.quants.dequantize(raw, e.tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if e.permute_heads is not None:
             w = unpermute_rope_rows(w, e.permute_heads)
         if e.norm_shift:

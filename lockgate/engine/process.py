@@ -118,7 +118,8 @@ class SchedulerProcess:
             self._wake_lock = threading.Lock()
             self._wake_out = Sender(self.ctx, args.in_endpoint)  # side threads -> this loop (Wake)
             self.engine = EngineCore(args.engine, wake=self._wake)
-            self.engine.on_runner_thread(self.engine.runner.warmup)
+            if args.warmup:
+                self.engine.on_runner_thread(self.engine.runner.warmup)
             if args.engine.scheduler.overlap_schedule:  # hand the interpreter lock to a launched step quickly
                 sys.setswitchinterval(OVERLAP_SWITCH_INTERVAL)
         except Exception as e:

@@ -46,6 +46,7 @@ class SchedulerProcArgs(msgspec.Struct, frozen=True):
     decode_log_interval: int
     parent_pid: int
     log_level: str = "INFO"
+    warmup: bool = True  # False: --skip-server-warmup
 
 
 class DetokProcArgs(msgspec.Struct, frozen=True):

@@ -123,7 +123,8 @@ class CheckpointReader:
 
     def cat(self, names: list[str], dtype: torch.dtype | None = None,
             shapes: Sequence[tuple[int, ...]] | None = None) -> torch.Tensor:
-        return torch.cat([self.get(n, dtype, None if shapes is None else shapes[i]) for i, n in enumerate(names)], dim=0)
+        parts = [self.get(n, dtype, None if shapes is None else shapes[i]) for i, n in enumerate(names)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # one part: no copy
 
     def unused(self) -> set[str]:
         return {k for k in self._where if k not in self._used and not k.endswith("rotary_emb.inv_freq")}

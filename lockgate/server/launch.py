@@ -214,7 +214,8 @@ def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "INFO", c
         sup.start("scheduler", SCHEDULER_MODULE, SchedulerProcArgs(
             engine=engine, model_name=name, in_endpoint=ep.scheduler, detok_endpoint=ep.detokenizer,
             watchdog_timeout=server.watchdog_timeout, decode_log_interval=server.decode_log_interval,
-            parent_pid=os.getpid(), log_level=log_level), env=scheduler_env(os.environ))
+            parent_pid=os.getpid(), log_level=log_level, warmup=not server.skip_server_warmup),
+            env=scheduler_env(os.environ))
         sup.start("detokenizer", DETOKENIZER_MODULE, DetokProcArgs(
             model=engine.model.model, in_endpoint=ep.detokenizer, api_endpoint=ep.api,
             scheduler_endpoint=ep.scheduler, parent_pid=os.getpid(), log_level=log_level))
