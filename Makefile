@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	# TGI's own Python client, for the drop-in tests: it pins huggingface-hub<1.0, which transformers
 	# outgrew, and only needs build_hf_headers from it (aiohttp and requests come with the test extra).
 	$(BIN)/python -m pip install --quiet --no-deps "text-generation==0.7.0"
+	# lockgate's C++ kernels for this CPU, compiled now (~1 min on 2 cores) as vLLM and llama.cpp compile
+	# theirs at install, not inside the first start (a start on a CPU they were not built for builds its own)
+	$(BIN)/python -c "from lockgate import kernels; kernels.load() or print('lockgate: the CPU kernels did not build (the server runs on plain torch ops):', kernels.error())"
 	touch $(STAMP)
 
 serve: setup
