@@ -284,7 +284,7 @@ def test_429_is_retried_elsewhere_and_a_full_fleet_gets_retry_after_from_the_for
     # each replica takes one queued request at most; round-robin sends every other request to the full one
     with fleet(2, ("--max-queued-requests", "1"), "--policy", "round-robin") as (gw, reps):
         a, b = reps
-        threads = occupy(a.url, ["long a " + "x" * 6000])  # ~3 s before its first token: a is full meanwhile
+        threads = occupy(a.url, ["long a " + "x" * 8000])  # ~4 s before its first token: a is full meanwhile
         wait_until(lambda: httpx.get(a.url + "/v1/loads").json()["queued_in_api"] == 1, 5)
         direct = complete(a.url, "straight to a")
         assert direct.status_code == 429 and int(direct.headers["Retry-After"]) >= 2  # its own ETA, not "1"
@@ -298,9 +298,9 @@ def test_429_is_retried_elsewhere_and_a_full_fleet_gets_retry_after_from_the_for
                    for s in fam.samples if s.name == "lockgate:gateway_retries_total" and s.value}
         assert retries == {(a.url, "429"): retried}  # (the other replica/cause series exist, at 0)
         # both full: the client gets 429 with Retry-After from the fleet's forecast (the smaller ETA, up)
-        threads += occupy(b.url, ["long b " + "y" * 4000])
+        threads += occupy(b.url, ["long b " + "y" * 7000])  # long enough that the ETAs stay > 1 s under load
         wait_until(lambda: httpx.get(b.url + "/v1/loads").json()["queued_in_api"] == 1, 5)
-        wait_until(lambda: min(v["forecast"]["queue_eta_s"] for v in gateway_view(gw).values()) > 1.0, 5, gw)
+        wait_until(lambda: min(v["forecast"]["queue_eta_s"] for v in gateway_view(gw).values()) > 1.5, 5, gw)
         refused = complete(gw.url, "nobody has room")
         view = gateway_view(gw)
         smallest = min(v["forecast"]["queue_eta_s"] for v in view.values())
