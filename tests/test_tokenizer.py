@@ -94,15 +94,21 @@ def test_a_given_chat_template_replaces_the_models_own(pair) -> None:
         assert want != ref.apply_chat_template(chat, tokenize=False)  # not the model's own
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (offline), which must exit 0."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
 def test_loading_and_using_it_imports_no_torch() -> None:
     code = ("import sys\nfrom lockgate.checkpoint.loader import prepare_model_dir\n"
             "from lockgate.tokenizer.tokenizer import load_tokenizer\n"
             "t = load_tokenizer('default', prepare_model_dir('default'))\n"
             "t.decode(t.encode('hi')); t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
             "sys.exit(1 if 'torch' in sys.modules else 0)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    _python(code)
 
 
 def test_warm_up_renders_the_template_once_before_any_request() -> None:
@@ -117,7 +123,4 @@ def test_warm_up_renders_the_template_once_before_any_request() -> None:
             "compiled = m._compile_jinja_template.cache_info().currsize\n"
             "t.template = \"{{ raise_exception('no system message') }}\"; warm_up(t)\n"
             "print(before, compiled)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["False", "1"]
+    assert _python(code).stdout.split() == ["False", "1"]

@@ -99,17 +99,20 @@ class GgufWeights:
         n = int(e.tensor.n_bytes)
         return n // int(e.tensor.shape[2]) if e.expert is not None else n
 
-    def blocks(self, name: str) -> QuantMatrix | None:
-        """The matrix as blocks, or None if its type is not read directly (then use ``dense``)."""
-        e = self._entries[name]
-        if e.tensor.tensor_type.name not in DIRECT_TYPES or e.norm_shift:
-            return None
-        shape = self.shape(name)
-        if len(shape) != 2:
+    def _file_blocks(self, name: str) -> QuantMatrix | None:
+        """The 2-D matrix's blocks as the file stores them (rows not un-permuted, no shift), or None
+        if its type is not read directly."""
+        e, shape = self._entries[name], self.shape(name)
+        if e.tensor.tensor_type.name not in DIRECT_TYPES or len(shape) != 2:
             return None
         raw = e.tensor.data if e.expert is None else e.tensor.data[e.expert]
-        qm = QuantMatrix(e.tensor.tensor_type.name, (shape[0], shape[1]), np.asarray(raw, dtype=np.uint8))
-        if e.permute_heads is not None:
+        return QuantMatrix(e.tensor.tensor_type.name, (shape[0], shape[1]), np.asarray(raw, dtype=np.uint8))
+
+    def blocks(self, name: str) -> QuantMatrix | None:
+        """The matrix as blocks, or None if its type is not read directly (then use ``dense``)."""
+        e, shape = self._entries[name], self.shape(name)
+        qm = None if e.norm_shift else self._file_blocks(name)
+        if qm is not None and e.permute_heads is not None:
             qm = qm.rows(unpermute_rope_rows(np.arange(shape[0]), e.permute_heads))
         return qm
 
@@ -128,13 +131,13 @@ class GgufWeights:
         import gguf
 
         e = self._entries[name]
-        raw = e.tensor.data if e.expert is None else e.tensor.data[e.expert]
-        shape = self.shape(name)
-        qtype = e.tensor.tensor_type.name
-        if qtype in DIRECT_TYPES and len(shape) == 2:  # lockgate's own block reader: the same values, ~10x faster
-            w = QuantMatrix(qtype, (shape[0], shape[1]), np.asarray(raw, dtype=np.uint8)).dequantize()
+        qm = self._file_blocks(name)  # lockgate's own block reader: gguf's values, ~3x faster
+        if qm is not None:
+            w = qm.dequantize()
         else:
-            w = gguf.quants.dequantize(raw, e.tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            raw = e.tensor.data if e.expert is None else e.tensor.data[e.expert]
+            w = gguf.quants.dequantize(raw, e.tensor.tensor_type).astype(np.float32, copy=False)
+            w = w.reshape(self.shape(name))
         if e.permute_heads is not None:
             w = unpermute_rope_rows(w, e.permute_heads)
         if e.norm_shift:
