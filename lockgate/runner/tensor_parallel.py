@@ -267,12 +267,25 @@ class TensorParallelGroup:
         if self.on_death is not None:
             self.on_death(self.dead)
 
+    def _dead_rank(self, wait: float) -> str | None:
+        """The first other rank that has exited, named as the watcher names it, waiting up to
+        ``wait`` seconds for one (a killed rank breaks rank 0's all-reduce before its exit is seen)."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None:
+                    return f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(code)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def broken(self, why: str) -> None:
         """Rank 0 failed inside a step (the others may wait in an all-reduce that will never come):
-        end them and report, as for a rank that died."""
+        end them and report, as for a rank that died. A rank that did die is named instead."""
         if self.dead is not None:
             return
-        self.dead = f"tensor parallelism: {why}"
+        self.dead = self._dead_rank(wait=1.0) or f"tensor parallelism: {why}"
         self.kill()
         log.critical("%s; the other ranks were stopped", self.dead)
         if self.on_death is not None:
@@ -290,7 +303,7 @@ class TensorParallelGroup:
         try:
             self.pg.allreduce([x]).wait()
         except RuntimeError as e:
-            raise RuntimeError(self.dead or f"tensor-parallel all-reduce failed: {e}") from e
+            raise RuntimeError(self.dead or self._dead_rank(wait=1.0) or f"tensor-parallel all-reduce failed: {e}") from e
 
     def describe(self) -> str:
         """Every other rank's pid and process state (R running, S sleeping, T stopped, Z dead)."""
