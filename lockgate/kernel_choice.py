@@ -29,17 +29,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Every form's name, most exact first: where two measure within noise, the earlier one is kept
-# (``lockgate.runner.tuning``). bf16-gemm, dense and fp32 are exact in their dtype (the bf16
-# kernels take subnormals as zero); bf16-gemm (lockgate's kernel) makes the same products as
-# dense and is row-invariant at every row count (oneDNN's is not at one row of some shapes), so a
-# tie goes to it; group-quant does float32 math on exact codes; int-gemm rounds x to int16 per
-# block; torch-int4 rounds x to bf16.
-FORM_NAMES = ("bf16-gemm", "dense", "fp32", "group-quant", "int-gemm", "torch-int4")
+# (``lockgate.runner.tuning``). bf16-gemm, f32-dot, dense and fp32 are exact in their dtype (the
+# bf16 kernels take subnormals as zero); bf16-gemm and f32-dot (lockgate's kernels) make the same
+# products as dense and are row-invariant at every row count (oneDNN's bf16 kernel is not at one
+# row of some shapes, MKL's sgemm below 16 rows here), so a tie goes to them; group-quant does
+# float32 math on exact codes; int-gemm rounds x to int16 per block; torch-int4 rounds x to bf16.
+FORM_NAMES = ("bf16-gemm", "f32-dot", "dense", "fp32", "group-quant", "int-gemm", "torch-int4")
 QUANTIZED_FORMS = ("group-quant", "int-gemm", "torch-int4")
 
 # What serves a call whose chosen form a projection lacks: dense, else (a projection kept in its
 # file's blocks, with no dense weight) its fastest quantized form in general
-FALLBACK_ORDER = ("dense", "int-gemm", "group-quant", "torch-int4", "bf16-gemm", "fp32")
+FALLBACK_ORDER = ("dense", "int-gemm", "group-quant", "torch-int4", "bf16-gemm", "f32-dot", "fp32")
 
 
 def fallback_form(forms: Iterable[str]) -> str:

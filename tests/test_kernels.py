@@ -711,3 +711,44 @@ def test_bind_threads_pins_each_torch_thread_to_its_own_cpu(ops) -> None:
     out = subprocess.run([sys.executable, "-c", PIN_CHILD], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pinned" in out.stdout
+
+
+# ---- f32_linear (f32_gemm.cpp) ----
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (13, 77), (49, 1536), (6, 16)])  # tails in N and K; one tile
+@pytest.mark.parametrize("bias", [False, True])
+def test_f32_linear_is_the_product_and_row_invariant(ops, n: int, k: int, bias: bool) -> None:
+    """Every output is x . w (+ b) within float32 summation error (against float64), and a row's
+    bits never depend on how many rows share the call, which rows they are, or the thread count."""
+    assert ops.f32_linear_available(), "x86-64 CPUs the suite runs on have AVX2 + FMA"
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(130, k, generator=g)
+    full = ops.f32_linear(x, w, b)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    torch.testing.assert_close(full.double(), want, atol=1e-4 * k ** 0.5, rtol=1e-5)
+    for m in (1, 2, 3, 4, 5, 7, 9, 16, 33):
+        for start in (0, 130 - m):
+            got = ops.f32_linear(x[start:start + m].contiguous(), w, b)
+            assert torch.equal(got, full[start:start + m]), (m, start)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.f32_linear(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, full)
+    assert ops.f32_linear(x[:0].contiguous(), w, b).shape == (0, n)
+
+
+def test_f32_linear_rejects_bad_input(ops) -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="float32 x and weight"):
+        ops.f32_linear(torch.randn(2, 16, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
+        ops.f32_linear(torch.randn(2, 15), w, None)
+    with pytest.raises(RuntimeError, match="contiguous x and weight"):
+        ops.f32_linear(torch.randn(16, 2).T, w, None)
+    with pytest.raises(RuntimeError, match=r"float32 bias \[N\]"):
+        ops.f32_linear(torch.randn(2, 16), w, torch.randn(7))

@@ -751,3 +751,21 @@ def test_drop_unchosen_frees_what_no_call_uses(kernels_loaded) -> None:
     kept.set_prompt_form(PromptForm("dense", min_rows=1))
     kept.drop_unchosen()  # dense serves prompt rows: its packed copy stays
     assert (kept.forms["dense"].packed is not None) == onednn_packs(torch.bfloat16, w.device)
+
+
+def test_f32_dot_form_multiplies_the_dense_weight_in_place(kernels_loaded) -> None:
+    """A float32 run's projections get lockgate's float32 kernel as a form that shares the dense
+    weight (no copy), row-invariant from one row; 16-bit runs and runs without kernels do not."""
+    from lockgate.layers.forms import f32_dot_available
+
+    assert f32_dot_available()
+    w = torch.randn(64, 96) * 0.05
+    forms = make_forms(w, torch.float32, "none", kernels=True, dense=w)
+    assert set(forms) == {"f32-dot"} and forms["f32-dot"].weight.data_ptr() == w.data_ptr()
+    lin = Linear(w, None, forms, FormChoice.parse("f32-dot:8,dense"))
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert torch.equal(lin(x[2:3]), lin(x)[2:3])  # one row alone: the same bits
+    assert make_forms(w, torch.float32, "none", kernels=False, dense=w) == {}
+    assert "f32-dot" not in make_forms(w, torch.bfloat16, "none", kernels=True, dense=w.bfloat16())
+    assert make_forms(w, torch.float32, "none", kernels=True, dense=w, want={"dense"}) == {}

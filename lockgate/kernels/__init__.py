@@ -15,6 +15,9 @@ contracts are documented at the top of each source file:
 * ``bf16_linear`` (``bf16_gemm.cpp``): a bf16 weight times bf16 rows on AVX512-BF16 dot products
   (built only where the CPU has them; ``bf16_linear_available``), any row count; and
   ``bf16_linear_silu``: a gate/up weight's product with ``silu_mul`` applied in registers (the same bits).
+* ``f32_linear`` (``f32_gemm.cpp``): a float32 weight as it is times float32 rows, each output one
+  dot product in a fixed order (AVX2 + FMA or AVX-512; ``f32_linear_available``): row-invariant
+  at any row count, where MKL's sgemm is not below 16 rows.
 * ``argmax_rows`` (``argmax.cpp``): each row's argmax of float32 or bf16 logits, torch's rules
   (greedy steps take it on the LM head's own output instead of float32 logits).
 * ``decode_layers_`` (``decode_layers.cpp``): a step's layers in one call (decode, prompt and mixed steps).
@@ -330,7 +333,7 @@ def _compile(name: str, where: Path) -> None:
 # estimated from its size.
 COMPILE_SECONDS = {"decode_attention.cpp": 23.0, "int_gemm.cpp": 20.0, "fused_ops.cpp": 16.0,
                    "decode_layers.cpp": 9.0, "lora.cpp": 8.0, "bf16_gemm.cpp": 8.0, "argmax.cpp": 8.0,
-                   "quant_linear.cpp": 6.0, "threads.cpp": 6.0}
+                   "quant_linear.cpp": 6.0, "threads.cpp": 6.0, "f32_gemm.cpp": 6.0}
 
 
 def compile_seconds(source: Path) -> float:

@@ -15,6 +15,12 @@ give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and
   packed for ``lockgate::bf16_linear`` (VDPBF16PS, float32 sums, one rounding): without AMX it
   measured 1.2-1.7x oneDNN's bf16 matmul at 8-64 rows, 1.1-1.2x at 128-256, 1.03-1.07x at
   1,024-2,048 (Zen 5 class, docs/performance.md); row-invariant by construction.
+* ``f32-dot`` (``F32DotWeight``, float32 runs on a CPU with AVX2 + FMA): the dense float32 weight
+  itself (no copy) on ``lockgate::f32_linear``, one fixed-order dot product per output, so
+  row-invariant at every row count. MKL's sgemm is not below 16 rows, so an exact-prefill float32
+  run pads small calls to 16 rows on it; this form runs a one-row decode call as one row (6-15x
+  less time than the padded call at the default model's shapes, Zen 3 class CPU). sgemm stays
+  faster from a few hundred rows: the tuning table picks per row count.
 * ``fp32`` (``Fp32Weight``, 16-bit runs only): a float32 copy made from the checkpoint's
   unrounded values, for CPUs whose bf16 matmul is slower than sgemm (AVX512-BF16 without AMX,
   measured 1.15-1.5x at 64-1,024 rows); activations cast up and the result back. +4 bytes per
@@ -150,6 +156,31 @@ class Bf16GemmWeight:
     def dequantize(self, n: int, k: int) -> torch.Tensor:
         """The weight [N, K] float32 the kernel multiplies by (for tests)."""
         return self.packed.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).float()
+
+
+def f32_dot_available() -> bool:
+    """Whether ``lockgate::f32_linear`` is loaded and was built with AVX2 + FMA (call after
+    ``lockgate.kernels.load``); elsewhere the form is not made."""
+    try:
+        return bool(torch.ops.lockgate.f32_linear_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class F32DotWeight:
+    """A float32 run's dense weight (the same tensor, no copy) on ``lockgate::f32_linear``."""
+
+    name: typing.ClassVar[str] = "f32-dot"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.lockgate.f32_linear(x.contiguous(), self.weight, bias)
+
+    def decode_layers_args(self) -> tuple[int, list[torch.Tensor]] | None:
+        """Kind 203: the weight, run as here."""
+        return 203, [self.weight, _NONE, _NONE]
 
 
 class Fp32Weight:
@@ -471,22 +502,27 @@ def _lows_per_step(low: torch.Tensor, entries: int) -> torch.Tensor:
     return out
 
 
-Form = DenseWeight | Bf16GemmWeight | Fp32Weight | Int4Weight | GroupQuantWeight | IntGemmWeight
+Form = DenseWeight | Bf16GemmWeight | F32DotWeight | Fp32Weight | Int4Weight | GroupQuantWeight | IntGemmWeight
 
 
 def make_forms(source: torch.Tensor, dtype: torch.dtype, quantization: str, kernels: bool, *,
                fp32: bool = False, source_bias: torch.Tensor | None = None,
-               want: Collection[str] | None = None) -> dict[str, Form]:
+               want: Collection[str] | None = None, dense: torch.Tensor | None = None) -> dict[str, Form]:
     """A projection's forms besides ``dense`` for a run in ``dtype``: ``source`` [N, K] is the
     weight at full precision (before rounding to ``dtype``). ``fp32``: make the float32 copy
     (16-bit runs; the caller checked memory). ``kernels``: lockgate's kernels are loaded
     (group-quant; int-gemm where ``int_linear`` is vectorized; bf16-gemm in bf16 runs where
-    ``bf16_linear`` was built). ``want``: make only these (None: every form the weight can have)."""
+    ``bf16_linear`` was built; f32-dot in float32 runs where ``f32_linear`` was built).
+    ``dense``: the projection's run-dtype weight, which f32-dot multiplies in place. ``want``:
+    make only these (None: every form the weight can have)."""
 
     def wanted(name: str) -> bool:
         return want is None or name in want
 
     forms: dict[str, Form] = {}
+    if (kernels and dense is not None and dense.dtype == torch.float32 and dense.device.type == "cpu"
+            and dense.is_contiguous() and wanted("f32-dot") and f32_dot_available()):
+        forms["f32-dot"] = F32DotWeight(dense)
     if (kernels and dtype == torch.bfloat16 and source.device.type == "cpu" and wanted("bf16-gemm")
             and Bf16GemmWeight.fits(tuple(source.shape)) and bf16_gemm_available()):
         forms["bf16-gemm"] = Bf16GemmWeight(source.to(dtype))

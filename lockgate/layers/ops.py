@@ -131,10 +131,10 @@ class KernelOps:
     PROMPT_KEY = "prompt"
     SPLIT_MIN_ROWS = 32  # decode steps from this many rows run as two halves (measured: c = 32 and c = 128 gain)
     SPLIT_KINDS = frozenset({202})  # decode_layers_ kinds measured to gain from it (lockgate's bf16 kernel)
-    # kinds that give a row the same bits whatever the call's rows (lockgate's bf16 kernel and integer
-    # GEMM, by construction: row_invariance.py): a step all on them may run its last layer on the
+    # kinds that give a row the same bits whatever the call's rows (lockgate's bf16 and float32 kernels
+    # and integer GEMM, by construction: row_invariance.py): a step all on them may run its last layer on the
     # sampled rows alone at any row count (whole_step's out_rows)
-    ROW_INVARIANT_KINDS = frozenset({202, 104, 108})
+    ROW_INVARIANT_KINDS = frozenset({202, 203, 104, 108})
     MAX_PACKS = 256  # packs kept in all (least recently used dropped first; steps by count: one per size)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -149,13 +149,13 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = opt("post_attn_norm")  # [hidden] or None (Gemma)
         self.post_mlp_norm = opt("post_mlp_norm")  # [hidden] or None (Gemma)
 
-        def forms(source: torch.Tensor, name: str, bias: torch.Tensor | None = None,
+        def forms(source: torch.Tensor, name: str, bias: torch.Tensor | None, dense: torch.Tensor,
                   expert: bool = False) -> dict[str, typing.Any]:
             wanted = set(FORM_NAMES) if want is None else want.get(name, set())
-            if expert:  # experts keep their static choice, which never calls these copies
-                wanted = wanted - {"bf16-gemm", "fp32"}
+            if expert:  # experts keep their static choice, which never calls these forms
+                wanted = wanted - {"bf16-gemm", "fp32", "f32-dot"}
             return make_forms(source, dtype, quantization, cpu_kernels, fp32=fp32, source_bias=bias,
-                              want=None if want is None and not expert else wanted)
+                              want=None if want is None and not expert else wanted, dense=dense)
 
         def project(source: torch.Tensor | Blocks, name: str, bias: nn.Parameter | None,
                     source_bias: torch.Tensor | None, expert: bool = False) -> Linear:
@@ -167,8 +167,10 @@ class DecoderLayer(nn.Module):
                 if packed and (wanted is None or "dense" not in wanted):
                     return Linear(None, bias, packed, shape=source.shape)
                 dense = torch.from_numpy(source.dequantize())  # dense asked for, or no kernel reads the blocks here
-                return Linear(dense.to(dtype), bias, packed or forms(dense, name, source_bias, expert))
-            return Linear(source.to(dtype), bias, forms(source, name, source_bias, expert))
+                weight = dense.to(dtype)
+                return Linear(weight, bias, packed or forms(dense, name, source_bias, weight, expert))
+            weight = source.to(dtype)
+            return Linear(weight, bias, forms(source, name, source_bias, weight, expert))
 
         def linear(name: str) -> Linear:
             lin = project(w[f"{name}_weight"], name, getattr(self, f"{name}_bias"), w.get(f"{name}_bias"))
@@ -237,7 +239,7 @@ class DecoderModel(nn.Module):
             else:
                 self.lm_head, full = _frozen(source.to(dtype)), source  # [V, hidden]
             head_forms = packed or make_forms(full, dtype, "none" if quantization == "none" else "auto", cpu_kernels,
-                                              fp32=fp32, want=head_want)
+                                              fp32=fp32, want=head_want, dense=self.lm_head)
             self.head = Linear(self.lm_head, None, head_forms)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, device)
         # Gemma 3: the sliding layers rotate with their own table

@@ -15,7 +15,7 @@ The two choices (``lockgate.runner.form_choice`` applies them to ``Linear.set_pr
 
 * ``first_invariant`` (``--exact-prefill``, the default): a role's prompt rows run on the first
   row-invariant candidate in ``candidates`` order (the measured table's form at large row counts,
-  then lockgate's bf16 kernel where the projection has it, dense, the integer GEMM), decode rows
+  then lockgate's bf16 or float32 kernel where the projection has it, dense, the integer GEMM), decode rows
   keep the per-row-count table;
 * ``cheapest_invariant`` (``--deterministic``): every call of a role runs on one form, the
   row-invariant candidate whose medians summed over the measured row counts are least
@@ -117,9 +117,9 @@ def row_floors(projections: dict[str, list[Any]], dtype: torch.dtype, candidates
 
 def candidates_for(choices: dict[str, FormChoice]) -> dict[str, list[str]]:
     """Per role the forms worth checking, the most wanted first: the choice's form at large row
-    counts (the fastest there), then lockgate's bf16 kernel, dense, the integer GEMM (a projection
-    is checked on those it has)."""
-    return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "bf16-gemm", "dense", DETERMINISTIC_FORM]))
+    counts (the fastest there), then lockgate's bf16 and float32 kernels, dense, the integer GEMM
+    (a projection is checked on those it has)."""
+    return {role: list(dict.fromkeys([c.pick(UNBOUNDED), "bf16-gemm", "f32-dot", "dense", DETERMINISTIC_FORM]))
             for role, c in choices.items()}
 
 

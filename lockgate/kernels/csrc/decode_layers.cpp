@@ -24,7 +24,8 @@
 //              oneDNN (a: what mkldnn::_reorder_linear_weight made; run by mkldnn::_linear_pointwise with
 //              the bias fused, as lockgate.layers.forms.DenseWeight), 201 = the dense weight (a) by
 //              at::linear (F.linear), 202 = the bf16 weight packed for lockgate::bf16_linear (a, as
-//              lockgate.layers.forms.Bf16GemmWeight)
+//              lockgate.layers.forms.Bf16GemmWeight), 203 = the float32 dense weight (a) by
+//              lockgate::f32_linear (lockgate.layers.forms.F32DotWeight)
 //   parts      1: the layers run over all rows, each operator split over the threads; 2 (decode
 //              steps only: no q_offsets): the sequences split in two halves, each half's whole
 //              layer stack run by one thread (see "Two halves" below); a call with fewer than 2
@@ -95,6 +96,7 @@ constexpr int64_t kInt8ActKind = 10;   // kinds 114 / 118: the same with int8 ac
 constexpr int64_t kOneDnnKind = 200;   // the oneDNN-packed dense weight
 constexpr int64_t kDenseKind = 201;    // the dense weight, at::linear
 constexpr int64_t kBf16GemmKind = 202; // the bf16 weight packed for lockgate::bf16_linear
+constexpr int64_t kF32DotKind = 203;   // the float32 dense weight, lockgate::f32_linear
 
 std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
@@ -116,6 +118,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* p, int64_t kind) {
   if (kind == kOneDnnKind) return onednn_linear(x, p[0], opt(p[3]));
   if (kind == kDenseKind) return at::linear(x, p[0], opt(p[3]));
   if (kind == kBf16GemmKind) return lockgate::bf16_linear(x, p[0], opt(p[3]));
+  if (kind == kF32DotKind) return lockgate::f32_linear(x.contiguous(), p[0], opt(p[3]));
   if (kind == 0) {
     // torch's kernel checks the codes' shape but not the scales' first dimension: check both here
     const int64_t k = x.size(1), n = p[0].size(0);
@@ -259,8 +262,8 @@ at::Tensor decode_layers_(at::Tensor& x, const at::Tensor& cos, const at::Tensor
   for (int64_t kind : kinds) {
     TORCH_CHECK(kind == 0 || kind == 4 || kind == 8 || kind == 104 || kind == 108 || kind == 114 || kind == 118 ||
                     kind == decode_layers_impl::kOneDnnKind || kind == decode_layers_impl::kDenseKind ||
-                    kind == decode_layers_impl::kBf16GemmKind,
-                "kinds must be 0, 4, 8, 104, 108, 114, 118, 200, 201 or 202");
+                    kind == decode_layers_impl::kBf16GemmKind || kind == decode_layers_impl::kF32DotKind,
+                "kinds must be 0, 4, 8, 104, 108, 114, 118, 200, 201, 202 or 203");
   }
   TORCH_CHECK(parts == 1 || parts == 2, "decode_layers_: parts must be 1 or 2, got ", parts);
   TORCH_CHECK(parts == 1 || !q_offsets, "decode_layers_: parts = 2 takes decode steps only (one row per sequence, no "

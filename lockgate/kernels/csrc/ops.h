@@ -33,6 +33,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
 at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 bool bf16_linear_available();
 
+// f32_gemm.cpp
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+bool f32_linear_available();
+
 // int_gemm.cpp
 at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, int64_t bits, const std::optional<at::Tensor>& bias,
