@@ -125,7 +125,10 @@ def _grid(n: int, k: int, seed: int) -> torch.Tensor:
 
 class _Spin:
     """A stand-in form that takes a known time (busy-waiting: no sleep granularity): ``fixed`` ms
-    plus ``per_row`` ms per row of x. The timing loop cannot tell it from a kernel."""
+    plus ``per_row`` ms per row of x of this thread's CPU time, so that on a busy host, where the
+    thread gets a share of a core, every call stretches by the same factor, as a kernel's would
+    (a wall-clock deadline would add whole preemptions to some calls and not others). The timing
+    loop cannot tell it from a kernel."""
 
     def __init__(self, name: str, fixed: float, per_row: float) -> None:
         self.name, self.fixed, self.per_row = name, fixed, per_row
@@ -133,14 +136,14 @@ class _Spin:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         self.calls += 1
-        end = time.perf_counter() + 1e-3 * (self.fixed + self.per_row * x.shape[0])
-        while time.perf_counter() < end:
+        end = time.thread_time() + 1e-3 * (self.fixed + self.per_row * x.shape[0])
+        while time.thread_time() < end:
             pass
         return x.new_zeros(x.shape[0], 64)
 
 
 def test_measure_forms_times_every_form_and_prunes_hopeless_ones() -> None:
-    # Forms with known costs (a busy host cannot blur them: they burn the time themselves):
+    # Forms with known costs (CPU time they burn themselves: a busy host stretches them alike):
     # "int-gemm" wins up to 4 rows, "dense" beyond; "group-quant" is hopeless, grows linearly and
     # must stop being timed once that is clear, and never come back.
     forms = {"dense": _Spin("dense", 0.1, 0.0), "int-gemm": _Spin("int-gemm", 0.0, 0.02),
@@ -151,16 +154,16 @@ def test_measure_forms_times_every_form_and_prunes_hopeless_ones() -> None:
         lin.forms = dict(forms)  # type: ignore[arg-type]
         lins.append(lin)
     points = (1, 2, 4, 8, 16, 32)
-    samples = tuning.measure_forms({"qkv": lins}, torch.float32, points=points, rounds=3)
+    samples = tuning.measure_forms({"qkv": lins}, torch.float32, points=points, rounds=5)
     got = samples["qkv"]
     assert set(got) == {"dense", "int-gemm", "group-quant"}
-    assert all(len(got["dense"][str(p)]) == 3 for p in points)  # dense is never pruned
+    assert all(len(got["dense"][str(p)]) == 5 for p in points)  # dense is never pruned
     slow = sorted(int(p) for p in got["group-quant"])
     assert slow == [1, 2]  # 5x the best at 1 row; at 2 rows twice that: linear, pruned
     # at 16 rows 3.2x dense and doubled since 8: not timed at 32
     assert sorted(int(p) for p in got["int-gemm"]) == [1, 2, 4, 8, 16]
-    for p in points:  # every figure is what the form costs, up to timer noise
-        assert min(got["dense"][str(p)]) == pytest.approx(0.1, rel=0.5)
+    for p in points:  # every figure is what the form costs, up to timer noise and a busy host's share
+        assert 0.05 <= min(got["dense"][str(p)]) <= 0.4
     assert str(tuning.decide(samples)["qkv"]) == "int-gemm:4,dense"
 
 
