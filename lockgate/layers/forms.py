@@ -18,9 +18,9 @@ give ``decode_layers_args`` (their tensors for ``lockgate::decode_layers_``) and
 * ``f32-dot`` (``F32DotWeight``, float32 runs on a CPU with AVX2 + FMA): the dense float32 weight
   itself (no copy) on ``lockgate::f32_linear``, one fixed-order dot product per output, so
   row-invariant at every row count. MKL's sgemm is not below 16 rows, so an exact-prefill float32
-  run pads small calls to 16 rows on it; this form runs a one-row decode call as one row (6-15x
-  less time than the padded call at the default model's shapes, Zen 3 class CPU). sgemm stays
-  faster from a few hundred rows: the tuning table picks per row count.
+  run pads small calls to 16 rows on it; this form runs a one-row decode call as one row (5-8x
+  less time than the padded call at the default model's shapes, Zen 3 class CPU). sgemm is
+  faster at 512 rows: the tuning table picks per row count.
 * ``fp32`` (``Fp32Weight``, 16-bit runs only): a float32 copy made from the checkpoint's
   unrounded values, for CPUs whose bf16 matmul is slower than sgemm (AVX512-BF16 without AMX,
   measured 1.15-1.5x at 64-1,024 rows); activations cast up and the result back. +4 bytes per

@@ -14,8 +14,9 @@
 // every small call to 16 rows (lockgate.runner.row_invariance): a one-row decode step then costs
 // sixteen rows of arithmetic. Here a one-row call streams the weight once. On the AMD EPYC Zen 3
 // class CPU (AVX2, 2 threads), against the 16-row padded sgemm call at the default model's shapes
-// (K 576 / 1,536, N 576-49,152): 6-15x less time at 1 row, 4-10x at 4, 1.5-3x at 16, 1-2x at 64;
-// at 512 rows sgemm is faster (0.63-0.93x here), so the tuning table keeps sgemm for large calls.
+// (K 576 / 1,536, N 576-49,152; benchmarks/f32_dot.py): 5.2-7.7x less time at 1 row, 3.0-4.2x at
+// 4, 1.1-2.3x at 16, 0.86-1.6x at 64; at 512 rows sgemm is faster (0.70-0.94x), so the tuning
+// table keeps sgemm for large calls.
 //
 // Arithmetic: output (m, n) is one vector accumulator of L lanes (8 with AVX2, 16 with AVX-512)
 // started at zero, fed x[m, k..k+L) * W[n, k..k+L) by FMA for k = 0, L, 2L, ... in order (the
