@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from lockgate.kernel_choice import FORM_NAMES, FormChoice, TuningTable
-from lockgate.layers.forms import DenseWeight, Form, IntGemmWeight, int_gemm_isa
+from lockgate.layers.forms import DenseWeight, F32DotWeight, Form, IntGemmWeight, f32_dot_available, int_gemm_isa
 from lockgate.layers.grid import quantize_int4
 from lockgate.runner.tuning_attention import (
     LOOKAHEAD_BATCH,
@@ -240,8 +240,9 @@ DTYPE_POINTS = (64, 256)  # the row counts ``measure_dtypes`` times
 def measure_dtypes(shapes: list[tuple[int, int]], int_gemm: bool, rounds: int = ROUNDS,
                    points: tuple[int, ...] = DTYPE_POINTS, on_point: Callable[[int], None] | None = None,
                    ) -> dict[str, dict[str, list[float]]]:
-    """Per point, per candidate ("bfloat16/dense", "float32/dense", "float32/int-gemm"), the
-    per-round ms of one pass over one layer's projections (``shapes``: [N, K] each) with
+    """Per point, per candidate ("bfloat16/dense", "float32/dense", "float32/f32-dot" where
+    lockgate's float32 kernel was built, "float32/int-gemm"), the per-round ms of one pass over
+    one layer's projections (``shapes``: [N, K] each) with
     synthetic weights. Stops early when bf16 is more than 3x the float32 dense time at the
     first point (an emulated bf16 matmul: no need to wait on it twice)."""
     g = torch.Generator().manual_seed(0)
@@ -250,6 +251,8 @@ def measure_dtypes(shapes: list[tuple[int, int]], int_gemm: bool, rounds: int = 
         "float32/dense": [DenseWeight(w) for w in weights],
         "bfloat16/dense": [DenseWeight(w.bfloat16()) for w in weights],
     }
+    if f32_dot_available():
+        cands["float32/f32-dot"] = [F32DotWeight(w) for w in weights]
     if int_gemm and all(IntGemmWeight.fits((n, k)) for n, k in shapes):
         cands["float32/int-gemm"] = [IntGemmWeight.from_weight(w, 4) for w in weights]
     out: dict[str, dict[str, list[float]]] = {}
