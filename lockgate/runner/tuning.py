@@ -54,7 +54,14 @@ from typing import Any
 import torch
 
 from lockgate.kernel_choice import FORM_NAMES, FormChoice, TuningTable
-from lockgate.layers.forms import DenseWeight, F32DotWeight, Form, IntGemmWeight, f32_dot_available, int_gemm_isa
+from lockgate.layers.forms import (
+    DenseWeight,
+    F32DotWeight,
+    Form,
+    IntGemmWeight,
+    f32_dot_available,
+    int_gemm_isa,
+)
 from lockgate.layers.grid import quantize_int4
 from lockgate.runner.tuning_attention import (
     LOOKAHEAD_BATCH,
