@@ -136,7 +136,7 @@ class ModelConfig:
                          "off = no measurement (float32 for --dtype auto, quantized forms up to 16 rows)",
                          choices=["auto", "refresh", "off"])
     matmul_forms: str = option("auto", "override the measured table for every projection: a form "
-                               "(dense, fp32, group-quant, int-gemm, torch-int4) or spans such as "
+                               "(dense, bf16-gemm, f32-dot, fp32, group-quant, int-gemm, torch-int4) or spans such as "
                                "'int-gemm:64,dense' (int-gemm up to 64 rows, dense above); forms a projection "
                                "lacks fall back to dense; auto = the measured table")
     max_model_len: int | None = option(None, "cap the context length in tokens: 32768, 32k (x1000) or 32K (x1024) "
