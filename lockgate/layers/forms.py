@@ -114,13 +114,18 @@ class DenseWeight:
         return 200, [self.packed, _NONE, _NONE]
 
 
+def _kernel_says(query: str) -> bool:
+    """``torch.ops.lockgate.<query>()``, False where lockgate's kernels are not loaded."""
+    try:
+        return bool(getattr(torch.ops.lockgate, query)())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def bf16_gemm_available() -> bool:
     """Whether ``lockgate::bf16_linear`` is loaded and was built with AVX512-BF16 (call after
     ``lockgate.kernels.load``); elsewhere the form is not made."""
-    try:
-        return bool(torch.ops.lockgate.bf16_linear_available())
-    except (AttributeError, RuntimeError):
-        return False
+    return _kernel_says("bf16_linear_available")
 
 
 class Bf16GemmWeight:
@@ -161,10 +166,7 @@ class Bf16GemmWeight:
 def f32_dot_available() -> bool:
     """Whether ``lockgate::f32_linear`` is loaded and was built with AVX2 + FMA (call after
     ``lockgate.kernels.load``); elsewhere the form is not made."""
-    try:
-        return bool(torch.ops.lockgate.f32_linear_available())
-    except (AttributeError, RuntimeError):
-        return False
+    return _kernel_says("f32_linear_available")
 
 
 class F32DotWeight:
@@ -337,10 +339,7 @@ def int_gemm_available() -> bool:
     """Whether ``lockgate::int_linear`` is loaded and vectorized (AVX512-VNNI, AVX512BW or AVX2:
     ``int_gemm_isa``); call after ``lockgate.kernels.load``. Without a vector path its plain C++
     loops are correct but far slower than sgemm, so the form is not made."""
-    try:
-        return bool(torch.ops.lockgate.int_linear_vectorized())
-    except (AttributeError, RuntimeError):
-        return False
+    return _kernel_says("int_linear_vectorized")
 
 
 def int_gemm_isa() -> str | None:

@@ -189,6 +189,11 @@ def _exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _rank_ended(rank: int, proc: subprocess.Popen[bytes], code: int) -> str:
+    """How a rank that exited is named in logs and errors."""
+    return f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(code)}"
+
+
 def _proc_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -246,8 +251,8 @@ class TensorParallelGroup:
                 code = self.procs[rank].poll()
                 if code is not None:
                     self.close()
-                    raise ValueError(f"tensor-parallel rank {rank} (pid {self.procs[rank].pid}) {_exit_text(code)} "
-                                     "while loading (its log lines above say why)")
+                    raise ValueError(f"{_rank_ended(rank, self.procs[rank], code)} while loading "
+                                     "(its log lines above say why)")
             if time.monotonic() > deadline:
                 self.close()
                 raise ValueError(f"tensor-parallel ranks {sorted(waiting)} did not load within {START_TIMEOUT:.0f}s")
@@ -262,7 +267,7 @@ class TensorParallelGroup:
         code = proc.wait()
         if self._closing:
             return
-        self.dead = f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(code)}"
+        self.dead = _rank_ended(rank, proc, code)
         log.critical("%s; the model cannot run without it", self.dead)
         if self.on_death is not None:
             self.on_death(self.dead)
@@ -275,7 +280,7 @@ class TensorParallelGroup:
             for rank, proc in self.procs.items():
                 code = proc.poll()
                 if code is not None:
-                    return f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(code)}"
+                    return _rank_ended(rank, proc, code)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
