@@ -10,6 +10,8 @@ a server with the official ``openai`` client.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -90,11 +92,25 @@ def test_overlap_hides_the_scheduling_of_sampled_requests() -> None:
         return need
 
     eng.scheduler.needs_result = counting  # type: ignore[method-assign]
+    # the next step is queued on the runner thread before the one computing ends: it starts with no
+    # hand-off to the scheduler's thread (each step lasts 20 ms here, so the scheduler is never late)
+    queued: list[bool] = []
+    real_execute = eng.runner.execute
+
+    def slow(plan):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        out = real_execute(plan)
+        queued.append(eng._runner_thread._work_queue.qsize() > 0)  # type: ignore[union-attr]
+        return out
+
+    eng.runner.execute = slow  # type: ignore[method-assign]
     for i in range(8):
         eng.add_request(np.arange(3, 40 + i), SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True))
     tokens, _ = _drain(eng, {})
     assert sorted(len(t) for t in tokens.values()) == [20] * 8
     assert waits == 0
+    assert len(queued) >= 20 and all(queued[:-2]), queued  # (the last steps have no successor)
+    eng.runner.execute = real_execute  # type: ignore[method-assign]
     # greedy requests guess (speculation on): each step waits for the previous one's tokens
     eng.add_request(np.arange(3, 40), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     _drain(eng, {})
@@ -124,6 +140,7 @@ def test_a_failed_step_undoes_its_commit_and_leaks_nothing() -> None:
     with pytest.raises(RuntimeError, match="injected fault"):
         while eng.has_work:
             eng.step()
+    assert calls == 6  # the step queued behind the failed one never ran (it had no tokens to read)
     victims = eng.fail_running()
     assert len(victims) == 4 and not eng.has_work
     eng.scheduler.check_invariants()

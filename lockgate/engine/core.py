@@ -17,9 +17,11 @@ launches the next step before it returns, so while the model computes step N the
 its messages and sends step N-1's tokens, and the next ``step`` call builds step N+1 (admission,
 prefix cache, plan) before it waits for N's result (SGLang's overlap event loop). Step N is
 committed when launched (``Scheduler.commit``: its rows count as computed, each request it
-samples for holds a placeholder token) and N+1's decode rows are fed N's tokens when N's result
-is in (``Scheduler.resolve``), before N+1 is launched. Each ``step`` call returns the previous
-step's events. What needs a token's value to plan the next step (guesses to verify, a grammar's
+samples for holds a placeholder token). N+1 is launched before N's result is in: the runner thread
+copies N's tokens into N+1's decode rows (``Scheduler.feed`` says which go where) when N ends and
+starts N+1 at once, so no hand-off between threads separates the two steps (SGLang resolves its
+future token ids on the device the same way). Each ``step`` call returns the previous step's
+events. What needs a token's value to plan the next step (guesses to verify, a grammar's
 mask, penalties, an adapter's slot) makes that call wait for the result first
 (``Scheduler.needs_result``). Invariant: between calls at most one step is in flight, committed
 unless it has guesses; only its own thread touches the runner while it runs, and slots freed
@@ -94,6 +96,15 @@ class _InFlight:
 
     step: ScheduledStep
     future: Future[tuple[ForwardResult, float]]
+
+
+@dataclass
+class _Feed:
+    """Tokens a launched step waits for: its plan's ``rows`` take ``before``'s sampled tokens at ``src``."""
+
+    rows: np.ndarray
+    src: np.ndarray
+    before: Future[tuple[ForwardResult, float]]
 
 
 class EngineCore:
@@ -320,21 +331,31 @@ class EngineCore:
         self._take_compiled()
         nxt = sched.schedule()  # while the step in flight computes
         prev, self._inflight = self._inflight, None
-        if prev is not None:
-            result, seconds = self._wait(prev)
-            sched.place(prev.step, result)  # its tokens, for the next plan's inputs
         if nxt is not None:
-            sched.resolve(nxt)
+            feed = None
+            if prev is not None:  # the runner thread feeds nxt prev's tokens when prev ends
+                rows, src = sched.feed(nxt, prev.step)
+                feed = _Feed(rows, src, prev.future)
             if not any(nxt.drafts):
                 sched.commit(nxt)
-            self._inflight = _InFlight(nxt, self._runner_thread.submit(self._execute, nxt.plan))  # type: ignore[union-attr]
+            self._inflight = _InFlight(nxt, self._runner_thread.submit(self._execute, nxt.plan, feed))  # type: ignore[union-attr]
         if prev is not None:
+            if prev.future.exception() is not None:  # (waits for it) nxt needed its tokens: it failed too,
+                self._drop_inflight()  # and its commit is undone first, the later one
+            result, seconds = self._wait(prev)
             outs = self._apply(prev.step, result, seconds, check=False)  # while the next step computes
         if self.check:
             sched.check_invariants()
         return outs
 
-    def _execute(self, plan: ForwardPlan) -> tuple[ForwardResult, float]:
+    def _execute(self, plan: ForwardPlan, feed: _Feed | None = None) -> tuple[ForwardResult, float]:
+        """Run ``plan`` (on the runner thread with overlap scheduling), first filling in the tokens
+        its rows wait for from the step before, whose result exists by now: the runner thread runs
+        steps in the order they were launched. If that step failed, so does this one."""
+        if feed is not None:
+            before, _ = feed.before.result()
+            if feed.rows.size:
+                plan.input_ids[feed.rows] = before.tokens[feed.src]
         t0 = time.perf_counter()
         result = self.runner.execute(plan)
         return result, time.perf_counter() - t0
@@ -345,6 +366,16 @@ class EngineCore:
         assert fl is not None
         result, seconds = self._wait(fl)
         return self._apply(fl.step, result, seconds, check=False)
+
+    def _drop_inflight(self) -> None:
+        """The step before the one in flight failed: wait for this one to end (it fails too, never
+        having run) and undo its commit."""
+        fl, self._inflight = self._inflight, None
+        if fl is not None:
+            try:
+                self._wait(fl)
+            except BaseException:  # noqa: S110 - the error the caller raises is the earlier step's
+                pass
 
     def _wait(self, fl: _InFlight) -> tuple[ForwardResult, float]:
         """The result of ``fl`` and the seconds it ran. If it failed, its commit is undone and the

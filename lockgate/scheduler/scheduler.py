@@ -304,15 +304,6 @@ class Scheduler:
             step.out_index.append(len(r.output_ids) - 1)
         step.committed = True
 
-    @staticmethod
-    def place(step: ScheduledStep, result: ForwardResult) -> None:
-        """Put a committed step's sampled tokens in their places, so the next step's plan can be
-        resolved and launched before ``update`` applies the rest of this result."""
-        tokens = result.tokens.tolist()  # a committed step has one sample row per request
-        for r, at, tok in zip(step.sampled, step.out_index, tokens, strict=True):
-            if not r.finished:
-                r.output_ids[at] = tok
-
     def uncommit(self, step: ScheduledStep) -> None:
         """A committed step failed: its rows are not computed after all (their slots go back to
         being in flight, so leaving frees them) and its placeholders go."""
@@ -328,12 +319,19 @@ class Scheduler:
         step.committed = False
 
     @staticmethod
-    def resolve(step: ScheduledStep) -> None:
-        """Feed ``step``'s decode rows the tokens the previous step sampled (``update`` put them in
-        the requests' outputs), in place of the ``PLACEHOLDER`` the plan was built with."""
+    def feed(step: ScheduledStep, before: ScheduledStep) -> tuple[np.ndarray, np.ndarray]:
+        """Where ``step``'s inputs wait for ``before``'s tokens: (rows of ``step``'s plan that hold
+        ``PLACEHOLDER``, the index of each one's token among ``before``'s sampled rows). ``before``
+        is the committed step launched just ahead of ``step``; whoever runs ``step`` copies the
+        tokens in once ``before``'s result exists (``EngineCore``'s runner thread, just before it
+        computes ``step``), so no hand-off between threads stands between the two steps."""
         ids = step.plan.input_ids
-        for b in np.flatnonzero(ids[:step.num_decode_rows] == PLACEHOLDER).tolist():
-            ids[b] = step.rows[b].output_ids[-1]
+        rows = np.flatnonzero(ids[:step.num_decode_rows] == PLACEHOLDER)
+        if not rows.size:
+            return rows, rows
+        at = {id(r): s for s, r in enumerate(before.sampled)}
+        src = np.array([at[id(step.rows[b])] for b in rows.tolist()], dtype=np.int64)
+        return rows, src
 
     def needs_result(self, step: ScheduledStep) -> bool:
         """The next step cannot be planned before ``step``'s result: it has guesses to verify, or a
@@ -348,6 +346,10 @@ class Scheduler:
     def update(self, step: ScheduledStep, result: ForwardResult) -> list[StepOutput]:
         """Apply a step's result; returns one StepOutput per request that got a token or finished."""
         now = time.monotonic()
+        if step.committed:  # its tokens first: the prefix cache below takes the rows the next step computes
+            for r, at, tok in zip(step.sampled, step.out_index, result.tokens.tolist(), strict=True):
+                if not r.finished:
+                    r.output_ids[at] = tok
         for b, (r, q) in enumerate(zip(step.rows, step.plan.query_lens.tolist(), strict=True)):
             if not r.finished:
                 if not step.committed:
@@ -375,10 +377,8 @@ class Scheduler:
                 tok = tokens[i]
                 top = [(int(a), float(b)) for a, b in zip(result.top_ids[i, :n_top], result.top_logprobs[i, :n_top],
                                                           strict=True)] if n_top else []
-                if step.committed:  # its place was taken at launch (and may hold it already: ``place``)
+                if step.committed:  # its place was taken at launch, and filled above
                     at = step.out_index[s]
-                    assert r.output_ids[at] in (PLACEHOLDER, tok), f"{r.rid}: the committed step's token is not in place"
-                    r.output_ids[at] = tok
                     made = at + 1
                 else:
                     r.output_ids.append(tok)
