@@ -88,8 +88,10 @@ def start_server(flags: list[str], log_path: Path, timeout: float = 900) -> tupl
     raise TimeoutError(f"server not ready ({' '.join(flags)}): {log_path}")
 
 
-def run_bench(url: str, args: list[str], out: Path) -> dict[str, Any]:
-    """``lockgate bench --url URL ARGS`` (seed 0, no progress bar); its JSON report, also left in ``out``."""
-    subprocess.run([sys.executable, "-m", "lockgate.cli", "bench", "--url", url, "--seed", "0", "--no-progress",
+def run_bench(url: str, args: list[str], out: Path, seed: int = 0) -> dict[str, Any]:
+    """``lockgate bench --url URL ARGS`` (no progress bar); its JSON report, also left in ``out``.
+    ``seed`` makes the prompts: workloads run one after another on one server need their own, or
+    the later ones find the earlier ones' prompts in the prefix cache."""
+    subprocess.run([sys.executable, "-m", "lockgate.cli", "bench", "--url", url, "--seed", str(seed), "--no-progress",
                     "--out", str(out), *args], check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())  # type: ignore[no-any-return]

@@ -57,8 +57,8 @@ def main() -> int:
             try:
                 loads = httpx.get(url + "/v1/loads", timeout=10).json()
                 info[tier] = {"capacity_tokens": loads["capacity"], "kv_cache_dtype": loads.get("kv_cache_dtype")}
-                for w in names:
-                    res = run_bench(url, WORKLOADS[w], tmp / f"{w}-{tier}-{r}.json")
+                for i, w in enumerate(names):  # each workload its own prompts (seed): none finds another's cached
+                    res = run_bench(url, WORKLOADS[w], tmp / f"{w}-{tier}-{r}.json", seed=i)
                     tok_s[tier][w].append(float(res["summary"]["output_throughput"]))  # type: ignore[index]
                     print(f"round {r} {tier} {w}: {tok_s[tier][w][-1]:.1f} output tok/s", file=sys.stderr)
             finally:

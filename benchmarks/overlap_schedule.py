@@ -56,9 +56,10 @@ def main() -> int:
         for v, flags in VARIANTS.items():
             proc, url = start_server(["--model", a.model, *flags], tmp / f"serve-{v.replace(' ', '_')}-{r}.log")
             try:
-                for w in names:
+                for i, w in enumerate(names):  # each workload its own prompts (seed): none finds another's cached
                     shape, temp = w.split("-")
-                    res = run_bench(url, [*WORKLOADS[shape], "--temperature", TEMPERATURE[temp]], tmp / f"{w}-{r}.json")
+                    res = run_bench(url, [*WORKLOADS[shape], "--temperature", TEMPERATURE[temp]], tmp / f"{w}-{r}.json",
+                                    seed=i)
                     s = res["summary"]  # type: ignore[index]
                     got[w][v]["tpot_ms"].append(float(s["tpot_p50_ms"]))  # type: ignore[index]
                     got[w][v]["tok_s"].append(float(s["output_throughput"]))  # type: ignore[index]
