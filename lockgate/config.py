@@ -336,7 +336,7 @@ class SchedulerConfig:
                                     "scheduler, vLLM's --async-scheduling): the scheduler's own time is hidden, "
                                     "a request that stops on a token pays for one more row; steps after a "
                                     "request's guesses, grammar or penalties wait for its token",
-                                    aliases=("async_scheduling",))
+                                    aliases=("async_scheduling",), off_aliases=("disable_overlap_schedule",))
     fairness: str = option("vtc", "share between tenants (API key name, x-lockgate-tenant header or the "
                            "request's user field): vtc = admit the backlogged tenant with the least weighted "
                            "service first (virtual token counter; the policy orders within a tenant); none = "
@@ -541,7 +541,14 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
             else:
                 kw["type"] = tp
             aliases = ["--" + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
-            group.add_argument(flag, *aliases, dest=f.name, **kw)
+            off = f.metadata.get("off_aliases", ())  # another server's name for the switch's off side
+            if not off:
+                group.add_argument(flag, *aliases, dest=f.name, **kw)
+                continue
+            either = group.add_mutually_exclusive_group()  # both sides at once: argparse names the two
+            either.add_argument(flag, *aliases, dest=f.name, **kw)
+            either.add_argument(*("--" + a.replace("_", "-") for a in off), dest=f.name, action="store_false",
+                                help=f"{flag} off (the default)")
 
 
 def _flag_type(parse: Any) -> Any:

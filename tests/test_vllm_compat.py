@@ -9,6 +9,8 @@ through the official ``openai`` client; the offline tests share the session's de
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -252,3 +254,16 @@ def test_a_switch_given_a_string_is_refused_naming_it() -> None:
         with pytest.raises(TypeError, match=f"{name} must be True or False"):
             EngineConfig.build(model="sim", **kw)
     assert EngineConfig.build(model="sim", async_scheduling=True).scheduler.overlap_schedule is True
+
+
+def test_sglangs_overlap_switch_is_accepted_both_ways() -> None:
+    """SGLang's --disable-overlap-schedule (its overlap is on by default; here off by default) is
+    accepted; given with --overlap-schedule or --async-scheduling, argparse refuses naming both."""
+    assert _serve_ns("serve --disable-overlap-schedule")[0].scheduler.overlap_schedule is False
+    assert _serve_ns("serve --async-scheduling")[0].scheduler.overlap_schedule is True
+    for on in ("--overlap-schedule", "--async-scheduling"):
+        r = subprocess.run([sys.executable, "-m", "lockgate.cli", "serve", "--model", "sim", on,
+                            "--disable-overlap-schedule"], capture_output=True, text=True, timeout=60)
+        err = r.stderr.splitlines()[-1]
+        assert r.returncode == 2 and "not allowed with argument" in err, r.stderr
+        assert "--disable-overlap-schedule" in err and "--overlap-schedule/--async-scheduling" in err, err
