@@ -114,7 +114,7 @@ def test_preempted_and_resumed_requests_give_the_lone_answer(alone) -> None:
     resumes them later; each answer is still bitwise the lone one."""
     llm = LLM("default", deterministic=True, max_total_tokens=140, admission="ratio", init_new_token_ratio=0.1,
               min_new_token_ratio=0.05, max_prefill_tokens=16, check_invariants=True)
-    batch = [(p, k, 40) for p in range(len(PROMPTS)) for k in (0, 1)]
+    batch = [(p, k, 24) for p in range(len(PROMPTS)) for k in (0, 1)]
     outs = llm.generate([PROMPTS[p] for p, _, _ in batch], [params(k, n) for _, k, n in batch])
     assert llm.engine.scheduler.num_retractions > 0
     for (p, k, n), out in zip(batch, outs, strict=True):
