@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -138,12 +139,27 @@ class EngineCore:
                                if cfg.scheduler.overlap_schedule else None)
         self._inflight: _InFlight | None = None
         self._failed_committed = False  # a committed step failed: the prefix cache may hold KV never computed
+        self._warn_if_overlap_has_no_cpu()
         sc = cfg.scheduler
         log.info("engine ready: KV capacity %d tokens, context %d, max running %d, prefill budget %d, "
                  "admission %s, policy %s, prefix cache %s, overlap schedule %s", self.runner.capacity,
                  self.runner.max_model_len, sc.max_running_requests, sc.max_prefill_tokens, sc.admission,
                  sc.schedule_policy, "off" if sc.disable_prefix_cache else "on",
                  "on" if sc.overlap_schedule else "off")
+
+    def _warn_if_overlap_has_no_cpu(self) -> None:
+        """Overlap scheduling where torch's threads take every CPU: the scheduler's thread then
+        runs on their cores, and there it was measured slower than no overlap (docs/serving.md)."""
+        if not self.cfg.scheduler.overlap_schedule or self.runner.model_dir is None:  # (sim: no torch threads)
+            return
+        import torch
+
+        cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+        if threads >= cpus:
+            log.warning("overlap schedule on, but torch's %d threads take all %d CPUs: the scheduler's thread has "
+                        "none of its own, and on such hosts overlap measured slower than without (docs/serving.md, "
+                        "'Overlap scheduling')%s", threads, cpus,
+                        f"; --num-threads {cpus - 1} leaves it one" if cpus > 1 else "")
 
     def on_runner_thread(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the thread that runs the steps (warm-up, pinning torch's threads: an OpenMP
