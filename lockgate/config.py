@@ -548,7 +548,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
             either = group.add_mutually_exclusive_group()  # both sides at once: argparse names the two
             either.add_argument(flag, *aliases, dest=f.name, **kw)
             either.add_argument(*("--" + a.replace("_", "-") for a in off), dest=f.name, action="store_false",
-                                help=f"{flag} off (the default)")
+                                help=f"{flag} off" + ("" if f.default else " (the default)"))
 
 
 def _flag_type(parse: Any) -> Any:

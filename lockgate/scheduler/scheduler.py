@@ -346,8 +346,9 @@ class Scheduler:
     def update(self, step: ScheduledStep, result: ForwardResult) -> list[StepOutput]:
         """Apply a step's result; returns one StepOutput per request that got a token or finished."""
         now = time.monotonic()
+        tokens, lps = result.tokens.tolist(), result.logprobs.tolist()
         if step.committed:  # its tokens first: the prefix cache below takes the rows the next step computes
-            for r, at, tok in zip(step.sampled, step.out_index, result.tokens.tolist(), strict=True):
+            for r, at, tok in zip(step.sampled, step.out_index, tokens, strict=True):
                 if not r.finished:
                     r.output_ids[at] = tok
         for b, (r, q) in enumerate(zip(step.rows, step.plan.query_lens.tolist(), strict=True)):
@@ -359,7 +360,6 @@ class Scheduler:
                     self.ledger.cache(r, keep_lock=True)  # share freshly prefilled KV with later requests
         outs: list[StepOutput] = []
         k = result.top_ids.shape[1] if result.top_ids.ndim == 2 else 0
-        tokens, lps = result.tokens.tolist(), result.logprobs.tolist()
         row = 0
         for s, (r, guesses) in enumerate(zip(step.sampled, step.drafts, strict=True)):
             first, row = row, row + 1 + len(guesses)
