@@ -20,6 +20,7 @@ import pytest
 from lockgate.config import EngineConfig
 from lockgate.engine.core import EngineCore
 from lockgate.sampling import SamplingParams
+from lockgate.scheduler import overlap as overlap_ops
 
 
 def _engine(overlap: bool, **kw) -> EngineCore:
@@ -80,20 +81,20 @@ def test_overlap_gives_the_same_tokens_and_ends(spec: int, admission: str, capac
         assert retractions > 0  # the workload did make requests give their KV back mid-flight
 
 
-def test_overlap_hides_the_scheduling_of_sampled_requests() -> None:
+def test_overlap_hides_the_scheduling_of_sampled_requests(monkeypatch) -> None:
     """Sampled requests without guesses or penalties: every step after the first is built while
     the previous one computes (no step waits for a result before planning)."""
     eng = _engine(True, speculative_tokens=2)
     waits = 0
-    real = eng.scheduler.needs_result
+    real = overlap_ops.needs_result
 
-    def counting(step):  # type: ignore[no-untyped-def]
+    def counting(step, speculative):  # type: ignore[no-untyped-def]
         nonlocal waits
-        need = real(step)
+        need = real(step, speculative)
         waits += need
         return need
 
-    eng.scheduler.needs_result = counting  # type: ignore[method-assign]
+    monkeypatch.setattr(overlap_ops, "needs_result", counting)
     # the next step is queued on the runner thread before the one computing ends: it starts with no
     # hand-off to the scheduler's thread (each step lasts 20 ms here, so the scheduler is never late)
     queued: list[bool] = []

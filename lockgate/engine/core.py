@@ -16,14 +16,14 @@ Overlap scheduling (``--overlap-schedule``): the runner computes on its own thre
 launches the next step before it returns, so while the model computes step N the caller handles
 its messages and sends step N-1's tokens, and the next ``step`` call builds step N+1 (admission,
 prefix cache, plan) before it waits for N's result (SGLang's overlap event loop). Step N is
-committed when launched (``Scheduler.commit``: its rows count as computed, each request it
+committed when launched (``overlap.commit``: its rows count as computed, each request it
 samples for holds a placeholder token). N+1 is launched before N's result is in: the runner thread
-copies N's tokens into N+1's decode rows (``Scheduler.feed`` says which go where) when N ends and
+copies N's tokens into N+1's decode rows (``overlap.feed`` says which go where) when N ends and
 starts N+1 at once, so no hand-off between threads separates the two steps (SGLang resolves its
 future token ids on the device the same way). Each ``step`` call returns the previous step's
 events. What needs a token's value to plan the next step (guesses to verify, a grammar's
 mask, penalties, an adapter's slot) makes that call wait for the result first
-(``Scheduler.needs_result``). Invariant: between calls at most one step is in flight, committed
+(``overlap.needs_result``). Invariant: between calls at most one step is in flight, committed
 unless it has guesses; only its own thread touches the runner while it runs, and slots freed
 meanwhile are written only by steps launched after it (the runner runs steps in order).
 Both threads run Python under one interpreter lock: torch releases it inside every op, so the
@@ -61,6 +61,7 @@ from lockgate.grammar import GrammarCompiler, GrammarError
 from lockgate.plan import ForwardPlan, ForwardResult
 from lockgate.runner import Runner, make_runner
 from lockgate.sampling import SamplingParams
+from lockgate.scheduler import overlap
 from lockgate.scheduler.fairness import DEFAULT_TENANT
 from lockgate.scheduler.plan_builder import ScheduledStep
 from lockgate.scheduler.request import Request
@@ -342,7 +343,8 @@ class EngineCore:
     def _step_overlapped(self) -> list[StepOutput]:
         sched = self.scheduler
         outs: list[StepOutput] = []
-        if self._inflight is not None and sched.needs_result(self._inflight.step):
+        if self._inflight is not None and overlap.needs_result(self._inflight.step,
+                                                                   self.cfg.scheduler.speculative_tokens > 0):
             outs = self._take_result()
         self._take_compiled()
         nxt = sched.schedule()  # while the step in flight computes
@@ -350,10 +352,10 @@ class EngineCore:
         if nxt is not None:
             feed = None
             if prev is not None:  # the runner thread feeds nxt prev's tokens when prev ends
-                rows, src = sched.feed(nxt, prev.step)
+                rows, src = overlap.feed(nxt, prev.step)
                 feed = _Feed(rows, src, prev.future)
             if not any(nxt.drafts):
-                sched.commit(nxt)
+                overlap.commit(nxt)
             self._inflight = _InFlight(nxt, self._runner_thread.submit(self._execute, nxt.plan, feed))  # type: ignore[union-attr]
         if prev is not None:
             if prev.future.exception() is not None:  # (waits for it) nxt needed its tokens: it failed too,
@@ -400,7 +402,7 @@ class EngineCore:
             return fl.future.result()
         except BaseException:
             if fl.step.committed:
-                self.scheduler.uncommit(fl.step)
+                overlap.uncommit(fl.step, self.scheduler.running, self.scheduler.waiting)
                 self._failed_committed = True
             raise
 

@@ -39,7 +39,7 @@ class ScheduledStep:
     num_decode_rows: int  # their plan rows (the first rows of the plan): num_decode + guesses
     num_cached_tokens: int = 0  # prompt tokens the new requests took from the prefix cache
     num_generated: int = 0  # tokens the step appended to outputs (set by ``update``)
-    committed: bool = False  # launched ahead of its result (``Scheduler.commit``): overlap scheduling
+    committed: bool = False  # launched ahead of its result (``overlap.commit``): overlap scheduling
     out_index: list[int] = field(default_factory=list)  # committed: where each sampled request's token goes
 
 

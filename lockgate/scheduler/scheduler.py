@@ -86,7 +86,7 @@ from lockgate.scheduler.lora_slots import AdapterSlots
 from lockgate.scheduler.plan_builder import ScheduledStep, build_step
 from lockgate.scheduler.policy import QueueDelayBound, make_policy
 from lockgate.scheduler.request import FinishReason, Request
-from lockgate.scheduler.speculate import Speculator, may_speculate
+from lockgate.scheduler.speculate import Speculator
 
 log = logging.getLogger("lockgate.scheduler")
 I64 = np.int64
@@ -285,63 +285,6 @@ class Scheduler:
         if decode:
             self.admission.on_decode_step()
         return step
-
-    # ---- overlap scheduling: a step launched before the previous one's result ----------
-    def commit(self, step: ScheduledStep) -> None:
-        """``step`` is being launched ahead of its result (overlap scheduling): its rows count as
-        computed now and each request it samples for gets ``PLACEHOLDER`` as its newest token, so
-        the next ``schedule`` builds on it; ``update`` puts the sampled tokens in their place. A
-        step with guesses is never committed (how many tokens it keeps is known only after)."""
-        assert not any(step.drafts), "a step with guesses cannot be committed ahead of its result"
-        for r, q in zip(step.rows, step.plan.query_lens.tolist(), strict=True):
-            if not r.finished:
-                r.num_computed += q
-                r.pending = 0
-        step.out_index = []
-        for r in step.sampled:
-            if not r.finished:
-                r.output_ids.append(PLACEHOLDER)
-            step.out_index.append(len(r.output_ids) - 1)
-        step.committed = True
-
-    def uncommit(self, step: ScheduledStep) -> None:
-        """A committed step failed: its rows are not computed after all (their slots go back to
-        being in flight, so leaving frees them) and its placeholders go."""
-        for r, q in zip(step.rows, step.plan.query_lens.tolist(), strict=True):
-            if not r.finished and r.num_computed >= q and r in self.running:
-                r.num_computed -= q
-                r.pending += q
-        for r, at in zip(step.sampled, step.out_index, strict=True):
-            if not r.finished and at < len(r.output_ids) and r.output_ids[at] == PLACEHOLDER:
-                del r.output_ids[at:]
-                if r in self.waiting:  # retracted meanwhile: it resumes from the tokens it has
-                    r.prefill_len = r.num_tokens
-        step.committed = False
-
-    @staticmethod
-    def feed(step: ScheduledStep, before: ScheduledStep) -> tuple[np.ndarray, np.ndarray]:
-        """Where ``step``'s inputs wait for ``before``'s tokens: (rows of ``step``'s plan that hold
-        ``PLACEHOLDER``, the index of each one's token among ``before``'s sampled rows). ``before``
-        is the committed step launched just ahead of ``step``; whoever runs ``step`` copies the
-        tokens in once ``before``'s result exists (``EngineCore``'s runner thread, just before it
-        computes ``step``), so no hand-off between threads stands between the two steps."""
-        ids = step.plan.input_ids
-        rows = np.flatnonzero(ids[:step.num_decode_rows] == PLACEHOLDER)
-        if not rows.size:
-            return rows, rows
-        at = {id(r): s for s, r in enumerate(before.sampled)}
-        src = np.array([at[id(step.rows[b])] for b in rows.tolist()], dtype=np.int64)
-        return rows, src
-
-    def needs_result(self, step: ScheduledStep) -> bool:
-        """The next step cannot be planned before ``step``'s result: it has guesses to verify, or a
-        request it samples for guesses, follows a grammar or has penalties (the next plan would read
-        the token's value, not only its place)."""
-        if not step.committed or step.plan.lora_slots.size:  # (adapters: no slot changes under a step in flight)
-            return True
-        spec = self.cfg.speculative_tokens > 0
-        return any(r.grammar is not None or r.params.has_penalties or (spec and may_speculate(r))
-                   for r in step.sampled if not r.finished)
 
     def update(self, step: ScheduledStep, result: ForwardResult) -> list[StepOutput]:
         """Apply a step's result; returns one StepOutput per request that got a token or finished."""
