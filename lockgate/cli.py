@@ -219,9 +219,9 @@ def _check_model_spec(spec: str) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from lockgate.config import cors_from_args, server_config_from_args
     from lockgate.gateway.command import routing_from_args, serve_dp
     from lockgate.server.launch import serve
+    from lockgate.server_config import cors_from_args, server_config_from_args
     from lockgate.vllm_compat import apply_vllm_args
 
     try:

@@ -30,7 +30,8 @@ import pytest
 import yaml
 
 from lockgate.cli import build_parser
-from lockgate.config import ServerConfig, config_from_args, cors_from_args, server_config_from_args
+from lockgate.config import config_from_args
+from lockgate.server_config import ServerConfig, cors_from_args, server_config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

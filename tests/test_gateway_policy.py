@@ -16,15 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockgate.config import (
-    EngineConfig,
-    ServerConfig,
-    ServerFlags,
-    add_config_args,
-    config_from_args,
-    config_to_args,
-    server_config_from_args,
-)
+from lockgate.config import EngineConfig, add_config_args, config_from_args, config_to_args
 from lockgate.gateway.keys import read_generation, request_key, request_max_tokens, request_model
 from lockgate.gateway.policy import (
     DECODE_HORIZON,
@@ -40,6 +32,7 @@ from lockgate.gateway.policy import (
     prefix_cache_route,
 )
 from lockgate.gateway.prefix_index import PrefixIndex, block_hashes
+from lockgate.server_config import ServerConfig, ServerFlags, server_config_from_args
 from lockgate.tokenizer.tokenizer import SimTokenizer
 
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lockgate"
 LAYERS: dict[str, int] = {
     "sampling": 0, "plan": 0, "kernel_choice": 0, "version": 0, "paths": 0, "progress": 0,
     "config": 1, "jsonsafe": 1,
-    "vllm_compat": 2, "kvcache": 2, "ipc": 2, "httpguard": 2, "httpserver": 2, "kernels": 2, "checkpoint": 2,
+    "vllm_compat": 2, "server_config": 2, "kvcache": 2, "ipc": 2, "httpguard": 2, "httpserver": 2, "kernels": 2, "checkpoint": 2,
     "tokenizer": 3, "scheduler": 3, "layers": 3,
     "models": 4, "grammar": 4,
     "runner": 5,
@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
 }
 # Units whose modules must import without torch (torch is for the model: layers, models' architectures,
 # runner, kernels). The entries are modules to import in a fresh interpreter.
-TORCH_FREE = ["lockgate.config", "lockgate.paths", "lockgate.progress", "lockgate.sampling", "lockgate.plan", "lockgate.kernel_choice",
+TORCH_FREE = ["lockgate.config", "lockgate.server_config", "lockgate.paths", "lockgate.progress", "lockgate.sampling", "lockgate.plan", "lockgate.kernel_choice",
               "lockgate.kvcache.allocator", "lockgate.kvcache.radix", "lockgate.kvcache.kv_dtype", "lockgate.ipc.messages", "lockgate.ipc.channel",
               "lockgate.ipc.child", "lockgate.httpguard", "lockgate.tokenizer.tokenizer", "lockgate.tokenizer.output",
               "lockgate.tokenizer.process", "lockgate.scheduler.scheduler", "lockgate.scheduler.policy",

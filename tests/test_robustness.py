@@ -334,7 +334,7 @@ def test_schema_fuzzing_finds_no_5xx_and_leaks_nothing() -> None:
 
 # ---- units: limits and the one owner of a queue place -------------------------------------------
 def test_default_body_limit_follows_the_context() -> None:
-    from lockgate.config import ServerConfig
+    from lockgate.server_config import ServerConfig
 
     assert ServerConfig().request_bytes_limit(8192) == 4 * 1024**2  # SmolLM2: 4 MiB; a 10 MB prompt is a 413
     assert ServerConfig().request_bytes_limit(131072) == 128 * 131072

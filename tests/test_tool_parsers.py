@@ -13,10 +13,10 @@ import json
 
 import pytest
 
-from lockgate.config import TOOL_CALL_PARSERS
 from lockgate.grammar import GrammarCompiler
 from lockgate.server.tool_parsers import ALIASES, NAMES, PARSERS, detect, resolve
 from lockgate.server.tools import render_conversation, tool_grammar
+from lockgate.server_config import TOOL_CALL_PARSERS
 from lockgate.tokenizer.tokenizer import SimTokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]},

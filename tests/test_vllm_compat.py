@@ -16,15 +16,9 @@ import openai
 import pytest
 
 from lockgate.cli import build_parser, main
-from lockgate.config import (
-    CacheConfig,
-    EngineConfig,
-    ServerConfig,
-    config_from_args,
-    parse_count,
-    server_config_from_args,
-)
+from lockgate.config import CacheConfig, EngineConfig, config_from_args, parse_count
 from lockgate.sampling import SamplingParams
+from lockgate.server_config import ServerConfig, server_config_from_args
 from lockgate.vllm_compat import apply_vllm_args, engine_options
 
 VLLM_COMMAND = ("serve Qwen/Qwen2.5-0.5B-Instruct --gpu-memory-utilization 0.5 -tp 1 --no-enable-prefix-caching "

@@ -32,8 +32,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lockgate.config import EngineConfig, ServerConfig, config_to_args
+from lockgate.config import EngineConfig, config_to_args
 from lockgate.httpguard import key_env
+from lockgate.server_config import ServerConfig
 
 log = logging.getLogger("lockgate.fleet")
 

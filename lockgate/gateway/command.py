@@ -35,13 +35,14 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
-from lockgate.config import CorsConfig, EngineConfig, ServerConfig, config_to_args, option, parse_size
+from lockgate.config import EngineConfig, config_to_args, option, parse_size
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.policy import POLICIES, PREFIX_POLICIES, Router
 from lockgate.gateway.proxy import Gateway, create_gateway_app
 from lockgate.gateway.replicas import Fleet, MembershipSource, Replica, file_path
 from lockgate.httpguard import key_entries, key_env, parse_api_keys
 from lockgate.httpserver import uvicorn_config
+from lockgate.server_config import CorsConfig, ServerConfig
 
 log = logging.getLogger("lockgate.gateway")
 
@@ -101,7 +102,8 @@ class RoutingFlags:
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
-    from lockgate.config import CorsFlags, add_config_args
+    from lockgate.config import add_config_args
+    from lockgate.server_config import CorsFlags
 
     g = p.add_argument_group("gateway")
     g.add_argument("--replica", action="append", default=[], metavar="URL",
@@ -215,7 +217,7 @@ def run_gateway(gw: Gateway, host: str, port: int, log_level: str, grace: float 
 
 
 def gateway_main(ns: argparse.Namespace) -> int:
-    from lockgate.config import cors_from_args
+    from lockgate.server_config import cors_from_args
 
     try:
         routing = routing_from_args(ns)

@@ -46,7 +46,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Scope
 
-from lockgate.config import CorsConfig, ServerConfig
 from lockgate.httpguard import PAGES, BearerAuth, BodyLimit, InternalErrors
 from lockgate.ipc.messages import EngineStats, Shutdown
 from lockgate.server import lora_api, openai_api, pages, tgi_api
@@ -65,6 +64,7 @@ from lockgate.server.protocol import (
     request_fields,
 )
 from lockgate.server.tenants import Tenants
+from lockgate.server_config import CorsConfig, ServerConfig
 
 # what a ValueError raised after parsing (SamplingParams' checks, output constraints) may name first
 _OPENAI_FIELDS = request_fields(CompletionRequest, ChatCompletionRequest)

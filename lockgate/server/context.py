@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from lockgate import jsonsafe
-from lockgate.config import ServerConfig, parse_size
+from lockgate.config import parse_size
 from lockgate.grammar import GrammarBusy, GrammarError
 from lockgate.grammar.sandbox import STACK_BYTES as SANDBOX_STACK_BYTES
 from lockgate.grammar.sandbox import GrammarSandbox
@@ -40,6 +40,7 @@ from lockgate.server.metrics import Metrics
 from lockgate.server.protocol import request_fields
 from lockgate.server.tenants import TENANT_HEADER, TenantError, Tenants
 from lockgate.server.tool_parsers import ToolParser, resolve
+from lockgate.server_config import ServerConfig
 from lockgate.tokenizer.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import uvicorn
 
-from lockgate.config import CorsConfig, EngineConfig, ServerConfig
+from lockgate.config import EngineConfig
 from lockgate.httpguard import key_entries, parse_api_keys
 from lockgate.httpserver import uvicorn_config
 from lockgate.ipc.child import (
@@ -64,6 +64,7 @@ from lockgate.ipc.child import (
     DetokProcArgs,
     SchedulerProcArgs,
 )
+from lockgate.server_config import CorsConfig, ServerConfig
 
 if TYPE_CHECKING:
     from lockgate.server.frontend import EngineClient
@@ -320,7 +321,8 @@ async def cut_at_grace_end(uv: uvicorn.Server, client: EngineClient, grace: floa
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from lockgate.config import CorsFlags, ServerFlags, add_config_args
+    from lockgate.config import add_config_args
+    from lockgate.server_config import CorsFlags, ServerFlags
 
     add_config_args(p)
     add_config_args(p, ServerFlags)
